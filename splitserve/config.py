@@ -1,0 +1,129 @@
+"""Settings for the model, the KV cache, the scheduler and the engine.
+
+Every setting object validates itself once, at construction, and raises a
+ValueError that names the field and says what would be accepted.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+PREFILL_POLICIES = ("chunked", "whole")
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Loaders fill it; the forward pass reads it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"splitserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, at fp32."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB' -> 1073741824, '512MB' -> 512000000, 4096 -> 4096."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. '1GiB', '512MiB' or '2000000'")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit == "" else 1000
+    power = " KMGT".index(unit) if unit else 0
+    return int(number * base**power)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for the whole paged KV pool, allocated once
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+    def num_blocks(self, model: ModelConfig) -> int:
+        n = self.kv_cache_memory // (model.kv_bytes_per_token * self.block_size)
+        if n < 2:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} bytes holds fewer than 2 blocks of "
+                f"{self.block_size} tokens ({model.kv_bytes_per_token} bytes/token); raise it")
+        return int(n)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    prefill_policy: str = "chunked"
+    role: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}, "
+                             f"got {self.prefill_policy!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")

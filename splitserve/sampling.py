@@ -1,0 +1,46 @@
+"""Per-request sampling settings."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "must be an integer or None")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not (0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
