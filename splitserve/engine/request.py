@@ -43,6 +43,8 @@ class Request:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_preemptions: int = 0
     generator: object | None = None  # torch.Generator when params.seed is set
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,132 @@
+"""Fixed-size KV blocks with reference counts and a prefix cache.
+
+A full block is identified by a chained hash of (previous block's hash, its token ids), so
+two requests that share a prefix share blocks. A block's hash is published only once its KV
+has been computed — a request never reuses a block some other request is still filling.
+Freed blocks keep their hash and go to the back of the free queue; allocation takes from
+the front, so cached blocks are reused in least-recently-freed order.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from splitserve.engine.request import Request
+
+
+def chain_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    return hash((parent, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks in reuse order (front first); an OrderedDict gives O(1) removal of a
+        # cached block that gets revived from the middle.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], list[int]]:
+        """Blocks (and their hashes) holding a computed prefix of the request's tokens."""
+        if not self.enable_prefix_caching:
+            return [], []
+        tokens = request.all_token_ids
+        # The last token is always recomputed: its logits are needed to sample.
+        max_blocks = (len(tokens) - 1) // self.block_size
+        blocks, hashes, parent = [], [], None
+        for i in range(max_blocks):
+            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        cached, _ = self._cached_prefix(request)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        return self.blocks_needed(num_tokens) - len(cached) + revived <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        """Give a request with no blocks enough blocks for num_tokens, reusing cached ones."""
+        assert not request.block_table, "request already holds blocks"
+        if not self.can_allocate(request, num_tokens):
+            raise RuntimeError("allocate() called without can_allocate()")
+        cached, hashes = self._cached_prefix(request)
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free_blocks[b]
+            self.ref_counts[b] += 1
+        request.block_table = list(cached)
+        request.block_hashes = list(hashes)
+        request.num_cached_tokens = len(cached) * self.block_size
+        request.num_computed_tokens = request.num_cached_tokens
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += request.num_cached_tokens
+        self._grow(request, self.blocks_needed(num_tokens) - len(cached))
+
+    def _grow(self, request: Request, count: int) -> None:
+        for _ in range(count):
+            block, _ = self.free_blocks.popitem(last=False)
+            old = self.block_hash[block]
+            if old is not None and self.hash_to_block.get(old) == block:
+                del self.hash_to_block[old]  # evict: its content is about to be overwritten
+            self.block_hash[block] = None
+            self.ref_counts[block] = 1
+            request.block_table.append(block)
+
+    def can_append(self, request: Request, num_new_tokens: int = 1) -> bool:
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        return need <= self.num_free_blocks
+
+    def append_slots(self, request: Request, num_new_tokens: int = 1) -> None:
+        """Make room for num_new_tokens more tokens after the computed ones."""
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError("append_slots() called without can_append()")
+        self._grow(request, max(need, 0))
+
+    def publish_computed(self, request: Request) -> None:
+        """Register the hashes of the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        tokens = None
+        while len(request.block_hashes) < full:
+            i = len(request.block_hashes)
+            tokens = tokens or request.all_token_ids
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            request.block_hashes.append(h)
+            block = request.block_table[i]
+            if self.block_hash[block] is None:
+                self.block_hash[block] = h
+                self.hash_to_block.setdefault(h, block)
+
+    def free(self, request: Request) -> None:
+        # Tail blocks first, so a prefix's head blocks stay cached longest.
+        for block in reversed(request.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        request.block_table = []
+        request.block_hashes = []
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0

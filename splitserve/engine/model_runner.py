@@ -1,0 +1,76 @@
+"""Turns a scheduled batch into tensors, runs the model on the paged KV cache, samples."""
+from __future__ import annotations
+
+import torch
+
+from splitserve.config import CacheConfig, ModelConfig
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import sample
+from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.models.llama import ForwardBatch, LlamaModel, PrefillChunk
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                 cache_config: CacheConfig, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.model = LlamaModel(model_config, weights, device, dtype)
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks(model_config)
+        c = model_config
+        # Allocated once; every engine role uses the same layout so blocks can be shipped as-is.
+        # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
+                                    c.num_kv_heads, c.head_dim, device=self.device, dtype=dtype)
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
+        bs = self.block_size
+        input_ids, positions, slots, samplers, sample_indices = [], [], [], [], []
+        for request in batch.decodes:
+            pos = request.num_computed_tokens
+            input_ids.append(request.token_id(pos))
+            positions.append(pos)
+            slots.append(request.block_table[pos // bs] * bs + pos % bs)
+            sample_indices.append(len(input_ids) - 1)
+            samplers.append(request)
+        decode_tables = decode_lens = None
+        if batch.decodes:
+            lens = [r.num_computed_tokens + 1 for r in batch.decodes]
+            width = -(-max(lens) // bs)
+            decode_tables = self._tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width]))
+                                          for r in batch.decodes])
+            decode_lens = self._tensor(lens)
+        chunks = []
+        for request, num_new in batch.prefills:
+            start_pos = request.num_computed_tokens
+            end_pos = start_pos + num_new
+            tokens = request.all_token_ids[start_pos:end_pos]
+            chunks.append(PrefillChunk(
+                start=len(input_ids), num_tokens=num_new, num_context_tokens=end_pos,
+                block_ids=self._tensor(request.block_table[:-(-end_pos // bs)])))
+            input_ids.extend(tokens)
+            positions.extend(range(start_pos, end_pos))
+            table = request.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start_pos, end_pos))
+            if end_pos == request.num_tokens:
+                sample_indices.append(len(input_ids) - 1)
+                samplers.append(request)
+        forward_batch = ForwardBatch(
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots), num_decode_tokens=len(batch.decodes),
+            decode_block_tables=decode_tables, decode_context_lens=decode_lens,
+            prefills=chunks, sample_indices=self._tensor(sample_indices))
+        return forward_batch, samplers
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, default_generator: torch.Generator) -> dict[Request, int]:
+        """Run one step; returns the sampled token for each request that reached its end."""
+        forward_batch, samplers = self.build_batch(batch)
+        logits = self.model.forward(forward_batch, self.kv_cache)  # [num_samples, vocab]
+        if not samplers:
+            return {}
+        tokens = sample(logits, samplers, default_generator)
+        return dict(zip(samplers, tokens))

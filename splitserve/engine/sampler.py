@@ -1,0 +1,49 @@
+"""Next-token choice per request: greedy, or temperature / top-k / top-p with a per-request seed.
+
+A seeded request draws from its own generator, one draw per token, so its output does not
+depend on which other requests share the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.request import Request
+
+
+def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> None:
+    # min_tokens: end-of-sequence and stop tokens may not be chosen before the minimum.
+    for row, request in enumerate(requests):
+        params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(request.eos_token_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def _draw(logits: torch.Tensor, request: Request, default: torch.Generator) -> int:
+    # logits: [vocab] for one request
+    params = request.params
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest set whose mass reaches top_p (the first token is always kept)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = request.generator if request.generator is not None else default
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, requests: list[Request], default: torch.Generator) -> list[int]:
+    """logits: [num_requests, vocab] (fp32 or lower); returns one token id per request."""
+    logits = logits.float()
+    _suppress_stops(logits, requests)
+    greedy = logits.argmax(dim=-1).tolist()
+    return [greedy[i] if r.params.greedy else _draw(logits[i], r, default)
+            for i, r in enumerate(requests)]

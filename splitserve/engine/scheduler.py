@@ -1,0 +1,175 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+A request's path:
+  add() puts it in `waiting`. Each schedule() call
+    chunked policy: (1) every running decode gets its one token, preempting the newest
+      running requests if blocks run out; (2) running, partly prefilled requests get a chunk;
+      (3) waiting requests are admitted (blocks for the whole sequence) while the step's
+      token budget and max_num_seqs allow, their first chunk capped by the budget.
+      Decodes never wait behind a prompt: that is stall-free batching (Sarathi-Serve).
+    whole policy: if a waiting prompt fits, the step prefills whole prompts only (the first
+      one even if it alone exceeds the budget); otherwise the step decodes every running
+      request. A long prompt therefore stalls every running stream for its whole prefill.
+  update() advances num_computed_tokens, appends sampled tokens, and retires finished
+  requests, freeing their blocks (or, on a prefill-role instance, keeping them for the
+  handover to a decode instance).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.config import SchedulerConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request wherever it is and free its blocks (abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+
+    def schedule(self) -> ScheduledBatch:
+        if self.config.prefill_policy == "whole":
+            return self._schedule_whole()
+        return self._schedule_chunked()
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute later: drop the KV, keep the generated tokens, go to the front of the queue.
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _reserve_decodes(self) -> list[Request]:
+        """Blocks for one more token for every running decode, preempting the newest if short."""
+        decodes = []
+        for request in list(self.running):
+            if request not in self.running or request.is_prefilling:
+                continue
+            while not self.blocks.can_append(request):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.blocks.append_slots(request)
+                decodes.append(request)
+        return decodes
+
+    def _admit(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if not self.blocks.can_allocate(request, request.num_tokens):
+            return False
+        self.waiting.popleft()
+        self.blocks.allocate(request, request.num_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    def _schedule_chunked(self) -> ScheduledBatch:
+        batch = ScheduledBatch(decodes=self._reserve_decodes())
+        budget = self.config.max_num_batched_tokens - len(batch.decodes)
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.is_prefilling:
+                chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+                batch.prefills.append((request, chunk))
+                budget -= chunk
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+            request = self.running[-1]
+            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            batch.prefills.append((request, chunk))
+            budget -= chunk
+        return batch
+
+    def _schedule_whole(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        while self.waiting:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if batch.prefills and remaining > budget:
+                break
+            if not self._admit(request):
+                break
+            # num_computed_tokens may have jumped on a prefix-cache hit
+            chunk = request.num_tokens - request.num_computed_tokens
+            batch.prefills.append((request, chunk))
+            budget -= chunk
+        if batch:
+            return batch
+        batch.decodes = self._reserve_decodes()
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: dict[Request, int]) -> list[Request]:
+        """Account the step's work; returns the requests that finished this step."""
+        for request in batch.decodes:
+            request.num_computed_tokens += 1
+        for request, chunk in batch.prefills:
+            request.num_computed_tokens += chunk
+        finished = []
+        for request, token in sampled.items():
+            request.output_token_ids.append(token)
+            self.blocks.publish_computed(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                request.status = status
+                finished.append(request)
+        for request, _ in batch.prefills:
+            if request not in sampled:
+                self.blocks.publish_computed(request)
+        for request in finished:
+            self.running.remove(request)
+            if request.status is not RequestStatus.FINISHED_PREFILL_DONE:
+                self.blocks.free(request)
+        return finished
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        n = request.num_output_tokens
+        if n >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n >= params.max_tokens or request.num_tokens >= request.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.config.role == "prefill":
+            return RequestStatus.FINISHED_PREFILL_DONE
+        return None

@@ -1,0 +1,189 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3), written for a paged KV cache.
+
+One call runs a mixed batch: decode tokens (one per sequence) first, then prefill chunks.
+Linear layers see every token of the step at once; attention is split by kind, because a
+decode token attends to its sequence's whole cached context and a prefill chunk attends
+causally to its own tokens plus whatever prefix is already cached.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.config import ModelConfig
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # index of the chunk's first token in the step's flat token list
+    num_tokens: int
+    num_context_tokens: int  # cached prefix + this chunk
+    block_ids: torch.Tensor  # [ceil(num_context_tokens / block_size)] blocks holding that context
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Everything one step's forward pass needs; built by the model runner, read-only here."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot (block_id * block_size + offset)
+    num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] (padded with block 0)
+    decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode attends to
+    prefills: list[PrefillChunk]
+    sample_indices: torch.Tensor  # [num_samples] token indices whose logits are wanted
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(mid, blended, out)
+    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+class LlamaModel:
+    """Weights as plain tensors; q/k/v and gate/up are fused so each is one matmul."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        c = config
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights \
+            else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            layer = {
+                "input_norm": w(p + "input_layernorm.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+                "qkv": torch.cat([w(attn + "q_proj.weight"), w(attn + "k_proj.weight"),
+                                  w(attn + "v_proj.weight")]).contiguous(),
+                "qkv_bias": torch.cat([w(attn + "q_proj.bias"), w(attn + "k_proj.bias"),
+                                       w(attn + "v_proj.bias")]) if c.attention_bias else None,
+                "o": w(attn + "o_proj.weight"),
+                # [2 * intermediate, hidden]
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                "down": w(p + "mlp.down_proj.weight"),
+                "q_norm": w(attn + "q_norm.weight") if c.qk_norm else None,
+                "k_norm": w(attn + "k_norm.weight") if c.qk_norm else None,
+            }
+            self.layers.append(layer)
+        inv_freq = rope_inv_freq(c)
+        t = torch.arange(c.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
+        self.rope_cos = freqs.cos().to(device=self.device, dtype=dtype)
+        self.rope_sin = freqs.sin().to(device=self.device, dtype=dtype)
+        self.scale = c.head_dim ** -0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2] (HF's rotate_half layout)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
+        logits [num_samples, vocab] for batch.sample_indices."""
+        c = self.config
+        nq, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        n = batch.input_ids.shape[0]
+        x = self.embed[batch.input_ids]  # [n, hidden]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
+            q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k, v = q.view(n, nq, hd), k.view(n, nkv, hd), v.reshape(n, nkv, hd)
+            if layer["q_norm"] is not None:
+                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]  # [num_blocks, block_size, nkv, hd]
+            k_cache.view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, k)
+            v_cache.view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, v)
+            attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
+            nd = batch.num_decode_tokens
+            if nd:
+                attn[:nd] = self._decode_attention(q[:nd], k_cache, v_cache, batch)
+            for chunk in batch.prefills:
+                s = slice(chunk.start, chunk.start + chunk.num_tokens)
+                attn[s] = self._prefill_attention(q[s], k[s], v[s], k_cache, v_cache, chunk)
+            x = x + F.linear(attn.view(n, nq * hd), layer["o"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        x = self._rms_norm(x[batch.sample_indices], self.final_norm)
+        return F.linear(x, self.lm_head)  # [num_samples, vocab]
+
+    def _prefill_attention(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        # q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
+        t, ctx = chunk.num_tokens, chunk.num_context_tokens
+        group = self.config.num_heads // self.config.num_kv_heads
+        if ctx == t:  # nothing cached before this chunk: attend to the chunk itself, causally
+            keys, values, mask, causal = k, v, None, True
+        else:
+            bs = k_cache.shape[1]
+            keys = k_cache[chunk.block_ids].flatten(0, 1)[:ctx]  # [ctx, nkv, hd]
+            values = v_cache[chunk.block_ids].flatten(0, 1)[:ctx]
+            # query i sits at position ctx - t + i and may see keys 0..ctx - t + i
+            qpos = torch.arange(ctx - t, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [t, ctx]
+            causal = False
+            del bs
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else keys.transpose(0, 1),
+            values.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale)  # [nq, t, hd]
+        return out.transpose(0, 1)
+
+    def _decode_attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        # q: [b, nq, hd]; one query per sequence, each over its own cached context
+        b = q.shape[0]
+        nkv, hd = self.config.num_kv_heads, self.config.head_dim
+        group = self.config.num_heads // nkv
+        tables, lens = batch.decode_block_tables, batch.decode_context_lens
+        keys = k_cache[tables].flatten(1, 2)  # [b, max_ctx, nkv, hd]
+        values = v_cache[tables].flatten(1, 2)
+        max_ctx = keys.shape[1]
+        qg = q.view(b, nkv, group, hd)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [b, nkv, group, max_ctx]
+        pad = torch.arange(max_ctx, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [b, max_ctx]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [b, nkv, group, hd]
+        return out.reshape(b, nkv * group, hd)
