@@ -1,0 +1,45 @@
+"""Settings for moving KV blocks between a prefill and a decode instance."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("fake", "shm", "tcp")
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    transport: str = "shm"
+    lease_s: float = 30.0  # prefill keeps a finished prompt's blocks this long, waiting for the pull
+    fault_rate: float = 0.0  # probability a transfer fails on purpose (--kv-fault-rate)
+    delay_ms: float = 0.0  # latency added to every transfer (--kv-delay-ms)
+    host: str = "127.0.0.1"  # the prefill side's control/data socket; loopback unless told otherwise
+    port: int = 0  # 0: pick a free port
+    secret: bytes | None = None  # when set, peers must prove they know it (HMAC challenge)
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    max_concurrent_transfers: int = 2  # decode-side puller threads
+    seed: int = 0  # for fault injection, so a trial can be replayed
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"kv lease_s must be positive seconds, got {self.lease_s}")
+        if not 0.0 <= self.fault_rate <= 1.0:
+            raise ValueError(f"kv fault_rate is a probability in [0, 1], got {self.fault_rate} "
+                             "(--kv-fault-rate 0.2 fails one transfer in five)")
+        if self.delay_ms < 0:
+            raise ValueError(f"kv delay_ms must be >= 0, got {self.delay_ms}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"kv port must be in 0..65535, got {self.port}")
+        if isinstance(self.secret, str):
+            self.secret = self.secret.encode()
+        if self.secret is not None and len(self.secret) < 8:
+            raise ValueError("kv secret is too short to be worth anything; use at least 8 bytes "
+                             "(e.g. `openssl rand -hex 16`)")
+        for name in ("connect_timeout_s", "io_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kv {name} must be positive, got {getattr(self, name)}")
+        if self.max_concurrent_transfers <= 0:
+            raise ValueError("kv max_concurrent_transfers must be positive, "
+                             f"got {self.max_concurrent_transfers}")

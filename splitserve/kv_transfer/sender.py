@@ -1,0 +1,185 @@
+"""The prefill side of the connector: who owns a finished prompt's blocks, and until when.
+
+A request's path on a prefill instance, once its prefill ends:
+
+    register(request_id, block_ids, num_tokens)   engine thread -> a TransferDescriptor for
+        the frontend to hand to a decode instance; the blocks are now HELD under a lease.
+    peer_begin / peer_confirm / peer_abort          server thread (or the fake transport):
+        the decode side asks for the block ids, confirms receipt, or gives up.
+    poll()                                          engine thread, once per step: returns the
+        holds that ended (confirmed, lease expired) so the block manager frees them.
+    abort(request_id)                               engine thread: the client went away; the
+        blocks are returned at once.
+
+Only the engine thread touches the block manager: everything here hands block ids back
+to it instead of freeing them itself.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.kv_transfer.messages import Reply, SourceInfo, TransferDescriptor
+from splitserve.kv_transfer.shm_pool import dtype_name
+
+
+class ReleaseReason(str, enum.Enum):
+    CONFIRMED = "confirmed"  # the decode side has its copy
+    EXPIRED = "expired"  # nobody pulled in time
+    ABORTED = "aborted"  # the client, the frontend or the decode side gave up
+
+
+@dataclass(slots=True)
+class Release:
+    """Blocks the engine may free now."""
+
+    request_id: str
+    block_ids: list[int]
+    reason: ReleaseReason
+
+
+@dataclass(slots=True)
+class _Hold:
+    block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    confirmed: bool = False
+    aborted_by_peer: bool = False
+    num_begins: int = 0
+
+
+@dataclass(slots=True)
+class SenderStats:
+    num_registered: int = 0
+    num_confirmed: int = 0
+    num_lease_expiries: int = 0
+    num_aborted: int = 0
+    num_held: int = 0  # requests whose blocks wait for a decode instance right now
+    num_held_blocks: int = 0
+
+
+class KVSender:
+    def __init__(self, config: KVTransferConfig, kv: torch.Tensor, instance_id: str,
+                 shm_name: str = "", clock: Callable[[], float] = time.monotonic):
+        """kv: this instance's pool [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        if config.transport == "shm" and not shm_name:
+            raise ValueError("kv transport 'shm' needs the pool in shared memory: allocate it "
+                             "with allocate_kv_pool and pass its name as shm_name")
+        self.config = config
+        self.kv = kv
+        self.instance_id = instance_id
+        self.block_size = kv.shape[3]
+        self._shm_name = shm_name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holds: dict[str, _Hold] = {}
+        self._stats = SenderStats()
+        self._address = (config.host, config.port)
+
+    def set_address(self, host: str, port: int) -> None:
+        """Called by KVServer once it is bound (port 0 means 'pick one')."""
+        self._address = (host, port)
+
+    @property
+    def source_info(self) -> SourceInfo:
+        host, port = self._address
+        return SourceInfo(instance_id=self.instance_id, transport=self.config.transport,
+                          kv_shape=tuple(self.kv.shape), dtype=dtype_name(self.kv.dtype),
+                          host=host, port=port, shm_name=self._shm_name)
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def register(self, request_id: str, block_ids: list[int], num_tokens: int) -> TransferDescriptor:
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        if num_tokens <= 0 or len(block_ids) < num_blocks:
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens need {num_blocks} "
+                             f"blocks of {self.block_size}, got {len(block_ids)} block ids")
+        with self._lock:
+            if request_id in self._holds:
+                raise ValueError(f"request {request_id!r} already has blocks held for transfer")
+            self._holds[request_id] = _Hold(list(block_ids[:num_blocks]), num_tokens,
+                                            self._clock() + self.config.lease_s)
+            self._stats.num_registered += 1
+        return TransferDescriptor(self.source_info, request_id, num_tokens, num_blocks)
+
+    def abort(self, request_id: str) -> Release | None:
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+            if hold is None:
+                return None
+            self._stats.num_aborted += 1
+        return Release(request_id, hold.block_ids, ReleaseReason.ABORTED)
+
+    def poll(self) -> list[Release]:
+        now = self._clock()
+        released = []
+        with self._lock:
+            for request_id, hold in list(self._holds.items()):
+                if hold.confirmed:
+                    reason = ReleaseReason.CONFIRMED
+                elif hold.aborted_by_peer:
+                    reason = ReleaseReason.ABORTED
+                elif now >= hold.deadline:
+                    reason = ReleaseReason.EXPIRED
+                    self._stats.num_lease_expiries += 1
+                else:
+                    continue
+                del self._holds[request_id]
+                released.append(Release(request_id, hold.block_ids, reason))
+        return released
+
+    def stats(self) -> SenderStats:
+        with self._lock:
+            live = [h for h in self._holds.values() if not (h.confirmed or h.aborted_by_peer)]
+            self._stats.num_held = len(live)
+            self._stats.num_held_blocks = sum(len(h.block_ids) for h in live)
+            return SenderStats(**{k: getattr(self._stats, k) for k in SenderStats.__slots__})
+
+    # --- peer side: server thread or fake transport --------------------------------------
+
+    def _live_hold(self, request_id: str) -> _Hold | None:
+        hold = self._holds.get(request_id)
+        if (hold is None or hold.confirmed or hold.aborted_by_peer
+                or self._clock() >= hold.deadline):
+            return None  # an expired hold stays until poll() counts it
+        return hold
+
+    def _gone(self, request_id: str) -> Reply:
+        return Reply(ok=False, error=f"prefill instance {self.instance_id} no longer holds the "
+                                     f"KV of {request_id!r} (lease expired, aborted or already "
+                                     "transferred)")
+
+    def peer_begin(self, request_id: str) -> Reply:
+        with self._lock:
+            hold = self._live_hold(request_id)
+            if hold is None:
+                return self._gone(request_id)
+            hold.num_begins += 1
+            return Reply(ok=True, block_ids=list(hold.block_ids), num_tokens=hold.num_tokens)
+
+    def peer_confirm(self, request_id: str) -> Reply:
+        """Succeeds only if the blocks were never released, so what the peer read was intact."""
+        with self._lock:
+            hold = self._live_hold(request_id)
+            if hold is None:
+                return self._gone(request_id)
+            hold.confirmed = True
+            self._stats.num_confirmed += 1
+            return Reply(ok=True)
+
+    def peer_abort(self, request_id: str) -> Reply:
+        """The decode side gave up: free now rather than at lease expiry."""
+        with self._lock:
+            hold = self._live_hold(request_id)
+            if hold is None:
+                return Reply(ok=True)  # nothing left to release
+            hold.aborted_by_peer = True  # poll() hands the blocks back
+            self._stats.num_aborted += 1
+        return Reply(ok=True)

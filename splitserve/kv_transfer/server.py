@@ -1,0 +1,135 @@
+"""The prefill side's socket: answers decode instances about held blocks and streams them.
+
+One listening socket per prefill instance (loopback unless configured otherwise), one
+thread per connected peer. Each peer authenticates first when a secret is set, then
+sends requests, each answered before the next:
+
+    Begin(request_id)   -> Reply(block_ids, num_tokens)  or Reply(ok=False, error)
+    Fetch(request_id)   -> per layer: LayerHeader + kv[layer, :, block_ids] raw bytes
+                           (tcp transport; shm readers copy from the shared pool instead)
+    Confirm(request_id) -> Reply: ok only if the blocks were held the whole time
+    Abort(request_id)   -> Reply(ok=True): free now instead of at lease expiry
+
+The ownership decisions are KVSender's; this module only moves messages and bytes.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import torch
+
+from splitserve.kv_transfer.messages import Abort, Begin, Confirm, Fetch, LayerHeader, Reply
+from splitserve.kv_transfer.sender import KVSender
+from splitserve.kv_transfer.transport import AuthError, TransferError, block_index
+from splitserve.kv_transfer.wire import Connection, server_handshake
+
+log = logging.getLogger(__name__)
+
+
+class KVServer:
+    def __init__(self, sender: KVSender, advertise_host: str | None = None):
+        self.sender = sender
+        self.config = sender.config
+        self._advertise_host = advertise_host
+        self._listener: socket.socket | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._peers: set[Connection] = set()
+        self._peers_lock = threading.Lock()
+        self.num_refused_peers = 0
+
+    def start(self) -> tuple[str, int]:
+        listener = socket.create_server((self.config.host, self.config.port), backlog=64)
+        listener.settimeout(0.2)  # so the accept loop notices close()
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
+        advertised = self._advertise_host or host
+        self.sender.set_address(advertised, port)
+        accept = threading.Thread(target=self._accept_loop, name="kv-server-accept", daemon=True)
+        accept.start()
+        self._threads.append(accept)
+        return advertised, port
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._peers_lock:
+            for conn in self._peers:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> "KVServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # listener closed
+            conn = Connection(sock, self.config.io_timeout_s)
+            thread = threading.Thread(target=self._serve_peer, args=(conn,),
+                                      name="kv-server-peer", daemon=True)
+            with self._peers_lock:
+                self._peers.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
+            thread.start()
+
+    def _serve_peer(self, conn: Connection) -> None:
+        try:
+            server_handshake(conn, self.config.secret)
+            while not self._stop.is_set():
+                self._answer(conn, conn.recv())
+        except AuthError as exc:
+            self.num_refused_peers += 1
+            log.warning("kv peer refused: %s", exc)
+        except TransferError as exc:
+            log.info("kv peer dropped: %s", exc)
+        except (OSError, EOFError):
+            pass  # peer went away; its holds expire or were confirmed
+        finally:
+            with self._peers_lock:
+                self._peers.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: Connection, message) -> None:
+        sender = self.sender
+        if isinstance(message, Begin):
+            conn.send(sender.peer_begin(message.request_id))
+        elif isinstance(message, Confirm):
+            conn.send(sender.peer_confirm(message.request_id))
+        elif isinstance(message, Abort):
+            conn.send(sender.peer_abort(message.request_id))
+        elif isinstance(message, Fetch):
+            self._stream(conn, message.request_id)
+        else:
+            conn.send(Reply(ok=False, error=f"unexpected {type(message).__name__}"))
+
+    def _stream(self, conn: Connection, request_id: str) -> None:
+        reply = self.sender.peer_begin(request_id)
+        if not reply.ok:
+            conn.send(reply)
+            return
+        kv = self.sender.kv  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        index = block_index(reply.block_ids, kv.device)
+        for layer in range(kv.shape[0]):
+            # Reading without the lock is safe: if the hold ends meanwhile, the peer's
+            # Confirm fails and it discards what it read.
+            chunk = kv[layer].index_select(1, index).cpu()  # [2, n, block_size, kv_heads, head_dim]
+            raw = chunk.view(-1).view(torch.uint8).numpy()
+            conn.send(LayerHeader(layer=layer, num_bytes=raw.nbytes))
+            conn.send_raw(memoryview(raw))

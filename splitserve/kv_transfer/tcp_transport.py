@@ -1,0 +1,66 @@
+"""Cross-host transport: the prefill instance streams the blocks over its socket.
+
+Per transfer, on one authenticated connection: Fetch(request_id), then for each layer
+a LayerHeader and `kv[layer, :, src_blocks]` as raw bytes, written into our blocks as
+they arrive (the next layer is on the wire while this one is copied); then Confirm.
+"""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.kv_transfer.messages import Confirm, Fetch, LayerHeader, Reply, TransferDescriptor
+from splitserve.kv_transfer.shm_transport import control_call, open_control, release_over_control
+from splitserve.kv_transfer.transport import (KVTransport, NetworkError, SourceGone, TransferError,
+                                              block_index, check_layout)
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+
+    def __init__(self, config: KVTransferConfig):
+        self.config = config
+
+    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
+        check_layout(descriptor, dst_kv, descriptor.num_blocks, dst_block_ids)
+        conn = open_control(self.config, descriptor)
+        try:
+            conn.send(Fetch(descriptor.request_id))
+            num_bytes = self._receive_layers(conn, descriptor, dst_kv, dst_block_ids, on_layer)
+            confirm = control_call(conn, Confirm(descriptor.request_id))
+            if not confirm.ok:
+                raise SourceGone(confirm.error)
+            return num_bytes
+        except (OSError, socket.timeout) as exc:
+            raise NetworkError(f"streaming {descriptor.request_id!r} from "
+                                f"{descriptor.source.host}:{descriptor.source.port} failed: "
+                                f"{exc}") from None
+        finally:
+            conn.close()
+
+    def _receive_layers(self, conn, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
+        dst_index = block_index(dst_block_ids, dst_kv.device)
+        # buffer: [2, n, block_size, kv_heads, head_dim], reused for every layer
+        buffer = torch.empty((2, len(dst_block_ids)) + tuple(dst_kv.shape[3:]), dtype=dst_kv.dtype)
+        raw = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+        num_bytes = 0
+        for layer in range(dst_kv.shape[0]):
+            on_layer(layer)
+            header = conn.recv()
+            if isinstance(header, Reply):
+                raise SourceGone(header.error or "prefill instance refused the fetch")
+            if not isinstance(header, LayerHeader) or header.layer != layer:
+                raise TransferError(f"expected layer {layer} from the prefill instance, got "
+                                    f"{header!r}")
+            if header.num_bytes != len(raw):
+                raise TransferError(f"layer {layer}: prefill sent {header.num_bytes} bytes, "
+                                    f"{len(raw)} expected for {len(dst_block_ids)} blocks")
+            conn.recv_raw_into(raw)
+            dst_kv[layer].index_copy_(1, dst_index, buffer.to(dst_kv.device))
+            num_bytes += len(raw)
+        return num_bytes
+
+    def release(self, descriptor: TransferDescriptor) -> None:
+        release_over_control(self.config, descriptor)

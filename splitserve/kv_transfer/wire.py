@@ -1,0 +1,130 @@
+"""Framing and authentication on the prefill side's control/data socket.
+
+A frame is a 4-byte big-endian length and a msgpack-encoded `ControlMessage`; raw KV
+bytes follow a `LayerHeader` unframed (the header says how many). No pickle anywhere.
+
+Handshake (mutual when a secret is configured):
+    server -> Challenge(nonce, auth_required)
+    client -> Hello(client_nonce, HMAC(secret, b"client" + nonce))
+    server -> Welcome(HMAC(secret, b"server" + client_nonce))   or Reply(ok=False) and close
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+import msgspec
+
+from splitserve.kv_transfer.messages import Challenge, ControlMessage, Hello, Reply, Welcome
+from splitserve.kv_transfer.transport import AuthError, NetworkError, TransferError
+
+MAX_FRAME_BYTES = 1 << 20  # headers are small; a bigger frame is a confused or hostile peer
+_LENGTH = struct.Struct("!I")
+
+
+class Connection:
+    """A blocking socket speaking framed messages; one per transfer or per peer."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ControlMessage)
+
+    def send(self, message: ControlMessage) -> None:
+        payload = self._encoder.encode(message)
+        self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+    def recv(self) -> ControlMessage:
+        (length,) = _LENGTH.unpack(self._recv_exact(_LENGTH.size))
+        if length > MAX_FRAME_BYTES:
+            raise TransferError(f"peer sent a {length}-byte header (limit {MAX_FRAME_BYTES}); "
+                                "is something other than splitserve on this port?")
+        try:
+            return self._decoder.decode(self._recv_exact(length))
+        except msgspec.DecodeError as exc:
+            raise TransferError(f"peer sent a malformed message: {exc}") from None
+
+    def send_raw(self, data: memoryview) -> None:
+        self.sock.sendall(data)
+
+    def recv_raw_into(self, view: memoryview) -> None:
+        received, total = 0, len(view)
+        while received < total:
+            n = self.sock.recv_into(view[received:], total - received)
+            if n == 0:
+                raise NetworkError("peer closed the connection in the middle of a message")
+            received += n
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.recv_raw_into(memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def server_handshake(conn: Connection, secret: bytes | None) -> None:
+    """Raises AuthError (after telling the peer why) if the peer cannot prove the secret."""
+    nonce = os.urandom(16)
+    conn.send(Challenge(nonce=nonce, auth_required=secret is not None))
+    hello = conn.recv()
+    if not isinstance(hello, Hello):
+        raise AuthError(f"peer skipped the handshake (sent {type(hello).__name__})")
+    if secret is not None and not hmac.compare_digest(hello.mac, _mac(secret, b"client", nonce)):
+        conn.send(Reply(ok=False, error="authentication failed: wrong or missing kv secret"))
+        raise AuthError("refused a peer that does not know the kv secret")
+    conn.send(Welcome(mac=_mac(secret, b"server", hello.client_nonce) if secret else b""))
+
+
+def client_handshake(conn: Connection, secret: bytes | None) -> None:
+    challenge = conn.recv()
+    if not isinstance(challenge, Challenge):
+        raise AuthError(f"peer did not start a handshake (sent {type(challenge).__name__})")
+    if challenge.auth_required and secret is None:
+        raise AuthError("the prefill instance requires a kv secret; start this instance with "
+                        "the same --kv-secret")
+    if secret is not None and not challenge.auth_required:
+        raise AuthError("a kv secret is configured here but the prefill instance does not "
+                        "authenticate; refusing to talk to it (configure the secret on both)")
+    client_nonce = os.urandom(16)
+    conn.send(Hello(client_nonce=client_nonce,
+                    mac=_mac(secret, b"client", challenge.nonce) if secret else b""))
+    answer = conn.recv()
+    if isinstance(answer, Reply) and not answer.ok:
+        raise AuthError(f"prefill instance refused us: {answer.error}")
+    if not isinstance(answer, Welcome):
+        raise AuthError(f"unexpected {type(answer).__name__} during the handshake")
+    if secret is not None and not hmac.compare_digest(answer.mac,
+                                                      _mac(secret, b"server", client_nonce)):
+        raise AuthError("the prefill instance could not prove it knows the kv secret")
+
+
+def connect(host: str, port: int, secret: bytes | None, connect_timeout_s: float,
+            io_timeout_s: float) -> Connection:
+    try:
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    except OSError as exc:
+        raise NetworkError(f"cannot reach the prefill instance at {host}:{port}: {exc}") from None
+    conn = Connection(sock, io_timeout_s)
+    try:
+        client_handshake(conn, secret)
+    except OSError as exc:
+        conn.close()
+        raise NetworkError(f"handshake with {host}:{port} failed: {exc}") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
