@@ -1,0 +1,176 @@
+"""Render (messages -> token ids) and derender (token ids -> text, stop strings), on CPU.
+
+This is the only module that turns text into tokens or back. Engines see token ids only.
+
+    render:   messages --chat template (Jinja2)--> prompt text --tokenizer--> token ids
+    derender: token ids --DecodeStream--> text deltas --StopStringMatcher--> client text
+
+The incremental detokenizer never emits half a UTF-8 character: the tokenizer's own
+`DecodeStream` holds bytes back until they form whole characters, so a stream never shows
+U+FFFD and the concatenated deltas equal the text of a non-streamed answer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+import jinja2
+import jinja2.sandbox
+from tokenizers.decoders import DecodeStream
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(slots=True)
+class RenderedPrompt:
+    text: str
+    token_ids: list[int]
+
+
+class RenderError(ValueError):
+    """A user's messages cannot be rendered (bad role, template refused them...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _flatten_content(content: object, index: int) -> str:
+    """OpenAI content: a string, null, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RenderError("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                                  param=f"messages[{index}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RenderError("content must be a string, null or a list of text parts",
+                      param=f"messages[{index}].content")
+
+
+class Renderer:
+    """Chat template + tokenizer of one model; holds no weights."""
+
+    def __init__(self, tokenizer, chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: fast encode/decode
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        # The same environment HF templates are written for (sandboxed: templates ship with
+        # model files, which we do not trust to run arbitrary code).
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = self._raise_from_template
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        # Compiled once: compiling the template per request would dominate render time.
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
+        self._special = {
+            "bos_token": tokenizer.bos_token or "",
+            "eos_token": tokenizer.eos_token or "",
+        }
+
+    @staticmethod
+    def _raise_from_template(message: str) -> None:
+        raise RenderError(f"the model's chat template refused the messages: {message}", "messages")
+
+    def normalize_messages(self, messages: list[dict]) -> list[dict]:
+        if not messages:
+            raise RenderError("messages must hold at least one message", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise RenderError(f"unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}",
+                                  f"messages[{i}].role")
+            msg = dict(m)
+            msg["role"] = "system" if role == "developer" else role
+            msg["content"] = _flatten_content(m.get("content"), i)
+            out.append(msg)
+        return out
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> RenderedPrompt:
+        if self._template is None:
+            raise RenderError("this model has no chat template; use /v1/completions instead", "messages")
+        try:
+            text = self._template.render(messages=self.normalize_messages(messages), tools=tools,
+                                         add_generation_prompt=add_generation_prompt, **self._special)
+        except RenderError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError) as e:
+            raise RenderError(f"the chat template could not render these messages: {e}", "messages") from e
+        # The template already wrote any BOS/special tokens: don't add them twice.
+        return RenderedPrompt(text, self.tokenize(text, add_special_tokens=False))
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def new_output_text(self, stop: list[str]) -> OutputText:
+        return OutputText(self.backend, stop)
+
+
+class StopStringMatcher:
+    """Finds the first stop string in a stream of text deltas, across delta boundaries.
+
+    Holds back the last (longest stop - 1) characters, since they may begin a stop string
+    that the next delta completes; the stop string itself is never emitted.
+    """
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, whether a stop string was hit)."""
+        if not self.stop:
+            return delta, False
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            emit, self.pending = self.pending[:min(hits)], ""
+            return emit, True
+        cut = max(0, len(self.pending) - self.hold)
+        emit, self.pending = self.pending[:cut], self.pending[cut:]
+        return emit, False
+
+    def flush(self) -> str:
+        emit, self.pending = self.pending, ""
+        return emit
+
+
+class OutputText:
+    """One request's derender state: token ids in, client-visible text deltas out."""
+
+    def __init__(self, backend, stop: list[str]) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = StopStringMatcher(stop)
+        self.text = ""  # everything emitted so far
+        self.stopped = False  # a stop string ended the answer
+
+    def add_tokens(self, token_ids: list[int], finished: bool) -> str:
+        """Decode new tokens; returns the text to emit. After a stop-string hit, returns ''."""
+        if self.stopped:
+            return ""
+        pieces = []
+        for tid in token_ids:
+            piece = self._stream.step(self._backend, tid)
+            if piece:
+                pieces.append(piece)
+        emit, hit = self._stop.feed("".join(pieces))
+        if hit:
+            self.stopped = True
+        elif finished:
+            emit += self._stop.flush()
+        self.text += emit
+        return emit
