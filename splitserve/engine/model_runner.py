@@ -19,9 +19,10 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks(model_config)
         c = model_config
         # Allocated once; every engine role uses the same layout so blocks can be shipped as-is.
-        # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size,
-                                    c.num_kv_heads, c.head_dim, device=self.device, dtype=dtype)
+        # [num_layers, 2 (k, v), num_kv_heads, num_blocks, block_size, head_dim]
+        self.kv_cache = torch.zeros(c.num_layers, 2, c.num_kv_heads, self.num_blocks, self.block_size,
+                                    c.head_dim, device=self.device, dtype=dtype)
+        self.model.block_size = self.block_size
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -106,6 +106,7 @@ class LlamaModel:
         self.rope_cos = freqs.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=self.device, dtype=dtype)
         self.scale = c.head_dim ** -0.5
+        self.block_size = 0  # set by the runner, which owns the cache layout
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
@@ -117,7 +118,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
+        """kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]. Returns
         logits [num_samples, vocab] for batch.sample_indices."""
         c = self.config
         nq, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -133,9 +134,12 @@ class LlamaModel:
             if layer["q_norm"] is not None:
                 q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]  # [num_blocks, block_size, nkv, hd]
-            k_cache.view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, k)
-            v_cache.view(-1, nkv, hd).index_copy_(0, batch.slot_mapping, v)
+            # [num_kv_heads, num_blocks * block_size, head_dim]: head-major, so gathered blocks
+            # form [heads, tokens, head_dim] for attention without a further copy
+            k_cache = kv_cache[li, 0].flatten(1, 2)
+            v_cache = kv_cache[li, 1].flatten(1, 2)
+            k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
             nd = batch.num_decode_tokens
             if nd:
@@ -150,25 +154,29 @@ class LlamaModel:
         x = self._rms_norm(x[batch.sample_indices], self.final_norm)
         return F.linear(x, self.lm_head)  # [num_samples, vocab]
 
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # cache: [nkv, num_blocks * block_size, hd] -> [nkv, len(block_ids) * block_size, hd]
+        nkv, _, hd = cache.shape
+        blocks = cache.view(nkv, -1, self.block_size, hd).index_select(1, block_ids.flatten())
+        return blocks.view(nkv, -1, hd)
+
     def _prefill_attention(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         # q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
         t, ctx = chunk.num_tokens, chunk.num_context_tokens
-        group = self.config.num_heads // self.config.num_kv_heads
         if ctx == t:  # nothing cached before this chunk: attend to the chunk itself, causally
-            keys, values, mask, causal = k, v, None, True
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            bs = k_cache.shape[1]
-            keys = k_cache[chunk.block_ids].flatten(0, 1)[:ctx]  # [ctx, nkv, hd]
-            values = v_cache[chunk.block_ids].flatten(0, 1)[:ctx]
+            keys = self._gather(k_cache, chunk.block_ids)[:, :ctx]  # [nkv, ctx, hd]
+            values = self._gather(v_cache, chunk.block_ids)[:, :ctx]
             # query i sits at position ctx - t + i and may see keys 0..ctx - t + i
             qpos = torch.arange(ctx - t, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [t, ctx]
             causal = False
-            del bs
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else keys.transpose(0, 1),
-            values.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale)  # [nq, t, hd]
+        group = self.config.num_heads // self.config.num_kv_heads
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                             is_causal=causal, scale=self.scale)  # [nq, t, hd]
         return out.transpose(0, 1)
 
     def _decode_attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
@@ -176,14 +184,13 @@ class LlamaModel:
         b = q.shape[0]
         nkv, hd = self.config.num_kv_heads, self.config.head_dim
         group = self.config.num_heads // nkv
-        tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        keys = k_cache[tables].flatten(1, 2)  # [b, max_ctx, nkv, hd]
-        values = v_cache[tables].flatten(1, 2)
+        lens = batch.decode_context_lens
+        keys = self._gather(k_cache, batch.decode_block_tables).view(nkv * b, -1, hd)  # [nkv*b, max_ctx, hd]
+        values = self._gather(v_cache, batch.decode_block_tables).view(nkv * b, -1, hd)
         max_ctx = keys.shape[1]
-        qg = q.view(b, nkv, group, hd)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [b, nkv, group, max_ctx]
+        qg = q.view(b, nkv, group, hd).transpose(0, 1).reshape(nkv * b, group, hd)
+        scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale  # [nkv*b, group, max_ctx]
         pad = torch.arange(max_ctx, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [b, max_ctx]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [b, nkv, group, hd]
-        return out.reshape(b, nkv * group, hd)
+        scores.view(nkv, b, group, max_ctx).masked_fill_(pad[None, :, None, :], float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [nkv*b, group, hd]
+        return out.view(nkv, b, group, hd).transpose(0, 1).reshape(b, nkv * group, hd)
