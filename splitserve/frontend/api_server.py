@@ -1,0 +1,122 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, request ids and error bodies.
+
+Every error leaves as OpenAI's `{"error": {"message", "type", "param", "code"}}`: pydantic
+validation failures and malformed JSON become 400, unknown routes keep their 404/405, and a
+catch-all turns anything unexpected into a logged JSON 500 — but validation comes first, so
+user input never gets that far.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.frontend.engine_client import EngineClient
+from splitserve.frontend.metrics import FrontendMetrics
+from splitserve.frontend.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest)
+from splitserve.frontend.render import Renderer
+from splitserve.frontend.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    return given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else "body: "
+    return ApiError(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
+
+
+def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics) -> FastAPI:
+    app = FastAPI(title="splitserve", version="0.1.0")
+    serving = OpenAIServing(client, renderer)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return exc.response(request.headers.get("x-request-id"))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}", "server_error").body(),
+                            status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request_id_of(request))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completion(body, request_id_of(request))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest):
+        serving.check_model(body.model)
+        text, token_ids = serving.render_chat(body)
+        return {"prompt": text, "prompt_token_ids": token_ids, "count": len(token_ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            _, tokens = serving.render_chat(body)
+        else:
+            tokens = renderer.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": client.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        serving.check_token_ids(body.tokens, "tokens")
+        return {"prompt": renderer.detokenize(body.tokens)}
+
+    @app.get("/v1/models")
+    async def models():
+        serving.check_model(None)
+        return {"object": "list", "data": [{
+            "id": client.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "splitserve", "root": client.model_name, "max_model_len": client.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        live = client.live_instances()
+        body = {"status": "ok" if live else "no_engine", "instances_alive": len(live),
+                "instances_total": len(client.instances)}
+        return JSONResponse(body, status_code=200 if live else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        for inst_id, load in client.router.instances.items():
+            metrics.outstanding.labels(inst_id, load.role).set(load.outstanding_tokens)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

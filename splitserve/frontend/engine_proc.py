@@ -1,0 +1,222 @@
+"""One engine instance as a process: a busy loop around EngineCore, with socket I/O on threads.
+
+    input thread:  DEALER <id>/in  --decode--> inbox (queue.Queue)
+    main thread:   drain inbox -> add/abort -> core.step() -> outbox
+    output thread: outbox --encode--> DEALER <id>/out   (and a heartbeat when idle)
+
+A long forward pass never blocks receiving: aborts queue up in the inbox and are applied
+before the next step. `splitserve serve` starts these; `splitserve engine --connect ADDR`
+starts one by hand (issue 4/6: engines that join a running frontend).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from splitserve.config import PREFILL_POLICIES, ROLES, CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
+                                 Shutdown, StepOutputs, TokenOutput, socket_identity)
+from splitserve.sampling import SamplingParams
+
+log = logging.getLogger("splitserve.engine")
+
+STATS_INTERVAL_S = 0.25
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments an engine needs; `serve` shares them and forwards them to its engines."""
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="chunked")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests per engine")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size per engine, e.g. 512MiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--connect", required=True, help="the frontend's engine address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--engine-id", default=None, help="unique name (default: engine-<pid>)")
+    p.add_argument("--role", choices=ROLES, default="colocated")
+    p.add_argument("--cpus", default=None, help="pin to these cores, e.g. '0,1' or '2-3'")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  prefill_policy=args.prefill_policy, role=role))
+
+
+def parse_cpus(text: str) -> set[int]:
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus {text!r}: write core numbers like '0,1' or '2-3'") from None
+    return cpus
+
+
+class EngineProcess:
+    def __init__(self, core, engine_id: str, role: str, connect: str, parent_pid: int | None = None) -> None:
+        self.core, self.engine_id, self.role = core, engine_id, role
+        self.connect, self.parent_pid = connect, parent_pid
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.ctx = zmq.Context()
+
+    def _socket(self, direction: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, socket_identity(self.engine_id, direction))
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.connect)
+        return sock
+
+    def hello(self) -> EngineHello:
+        stats = self.core.stats()
+        mc = self.core.model_config
+        return EngineHello(self.engine_id, self.role, self.core.model_name, self.core.max_model_len,
+                           mc.vocab_size, stats.num_blocks_total, stats.block_size,
+                           self.core.config.scheduler.max_num_seqs, os.getpid())
+
+    def _input_thread(self) -> None:
+        codec, sock = Codec(), self._socket("in")
+        sock.send(codec.encode(self.hello()))  # after this the frontend may route to us
+        while not self.stopping.is_set():
+            if not sock.poll(100):
+                continue
+            payload = sock.recv()
+            try:
+                self.inbox.put(codec.to_engine.decode(payload))
+            except msgspec.DecodeError as e:
+                log.warning("dropping an undecodable message (%d bytes): %s", len(payload), e)
+        sock.close()
+
+    def _output_thread(self) -> None:
+        codec, sock = Codec(), self._socket("out")
+        while True:
+            try:
+                message = self.outbox.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                message = Heartbeat(self.engine_id)
+            if message is None:  # the main loop is done: everything before it is sent
+                break
+            sock.send(codec.encode(message))
+        sock.close()
+
+    def _stats(self) -> EngineStats:
+        s = self.core.stats()
+        return EngineStats(self.engine_id, self.role, s.num_waiting, s.num_running, s.num_blocks_total,
+                           s.num_free_blocks, s.prefix_cache_queries, s.prefix_cache_hits,
+                           s.num_preemptions, s.num_steps)
+
+    def _reject(self, request_id: str, why: str) -> TokenOutput:
+        return TokenOutput(request_id, [], True, "error", error=why, rejected=True)
+
+    def _add(self, msg: GenerateRequest) -> TokenOutput | None:
+        if msg.prefill_only or msg.kv is not None:
+            return self._reject(msg.request_id, "KV handover is not supported by this engine yet")
+        try:
+            params = SamplingParams(**msgspec.structs.asdict(msg.params))
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+        except (ValueError, TypeError) as e:
+            return self._reject(msg.request_id, str(e))
+        return None
+
+    def _apply(self, message) -> list[TokenOutput]:
+        rejected = []
+        if isinstance(message, GenerateRequest):
+            out = self._add(message)
+            if out is not None:
+                rejected.append(out)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.core.abort_request(request_id)
+        elif isinstance(message, Shutdown):
+            log.info("engine %s: shutdown requested (%s)", self.engine_id, message.reason)
+            self.stopping.set()
+        return rejected
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._input_thread, name="engine-in", daemon=True),
+                   threading.Thread(target=self._output_thread, name="engine-out", daemon=True)]
+        for t in threads:
+            t.start()
+        next_stats = 0.0
+        while not self.stopping.is_set():
+            busy = self.core.has_unfinished_requests()
+            outputs: list[TokenOutput] = []
+            try:  # idle: sleep on the inbox; busy: only take what is already there
+                message = self.inbox.get(timeout=STATS_INTERVAL_S) if not busy else self.inbox.get_nowait()
+                outputs += self._apply(message)
+                while True:
+                    outputs += self._apply(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self.core.has_unfinished_requests() and not self.stopping.is_set():
+                for o in self.core.step():
+                    outputs.append(TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
+                                               o.num_prompt_tokens, o.num_cached_tokens, o.error))
+            if outputs:
+                self.outbox.put(StepOutputs(self.engine_id, outputs))
+            now = time.monotonic()
+            if now >= next_stats:
+                self.outbox.put(self._stats())
+                next_stats = now + STATS_INTERVAL_S
+                if self._parent_gone():
+                    log.error("engine %s: parent process is gone; exiting", self.engine_id)
+                    self.stopping.set()
+        self.outbox.put(None)
+        for t in threads:
+            t.join(timeout=2)
+        self.ctx.term()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.cpus:
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
+    import torch  # after pinning, so torch's thread pool starts on the allowed cores
+
+    if args.threads_per_instance:
+        torch.set_num_threads(args.threads_per_instance)
+        torch.set_num_interop_threads(1)
+    from splitserve.engine.core import EngineCore
+
+    engine_id = args.engine_id or f"engine-{os.getpid()}"
+    process: EngineProcess | None = None
+
+    def stop(signum, frame) -> None:  # SIGTERM / SIGINT: finish the current step, then leave
+        if process is not None:
+            process.stopping.set()
+        else:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    core = EngineCore(engine_config_from_args(args, args.role))
+    process = EngineProcess(core, engine_id, args.role, args.connect, args.parent_pid)
+    log.info("engine %s (%s) connecting to %s", engine_id, args.role, args.connect)
+    process.run()
+    return 0

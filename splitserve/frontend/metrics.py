@@ -1,0 +1,63 @@
+"""Prometheus metrics of one frontend: request outcomes, latencies, and each instance's state.
+
+Each `FrontendMetrics` owns its registry (no process-global registry), so two servers in
+one process (tests) never share counters.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from splitserve.protocol import EngineStats
+
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class FrontendMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("splitserve_inter_token_gap_seconds", "Gap between streamed tokens",
+                                     buckets=GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("splitserve_e2e_latency_seconds", "Request end-to-end latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        labels = ["instance", "role"]
+        self.queued = Gauge("splitserve_instance_queued_requests", "Requests waiting in the engine",
+                            labels, registry=r)
+        self.running = Gauge("splitserve_instance_running_requests", "Requests running in the engine",
+                             labels, registry=r)
+        self.blocks_used = Gauge("splitserve_instance_kv_blocks_used", "KV blocks in use", labels, registry=r)
+        self.blocks_free = Gauge("splitserve_instance_kv_blocks_free", "KV blocks free", labels, registry=r)
+        self.hit_rate = Gauge("splitserve_instance_prefix_cache_hit_rate",
+                              "Prefix-cache hits / queries (tokens), since start", labels, registry=r)
+        self.preemptions = Gauge("splitserve_instance_preemptions", "Preemptions since start", labels, registry=r)
+        self.alive = Gauge("splitserve_instance_alive", "1 while the instance is alive", labels, registry=r)
+        self.outstanding = Gauge("splitserve_instance_outstanding_tokens",
+                                 "Router's view: prompt + answer tokens still to do", labels, registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # present at 0 from the start
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        labels = (stats.engine_id, stats.role)
+        self.queued.labels(*labels).set(stats.num_waiting)
+        self.running.labels(*labels).set(stats.num_running)
+        self.blocks_used.labels(*labels).set(stats.num_blocks_total - stats.num_free_blocks)
+        self.blocks_free.labels(*labels).set(stats.num_free_blocks)
+        rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        self.hit_rate.labels(*labels).set(rate)
+        self.preemptions.labels(*labels).set(stats.num_preemptions)
+
+    def set_alive(self, instance_id: str, role: str, alive: bool) -> None:
+        self.alive.labels(instance_id, role).set(1 if alive else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

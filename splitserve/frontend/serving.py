@@ -1,0 +1,235 @@
+"""Chat and text completions: validate, render, submit, and answer in OpenAI's exact format.
+
+    body --checks--> token ids --EngineClient.submit--> RequestStream
+         --> one JSON answer, or SSE chunks: `data: {...}\\n\\n` ... `data: [DONE]\\n\\n`
+
+Everything a user can get wrong is caught here, before the request reaches an engine:
+model name, n, prompt length against the context and the KV cache, token ids, ranges.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from splitserve.frontend.engine_client import EngineClient, GenerationEvent, RequestStream
+from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.router import NoInstanceAvailable
+from splitserve.sampling import SamplingParams
+
+_json = msgspec.json.Encoder()
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, renderer: Renderer) -> None:
+        self.client, self.renderer = client, renderer
+
+    # ---- checks shared by every endpoint ------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if not self.client.live_instances():
+            raise ApiError(503, "no engine instance is alive; retry later", "server_error",
+                           code="no_engine", retry_after_s=5)
+        if model is not None and model != self.client.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.client.model_name!r} (see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = self.client.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    def _capacity_tokens(self) -> int:
+        """The most tokens one request may hold: the context, and the smallest live KV cache."""
+        kv = min(i.hello.num_blocks_total * i.hello.block_size for i in self.client.live_instances())
+        return min(self.client.max_model_len, kv)
+
+    def sampling_params(self, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> SamplingParams:
+        if body.n != 1:
+            raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
+        if body.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        capacity = self._capacity_tokens()
+        if num_prompt == 0:
+            raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
+        limit = body.answer_limit()
+        if num_prompt >= capacity or (limit is not None and num_prompt + limit > capacity):
+            raise ApiError(400, f"this model's maximum context length is {capacity} tokens, but you asked "
+                                f"for {num_prompt} prompt tokens and {limit or 'at least 1'} completion tokens; "
+                                f"shorten the prompt or lower max_tokens", param="max_tokens" if limit and
+                           num_prompt < capacity else "messages", code="context_length_exceeded")
+        max_tokens = limit if limit is not None else capacity - num_prompt
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           param="min_tokens")
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
+                              ignore_eos=body.ignore_eos)
+
+    def render_chat(self, body) -> tuple[str, list[int]]:
+        messages = [m.model_dump(exclude_none=False) for m in body.messages]
+        try:
+            rendered = self.renderer.render_chat(messages, body.add_generation_prompt, body.tools)
+        except RenderError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        return rendered.text, rendered.token_ids
+
+    def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"batched prompts are not supported (got {len(prompt)}); "
+                                    f"send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.renderer.tokenize(prompt)
+        self.check_token_ids(prompt, "prompt")
+        return list(prompt)
+
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]) -> RequestStream:
+        try:
+            return self.client.submit(request_id, token_ids, params, stop)
+        except NoInstanceAvailable as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
+                           retry_after_s=e.retry_after_s) from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    # ---- endpoints -----------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request_id: str):
+        self.check_model(body.model)
+        _, token_ids = self.render_chat(body)
+        params = self.sampling_params(body, len(token_ids))
+        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage)
+        if body.stream:
+            return self._streaming(answer.chat_chunks(stream), request_id)
+        return await self._full(answer, stream, request_id)
+
+    async def completion(self, body: CompletionRequest, request_id: str):
+        self.check_model(body.model)
+        if body.echo or body.suffix:
+            raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        token_ids = self.completion_prompt_ids(body)
+        params = self.sampling_params(body, len(token_ids))
+        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage)
+        if body.stream:
+            return self._streaming(answer.text_chunks(stream), request_id)
+        return await self._full(answer, stream, request_id)
+
+    @staticmethod
+    def _streaming(chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream",
+                                 headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
+
+    async def _full(self, answer: Answer, stream: RequestStream, request_id: str) -> JSONResponse:
+        texts, last = [], None
+        try:
+            async for event in stream:
+                texts.append(event.text)
+                last = event
+        finally:
+            stream.close()  # a cancelled handler (client gone) aborts the request
+        if last.error:
+            raise error_for(last)
+        return JSONResponse(answer.full("".join(texts), last), headers={"X-Request-Id": request_id})
+
+
+def error_for(event: GenerationEvent) -> ApiError:
+    if event.rejected:
+        return ApiError(400, f"the engine refused the request: {event.error}")
+    return ApiError(503, event.error or "the engine failed", "server_error", code="engine_failure",
+                    retry_after_s=1)
+
+
+def usage(event: GenerationEvent) -> dict:
+    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_completion_tokens,
+            "total_tokens": event.num_prompt_tokens + event.num_completion_tokens}
+
+
+class Answer:
+    """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`."""
+
+    def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool) -> None:
+        self.kind, self.id, self.model, self.include_usage = kind, answer_id, model, include_usage
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, last: GenerationEvent) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": last.finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage(last)}
+
+    def _chunk(self, obj: str, choice: dict) -> bytes:
+        chunk = {**self._head(obj), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    async def _events(self, stream: RequestStream) -> AsyncIterator[GenerationEvent]:
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            stream.close()  # client gone mid-stream: abort in the engine, free its blocks
+
+    def _tail(self, obj: str, last: GenerationEvent) -> list[bytes]:
+        out = []
+        if self.include_usage:
+            out.append(sse({**self._head(obj), "choices": [], "usage": usage(last)}))
+        return out + [SSE_DONE]
+
+    async def chat_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk"
+        yield self._chunk(obj, {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
+        async for event in self._events(stream):
+            if event.error:
+                yield sse(error_for(event).body())
+                break
+            if event.text:
+                yield self._chunk(obj, {"index": 0, "delta": {"content": event.text},
+                                        "logprobs": None, "finish_reason": None})
+            if event.finished:
+                yield self._chunk(obj, {"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": event.finish_reason})
+                for chunk in self._tail(obj, event):
+                    yield chunk
+                return
+        yield SSE_DONE
+
+    async def text_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        obj = "text_completion"
+        async for event in self._events(stream):
+            if event.error:
+                yield sse(error_for(event).body())
+                break
+            if event.text or event.finished:
+                yield self._chunk(obj, {"index": 0, "text": event.text, "logprobs": None,
+                                        "finish_reason": event.finish_reason if event.finished else None})
+            if event.finished:
+                for chunk in self._tail(obj, event):
+                    yield chunk
+                return
+        yield SSE_DONE
