@@ -1,0 +1,305 @@
+"""The trial spec: a YAML file read once into small validated dataclasses.
+
+Every mistake a user can make (an unknown key, an impossible SLO, a missing trace file)
+raises `SpecError` naming the field by its dotted path, before any server starts.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+
+import yaml
+
+from splitserve.trial.section import Section, SpecError, read_length_dist, LengthDist
+
+ARRIVAL_PATTERNS = ("constant", "poisson", "gamma", "on_off", "phases", "trace")
+PHASE_PATTERNS = ("constant", "poisson", "gamma")
+TRACE_FORMATS = ("auto", "azure", "burstgpt", "mooncake")
+TOKENIZER_SOURCES = ("server", "local")
+
+__all__ = ["SpecError", "TrialSpec", "load_spec", "parse_spec"]
+
+
+@dataclass(slots=True)
+class RequestClass:
+    name: str
+    prompt_tokens: LengthDist
+    answer_tokens: LengthDist
+    question: str | None = None  # appended to the document; its tokens count in prompt_tokens
+
+
+@dataclass(slots=True)
+class Phase:
+    duration_s: float
+    rate: float
+    pattern: str = "poisson"
+    burstiness: float = 1.0
+
+
+@dataclass(slots=True)
+class ArrivalSpec:
+    pattern: str
+    rate: float = 1.0                      # requests/s (constant, poisson, gamma, on_off quiet stream)
+    num_requests: int | None = None
+    duration_s: float | None = None
+    burstiness: float = 1.0                # gamma: coefficient of variation of inter-arrival times
+    quiet_class: str | None = None         # on_off: the steady stream
+    burst_class: str | None = None         # on_off: the periodic burst
+    burst_every_s: float = 30.0
+    burst_size: int = 4
+    burst_spread_s: float = 1.0
+    phases: list[Phase] = field(default_factory=list)
+    trace_path: pathlib.Path | None = None
+    trace_format: str = "auto"
+    time_scale: float = 1.0                # trace: 2.0 replays twice as fast
+    sample: float = 1.0                    # trace: keep this fraction of rows
+    start_s: float = 0.0                   # trace: skip rows before this offset
+    long_input_tokens: int = 1000          # trace: a prompt this long or longer is class "long"
+    max_prompt_tokens: int | None = None   # trace: clip prompts (small models, short contexts)
+    max_answer_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class SLO:
+    ttft_s: float
+    gap_s: float
+    e2e_s: float
+    max_pause_s: float
+    gap_percentile: float = 99.0
+
+    def scaled(self, factor: float) -> "SLO":
+        return SLO(self.ttft_s * factor, self.gap_s * factor, self.e2e_s * factor,
+                   self.max_pause_s * factor, self.gap_percentile)
+
+
+@dataclass(slots=True)
+class Arrangement:
+    name: str
+    serve_args: list[str] | None = None    # `splitserve serve` arguments, launched by the tool
+    command: list[str] | None = None       # any server command; "{port}" is substituted
+    url: str | None = None                 # an external endpoint, not launched
+    cores: int | None = None               # total threads the arrangement uses
+
+
+@dataclass(slots=True)
+class SweepSpec:
+    rate_multipliers: list[float]
+    target_attainment: float = 0.9
+
+
+@dataclass(slots=True)
+class TrialSpec:
+    name: str
+    seed: int
+    classes: dict[str, RequestClass]
+    mix: dict[str, float]
+    arrivals: ArrivalSpec
+    slo: SLO
+    arrangements: list[Arrangement]
+    model: str | None = None
+    pause_threshold_s: float = 0.5
+    warmup_requests: int = 2
+    request_timeout_s: float = 300.0
+    tokenizer: str = "server"
+    sweep: SweepSpec | None = None
+    source: pathlib.Path | None = None
+
+
+def load_spec(path: str | pathlib.Path) -> TrialSpec:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise SpecError(f"spec file {str(path)!r} not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError(f"spec file {path}: not valid YAML: {exc}") from None
+    return parse_spec(raw, base_dir=path.parent, source=path)
+
+
+def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
+               source: pathlib.Path | None = None) -> TrialSpec:
+    top = Section(raw, "")
+    name = top.str("name", default=source.stem if source else "trial")
+    seed = top.int("seed", default=0, minimum=0)
+    classes, mix = _read_workload(top.section("workload"))
+    arrivals = _read_arrivals(top.section("arrivals"), classes, base_dir)
+    slo = _read_slo(top.section("slo"))
+    arrangements = _read_arrangements(top.list("arrangements"), top)
+    spec = TrialSpec(
+        name=name, seed=seed, classes=classes, mix=mix, arrivals=arrivals, slo=slo,
+        arrangements=arrangements,
+        model=top.str("model", default=None),
+        pause_threshold_s=top.float("pause_threshold_s", default=0.5, positive=True),
+        warmup_requests=top.int("warmup_requests", default=2, minimum=0),
+        request_timeout_s=top.float("request_timeout_s", default=300.0, positive=True),
+        tokenizer=top.choice("tokenizer", TOKENIZER_SOURCES, default="server"),
+        sweep=_read_sweep(top.section("sweep", required=False)),
+        source=source)
+    max_context = top.int("max_context_tokens", default=None, minimum=1)
+    top.finish()
+    if max_context is not None:
+        for cls in spec.classes.values():
+            longest = cls.prompt_tokens.max_value() + cls.answer_tokens.max_value()
+            if longest > max_context:
+                raise SpecError(
+                    f"workload.classes.{cls.name}: prompt_tokens max + answer_tokens max = {longest} "
+                    f"exceeds max_context_tokens ({max_context}); shorten the class or raise the limit")
+    return spec
+
+
+def _read_workload(sec: Section) -> tuple[dict[str, RequestClass], dict[str, float]]:
+    classes_sec = sec.section("classes")
+    classes = {}
+    for name in classes_sec.keys():
+        c = classes_sec.section(name)
+        classes[name] = RequestClass(
+            name=name,
+            prompt_tokens=read_length_dist(c, "prompt_tokens"),
+            answer_tokens=read_length_dist(c, "answer_tokens"),
+            question=c.str("question", default=None))
+        c.finish()
+    if not classes:
+        raise SpecError("workload.classes: define at least one request class (e.g. chat, document)")
+    mix_sec = sec.section("mix", required=False)
+    mix = {}
+    for name in mix_sec.keys():
+        if name not in classes:
+            raise SpecError(f"workload.mix.{name}: no such class; classes are {sorted(classes)}")
+        mix[name] = mix_sec.float(name, minimum=0.0)
+    mix_sec.finish()
+    if not mix:
+        mix = {name: 1.0 for name in classes}
+    if sum(mix.values()) <= 0:
+        raise SpecError("workload.mix: the weights sum to zero; give at least one class a positive weight")
+    sec.finish()
+    return classes, mix
+
+
+def _read_arrivals(sec: Section, classes: dict, base_dir: pathlib.Path) -> ArrivalSpec:
+    pattern = sec.choice("pattern", ARRIVAL_PATTERNS)
+    spec = ArrivalSpec(pattern=pattern)
+    if pattern in ("constant", "poisson", "gamma", "on_off"):
+        spec.rate = sec.float("rate", positive=True)
+    if pattern in ("constant", "poisson", "gamma"):
+        spec.num_requests = sec.int("num_requests", default=None, minimum=1)
+        spec.duration_s = sec.float("duration_s", default=None, positive=True)
+        if (spec.num_requests is None) == (spec.duration_s is None):
+            raise SpecError(f"arrivals: give exactly one of num_requests or duration_s for pattern {pattern!r}")
+    if pattern == "gamma":
+        spec.burstiness = sec.float("burstiness", positive=True)
+    if pattern == "on_off":
+        spec.duration_s = sec.float("duration_s", positive=True)
+        spec.quiet_class = sec.choice("quiet_class", tuple(classes))
+        spec.burst_class = sec.choice("burst_class", tuple(classes))
+        spec.burst_every_s = sec.float("burst_every_s", default=30.0, positive=True)
+        spec.burst_size = sec.int("burst_size", default=4, minimum=1)
+        spec.burst_spread_s = sec.float("burst_spread_s", default=1.0, minimum=0.0)
+        if spec.burst_spread_s >= spec.burst_every_s:
+            raise SpecError("arrivals.burst_spread_s: must be shorter than burst_every_s, "
+                            "or bursts overlap into one stream")
+    if pattern == "phases":
+        for i, raw in enumerate(sec.list("phases")):
+            p = Section(raw, f"{sec.path}phases[{i}]")
+            phase = Phase(duration_s=p.float("duration_s", positive=True), rate=p.float("rate", positive=True),
+                          pattern=p.choice("pattern", PHASE_PATTERNS, default="poisson"),
+                          burstiness=p.float("burstiness", default=1.0, positive=True))
+            p.finish()
+            spec.phases.append(phase)
+        if not spec.phases:
+            raise SpecError("arrivals.phases: list at least one phase")
+    if pattern == "trace":
+        raw_path = sec.str("path")
+        path = pathlib.Path(raw_path)
+        path = path if path.is_absolute() else base_dir / path
+        if not path.is_file():
+            raise SpecError(f"arrivals.path: trace file {str(path)!r} not found")
+        spec.trace_path = path
+        spec.trace_format = sec.choice("format", TRACE_FORMATS, default="auto")
+        spec.time_scale = sec.float("time_scale", default=1.0, positive=True)
+        spec.sample = sec.float("sample", default=1.0, positive=True)
+        if spec.sample > 1.0:
+            raise SpecError(f"arrivals.sample: a fraction of rows in (0, 1], got {spec.sample}")
+        spec.start_s = sec.float("start_s", default=0.0, minimum=0.0)
+        spec.duration_s = sec.float("duration_s", default=None, positive=True)
+        spec.num_requests = sec.int("num_requests", default=None, minimum=1)
+        spec.long_input_tokens = sec.int("long_input_tokens", default=1000, minimum=1)
+        spec.max_prompt_tokens = sec.int("max_prompt_tokens", default=None, minimum=1)
+        spec.max_answer_tokens = sec.int("max_answer_tokens", default=None, minimum=1)
+    sec.finish()
+    return spec
+
+
+def _read_slo(sec: Section) -> SLO:
+    slo = SLO(ttft_s=sec.float("ttft_s", positive=True), gap_s=sec.float("gap_s", positive=True),
+              e2e_s=sec.float("e2e_s", positive=True), max_pause_s=sec.float("max_pause_s", positive=True),
+              gap_percentile=sec.float("gap_percentile", default=99.0, positive=True))
+    sec.finish()
+    if slo.gap_percentile > 100:
+        raise SpecError(f"slo.gap_percentile: a percentile in (0, 100], got {slo.gap_percentile}")
+    if slo.e2e_s <= slo.ttft_s:
+        raise SpecError(f"slo.e2e_s ({slo.e2e_s}) must be longer than slo.ttft_s ({slo.ttft_s}): "
+                        "no request can finish before its first token")
+    if slo.max_pause_s < slo.gap_s:
+        raise SpecError(f"slo.max_pause_s ({slo.max_pause_s}) is below slo.gap_s ({slo.gap_s}): the longest "
+                        "pause is never shorter than a gap percentile; raise max_pause_s")
+    return slo
+
+
+DEFAULT_ARRANGEMENTS = [
+    {"name": "colocated-whole", "serve": ["--instances", "1", "--threads-per-instance", "2",
+                                          "--prefill-policy", "whole"], "cores": 2},
+    {"name": "colocated-chunked", "serve": ["--instances", "1", "--threads-per-instance", "2",
+                                            "--prefill-policy", "chunked"], "cores": 2},
+    {"name": "colocated-chunked-x2", "serve": ["--instances", "2", "--threads-per-instance", "1",
+                                               "--prefill-policy", "chunked"], "cores": 2},
+    {"name": "1P1D", "serve": ["--prefill", "1", "--decode", "1", "--threads-per-instance", "1",
+                               "--kv-transport", "shm"], "cores": 2},
+]
+
+
+def _read_arrangements(raw_list: list, top: Section) -> list[Arrangement]:
+    raw_list = raw_list or DEFAULT_ARRANGEMENTS
+    out = []
+    for i, raw in enumerate(raw_list):
+        sec = Section(raw, f"arrangements[{i}]")
+        arr = Arrangement(name=sec.str("name"), serve_args=sec.str_list("serve", default=None),
+                          command=sec.str_list("command", default=None), url=sec.str("url", default=None),
+                          cores=sec.int("cores", default=None, minimum=1))
+        sec.finish()
+        given = [k for k in ("serve", "command", "url") if getattr(arr, _ATTR[k]) is not None]
+        if len(given) != 1:
+            raise SpecError(f"arrangements[{i}] ({arr.name}): give exactly one of serve, command or url, "
+                            f"got {given or 'none'}")
+        if arr.url is not None and not arr.url.startswith(("http://", "https://")):
+            raise SpecError(f"arrangements[{i}].url: must start with http:// or https://, got {arr.url!r}")
+        if arr.serve_args is not None and "--port" in arr.serve_args:
+            raise SpecError(f"arrangements[{i}].serve: leave --port out; the trial picks a free port")
+        if arr.command is not None and not any("{port}" in part for part in arr.command):
+            raise SpecError(f"arrangements[{i}].command: include a '{{port}}' placeholder for the port")
+        out.append(arr)
+    names = [a.name for a in out]
+    if len(set(names)) != len(names):
+        raise SpecError(f"arrangements: names must be unique, got {names}")
+    cores = {a.name: a.cores for a in out if a.cores is not None}
+    if len(set(cores.values())) > 1 and not top.bool("allow_unequal_cores", default=False):
+        raise SpecError(f"arrangements[].cores: arrangements must use equal total cores to be compared, "
+                        f"got {cores}; fix the cores or set allow_unequal_cores: true")
+    top.bool("allow_unequal_cores", default=False)  # consume the key either way
+    return out
+
+
+_ATTR = {"serve": "serve_args", "command": "command", "url": "url"}
+
+
+def _read_sweep(sec: Section) -> SweepSpec | None:
+    if sec.empty:
+        sec.finish()
+        return None
+    multipliers = [float(x) for x in sec.list("rate_multipliers")] or [0.5, 1.0, 1.5, 2.0, 3.0]
+    if any(m <= 0 for m in multipliers):
+        raise SpecError(f"sweep.rate_multipliers: all must be positive, got {multipliers}")
+    target = sec.float("target_attainment", default=0.9, positive=True)
+    if target > 1:
+        raise SpecError(f"sweep.target_attainment: a fraction in (0, 1], got {target}")
+    sec.finish()
+    return SweepSpec(sorted(multipliers), target)
