@@ -97,8 +97,7 @@ def serve(args) -> None:
             time.sleep(0.005)
         print(msgspec.json.encode({"reason": releases[0].reason.value,
                                    "block_ids": releases[0].block_ids}).decode(), flush=True)
-    if handle is not None:
-        handle.close()
+    # The shm segment is left to the exit-time finalizer on purpose: a test checks it.
 
 
 def pull(args) -> None:
@@ -109,6 +108,7 @@ def pull(args) -> None:
     dst = torch.zeros(pool_shape(num_layers, args.num_blocks))
     blocks = BlockPool(args.num_blocks, seed=args.seed + 1)
     receiver = KVReceiver(config, dst, make_transport(config), blocks.allocate, blocks.free)
+    receiver.add(descriptor)
     record = poll_until_ended(receiver)[0]
     receiver.close()
     src_ids = descriptor_block_ids(args.blocks)
