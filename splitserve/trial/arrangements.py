@@ -1,0 +1,104 @@
+"""Start one arrangement's server, wait until it answers, and always tear it down.
+
+An arrangement is data (spec.Arrangement): `splitserve serve` arguments, any server command
+with a `{port}` placeholder, or the URL of an endpoint someone else runs. Launched servers
+get a free loopback port, their own process group and a log file in the output folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from splitserve.trial.spec import Arrangement
+
+
+class LaunchError(RuntimeError):
+    """The arrangement's server died or never became ready; the message quotes its log."""
+
+
+@dataclass(slots=True)
+class Endpoint:
+    base_url: str
+    model: str | None  # the id /v1/models reports, sent with every request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(arr: Arrangement, port: int, model: str | None) -> list[str]:
+    if arr.command is not None:
+        return [part.replace("{port}", str(port)) for part in arr.command]
+    model_args = ["--model", model] if model else []
+    return [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port),
+            *model_args, *arr.serve_args]
+
+
+def wait_ready(base_url: str, deadline_s: float, proc: subprocess.Popen | None = None,
+               log_path: pathlib.Path | None = None) -> str | None:
+    """Poll /v1/models until it answers; return the first model id (None if it lists none)."""
+    stop = time.monotonic() + deadline_s
+    while time.monotonic() < stop:
+        if proc is not None and proc.poll() is not None:
+            raise LaunchError(f"server exited with code {proc.returncode} before it was ready:\n"
+                              f"{_tail(log_path)}")
+        try:
+            resp = httpx.get(f"{base_url}/v1/models", timeout=2.0)
+            if resp.status_code == 200:
+                data = resp.json().get("data") or []
+                return data[0].get("id") if data else None
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.25)
+    raise LaunchError(f"{base_url} was not ready within {deadline_s:.0f}s:\n{_tail(log_path)}")
+
+
+def _tail(path: pathlib.Path | None, num_lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+@contextlib.contextmanager
+def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup_timeout_s: float = 300.0):
+    """Yield a ready Endpoint for the arrangement; stop the server (if we started it) on exit."""
+    if arr.url is not None:
+        base_url = arr.url.rstrip("/")
+        yield Endpoint(base_url, wait_ready(base_url, 30.0))
+        return
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{arr.name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(server_command(arr, port, model), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        yield Endpoint(base_url, wait_ready(base_url, startup_timeout_s, proc, log_path))
+    finally:
+        stop_process_group(proc)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the server's own process group (its engines too), then SIGKILL what remains."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5.0)

@@ -1,0 +1,154 @@
+"""The load generator: send each planned request on schedule, stream the answer, time every token.
+
+One asyncio task per request sleeps until its scheduled second, then POSTs a streaming
+`/v1/completions` with the prompt as token ids, `max_tokens` and `ignore_eos`. Each SSE chunk
+with a choice is stamped on arrival; the chunk carries one token unless it lists `token_ids`.
+The final chunk may carry a `splitserve` object with the server's per-request KV-transfer
+report (see docs/internals.md, "Trial <-> server"). Nothing here decides what is good: it
+only records what happened (metrics.py judges).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Callable
+
+import httpx
+
+from splitserve.trial.metrics import RequestRecord
+from splitserve.trial.workload import PlannedRequest
+
+START_LEAD_S = 0.2  # let every task reach its sleep before the first request is due
+
+
+def completion_body(req: PlannedRequest, model: str | None) -> dict:
+    body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    return body
+
+
+def _tokens_in_chunk(choice: dict) -> int:
+    if isinstance(choice.get("token_ids"), list):
+        return len(choice["token_ids"])
+    return 1 if choice.get("text") else 0
+
+
+async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None, req: PlannedRequest,
+                     t0: float, timeout_s: float, clock: Callable[[], float] = time.perf_counter
+                     ) -> RequestRecord:
+    rec = RequestRecord(req.index, req.class_name, req.num_prompt_tokens, req.max_tokens, req.send_at_s)
+    await asyncio.sleep(max(0.0, t0 + req.send_at_s - clock()))
+    rec.sent_s = clock() - t0
+    try:
+        await asyncio.wait_for(_stream_into(client, base_url, model, req, t0, rec, clock), timeout_s)
+    except asyncio.TimeoutError:
+        rec.error_kind, rec.error_message = "timeout", f"no complete answer within {timeout_s}s"
+    except httpx.TimeoutException as exc:
+        rec.error_kind, rec.error_message = "timeout", f"{type(exc).__name__}: {exc}"
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        rec.error_kind, rec.error_message = "connection_error", f"{type(exc).__name__}: {exc}"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        # the stream broke after it started: the client saw an interrupted answer
+        rec.error_kind, rec.error_message = "cancelled", f"{type(exc).__name__}: {exc}"
+    rec.finished_s = clock() - t0
+    return rec
+
+
+async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clock) -> None:
+    body = completion_body(req, model)
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        rec.http_status = resp.status_code
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            rec.error_kind, rec.error_message = "http_error", f"HTTP {resp.status_code}: {text[:300]}"
+            return
+        saw_done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                saw_done = True
+                break
+            chunk = json.loads(payload)
+            now = clock() - t0
+            if "error" in chunk:
+                rec.error_kind, rec.error_message = "cancelled", str(chunk["error"])[:300]
+                return
+            for choice in chunk.get("choices") or []:
+                rec.token_times_s.extend([now] * _tokens_in_chunk(choice))
+                if choice.get("finish_reason"):
+                    rec.finish_reason = choice["finish_reason"]
+            usage = chunk.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                rec.num_tokens = int(usage["completion_tokens"])
+            report = chunk.get("splitserve")
+            if isinstance(report, dict):
+                if isinstance(report.get("kv_transfer"), dict):
+                    rec.kv_transfer = report["kv_transfer"]
+                    rec.retries += int(report["kv_transfer"].get("retries", 0) or 0)
+                rec.retries += int(report.get("retries", 0) or 0)
+        if rec.num_tokens == 0:
+            rec.num_tokens = len(rec.token_times_s)
+        if not saw_done or rec.finish_reason in ("abort", "error"):
+            rec.error_kind = "cancelled"
+            rec.error_message = f"stream ended early (finish_reason={rec.finish_reason!r}, [DONE] seen: {saw_done})"
+
+
+async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,
+                   model: str | None = None, on_done: Callable[[RequestRecord], None] | None = None
+                   ) -> list[RequestRecord]:
+    """Send every request at its scheduled second; return records in request order."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter() + START_LEAD_S
+
+        async def one(req):
+            rec = await stream_one(client, base_url, model, req, t0, timeout_s)
+            if on_done is not None:
+                on_done(rec)
+            return rec
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def http_tokenizer(base_url: str) -> Callable[[str], list[int]]:
+    """Tokenize with the server's own tokenizer (POST /tokenize), so token-id prompts match its model."""
+
+    def tokenize(text: str) -> list[int]:
+        resp = httpx.post(f"{base_url}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                          timeout=60.0)
+        if resp.status_code != 200:
+            raise RuntimeError(f"{base_url}/tokenize answered HTTP {resp.status_code}: {resp.text[:200]}; "
+                               "set tokenizer: local in the spec to tokenize in-process")
+        return [int(t) for t in resp.json()["tokens"]]
+
+    return tokenize
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def scrape_counters(base_url: str, prefixes=("splitserve_kv", "kv_transfer", "splitserve_request")) -> dict:
+    """Prometheus samples whose names mention KV transfers or requests; {} if /metrics is absent."""
+    try:
+        resp = httpx.get(f"{base_url}/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and any(p in m.group(1) for p in prefixes):
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

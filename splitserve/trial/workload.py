@@ -1,0 +1,98 @@
+"""What each request asks: real text cut to an exact number of tokens, and a fixed answer length.
+
+The bundled public-domain texts (splitserve/data/) are tokenized once with the served model's
+tokenizer into one long token stream; a prompt of n tokens is a window of that stream at a
+seeded offset (wrapping around), with the class's question appended, so prompts are sent as
+token ids and their lengths are exact. Answers use ignore_eos, so every arrangement generates
+exactly `max_tokens` tokens per request.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from splitserve.trial.arrivals import Arrival
+from splitserve.trial.spec import SpecError, TrialSpec
+
+Tokenize = Callable[[str], list[int]]
+DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass(slots=True)
+class PlannedRequest:
+    index: int
+    class_name: str
+    send_at_s: float                # seconds after the trial's start
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def bundled_text() -> str:
+    """All bundled texts joined, in a fixed order so the token stream is reproducible."""
+    paths = sorted(DATA_DIR.glob("*.txt"))
+    if not paths:
+        raise FileNotFoundError(f"no bundled prompt text in {DATA_DIR}; reinstall splitserve")
+    return "\n\n".join(p.read_text() for p in paths)
+
+
+class PromptSource:
+    """Cuts windows of exact length from one token stream of real text."""
+
+    def __init__(self, tokenize: Tokenize, text: str | None = None):
+        self.tokenize = tokenize
+        self.stream = tokenize(text if text is not None else bundled_text())  # [num_corpus_tokens]
+        if len(self.stream) < 16:
+            raise ValueError(f"the prompt text tokenized to only {len(self.stream)} tokens; give more text")
+        self._questions: dict[str, list[int]] = {}
+
+    def question_tokens(self, question: str) -> list[int]:
+        if question not in self._questions:
+            self._questions[question] = self.tokenize(question)
+        return self._questions[question]
+
+    def prompt(self, num_tokens: int, rng: np.random.Generator, question: str | None = None) -> list[int]:
+        tail = self.question_tokens(question) if question else []
+        body = num_tokens - len(tail)
+        if body < 1:
+            raise SpecError(f"a prompt of {num_tokens} tokens cannot hold its question of {len(tail)} tokens; "
+                            "raise the class's prompt_tokens min or shorten the question")
+        start = int(rng.integers(0, len(self.stream)))
+        stream = np.asarray(self.stream)
+        positions = (start + np.arange(body)) % len(stream)  # wrap around: any length fits
+        return stream[positions].tolist() + tail
+
+
+def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource,
+                  rng: np.random.Generator) -> list[PlannedRequest]:
+    """Give each arrival a class (from the arrival or the mix), lengths and prompt tokens."""
+    names = list(spec.mix)
+    weights = np.asarray([spec.mix[n] for n in names], dtype=float)
+    weights /= weights.sum()
+    planned = []
+    for index, arrival in enumerate(arrivals):
+        class_name = arrival.class_name or names[int(rng.choice(len(names), p=weights))]
+        cls = spec.classes.get(class_name)
+        if arrival.prompt_tokens is not None:
+            num_prompt = arrival.prompt_tokens
+        elif cls is not None:
+            num_prompt = cls.prompt_tokens.sample(rng)
+        else:
+            raise SpecError(f"arrivals: class {class_name!r} has no lengths; define it under workload.classes")
+        num_answer = arrival.answer_tokens if arrival.answer_tokens is not None else cls.answer_tokens.sample(rng)
+        question = cls.question if cls is not None else None
+        planned.append(PlannedRequest(index, class_name, arrival.time_s,
+                                      source.prompt(num_prompt, rng, question), num_answer))
+    return planned
+
+
+def workload_streams(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
+    """Independent streams for arrivals and contents: changing the mix never moves arrival times."""
+    arrival_seq, content_seq = np.random.SeedSequence(seed).spawn(2)
+    return np.random.default_rng(arrival_seq), np.random.default_rng(content_seq)

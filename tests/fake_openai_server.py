@@ -1,0 +1,125 @@
+"""A fake OpenAI-compatible streaming server for the trial's tests (no model, no torch).
+
+It behaves like a tiny engine that runs one thing at a time: a prompt's prefill holds the
+"engine" for `prefill_s_per_token x prompt length` (so, with --serial, every other stream
+stalls meanwhile, like colocated whole-prompt prefill), then each token takes `gap_s`.
+Faults are injected by request number: HTTP 500s, streams cut short, pauses, failed KV
+transfers reported in the final chunk's `splitserve` object.
+
+    python tests/fake_openai_server.py --port 8123 --gap-s 0.01 --fail-every 5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+
+@dataclass
+class FakeBehaviour:
+    gap_s: float = 0.01
+    prefill_s_per_token: float = 0.0
+    serial: bool = False           # prefill blocks every stream (colocated, whole-prompt prefill)
+    fail_every: int = 0            # every Nth request answers HTTP 500
+    truncate_every: int = 0        # every Nth request stops after half its tokens
+    pause_every: int = 0           # every Nth request pauses `pause_s` after its 2nd token
+    pause_s: float = 0.3
+    kv_report: bool = False        # report a KV transfer per request in the final chunk
+    kv_fail_every: int = 0         # every Nth request's KV transfer failed (then recomputed)
+
+
+def fake_token(word: str) -> int:
+    return sum(word.encode()) % 997 + 3
+
+
+def build_app(behaviour: FakeBehaviour) -> FastAPI:
+    app = FastAPI()
+    engine = asyncio.Lock()
+    counter = itertools.count(1)
+    stats = {"kv_failures": 0, "requests": 0}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.json()
+        tokens = [fake_token(w) for w in body["prompt"].split()]
+        return {"tokens": tokens, "count": len(tokens)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(f"# TYPE splitserve_kv_transfer_failures_total counter\n"
+                                 f"splitserve_kv_transfer_failures_total {stats['kv_failures']}\n"
+                                 f"splitserve_requests_total {stats['requests']}\n")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        n = next(counter)
+        stats["requests"] += 1
+        if behaviour.fail_every and n % behaviour.fail_every == 0:
+            return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
+        prompt = body["prompt"]
+        num_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        max_tokens = int(body.get("max_tokens", 16))
+        num_tokens = max_tokens // 2 if behaviour.truncate_every and n % behaviour.truncate_every == 0 else max_tokens
+        kv_failed = bool(behaviour.kv_fail_every) and n % behaviour.kv_fail_every == 0
+        stats["kv_failures"] += kv_failed
+        return StreamingResponse(_stream(n, num_prompt, num_tokens, kv_failed, body), media_type="text/event-stream")
+
+    async def _stream(n, num_prompt, num_tokens, kv_failed, body):
+        def sse(obj) -> bytes:
+            return f"data: {json.dumps(obj)}\n\n".encode()
+
+        async with engine:
+            await asyncio.sleep(behaviour.prefill_s_per_token * num_prompt)
+        for i in range(num_tokens):
+            if behaviour.serial:
+                async with engine:  # wait while someone's prefill holds the engine
+                    pass
+            await asyncio.sleep(behaviour.gap_s if i else 0.0)
+            if behaviour.pause_every and n % behaviour.pause_every == 0 and i == 2:
+                await asyncio.sleep(behaviour.pause_s)
+            last = i == num_tokens - 1
+            yield sse({"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model",
+                       "choices": [{"index": 0, "text": f" t{i}",
+                                    "finish_reason": "length" if last else None}]})
+        final = {"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model", "choices": []}
+        if body.get("stream_options", {}).get("include_usage"):
+            final["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
+                              "total_tokens": num_prompt + num_tokens}
+        if behaviour.kv_report:
+            final["splitserve"] = {"kv_transfer": {"bytes": 1000 * num_prompt, "seconds": 0.001,
+                                                   "outcome": "failed" if kv_failed else "ok",
+                                                   "retries": 1 if kv_failed else 0}}
+        yield sse(final)
+        yield b"data: [DONE]\n\n"
+
+    return app
+
+
+def main() -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    for name, value in FakeBehaviour().__dict__.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=type(value), default=value)
+    args = vars(p.parse_args())
+    port = args.pop("port")
+    uvicorn.run(build_app(FakeBehaviour(**args)), host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
