@@ -21,7 +21,7 @@ from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
-from splitserve.frontend.render import Renderer
+from splitserve.frontend.render import Renderer, RenderError
 from splitserve.frontend.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
         return exc.response(request.headers.get("x-request-id"))
+
+    @app.exception_handler(RenderError)
+    async def on_render_error(request: Request, exc: RenderError):
+        return ApiError(400, str(exc), param=exc.param).response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -110,7 +114,8 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
     async def health():
         live = client.live_instances()
         body = {"status": "ok" if live else "no_engine", "instances_alive": len(live),
-                "instances_total": len(client.instances)}
+                "instances": [{"id": engine_id, "role": inst.hello.role, "alive": inst.alive,
+                               "pid": inst.hello.pid} for engine_id, inst in client.instances.items()]}
         return JSONResponse(body, status_code=200 if live else 503)
 
     @app.get("/metrics")

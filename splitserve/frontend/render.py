@@ -109,7 +109,10 @@ class Renderer:
         return RenderedPrompt(text, self.tokenize(text, add_special_tokens=False))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # JSON can carry lone surrogates ("\\udcff"), which are not text
+            raise RenderError("the text is not valid Unicode (it holds a lone surrogate)", "prompt") from None
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,107 @@
+"""Start a real `splitserve serve` (frontend + engine processes) on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str | None, *extra: str, instances: int = 1, log_path: Path | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port),
+               "--instances", str(instances), "--threads-per-instance", "1", "--log-level", "warning", *extra]
+        if model:
+            cmd += ["--model", model]
+        self.log_path = log_path or Path(os.devnull)
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path != Path(os.devnull) else ""
+
+    def wait_ready(self, timeout_s: float = 180.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.base_url + "/health", timeout=5).json()
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric_samples(base_url: str, name: str) -> dict[str, float]:
+    """{label-string: value} of one metric, from the server's /metrics text."""
+    out = {}
+    for line in httpx.get(base_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, _, value = line.rpartition(" ")
+            out[key[len(name):]] = float(value)
+    return out
+
+
+def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.1) -> bool:
+    """Polls until the predicate holds (engines report stats a few times a second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def all_blocks_free(base_url: str) -> bool:
+    """Every engine reports zero KV blocks in use, and the router holds no request."""
+    outstanding = metric_samples(base_url, "splitserve_instance_outstanding_tokens")
+    if any(v != 0 for v in outstanding.values()):
+        return False
+    used = metric_samples(base_url, "splitserve_instance_kv_blocks_used")
+    free = metric_samples(base_url, "splitserve_instance_kv_blocks_free")
+    return bool(used) and all(v == 0 for v in used.values()) and all(v > 0 for v in free.values())
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a dying parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
