@@ -256,3 +256,30 @@ def test_register_rejects_too_few_blocks_and_duplicates():
     with pytest.raises(ValueError, match="already has blocks held"):
         sender.register("r", [2], BLOCK_SIZE)
     receiver.close()
+
+
+def test_contiguous_runs_cover_every_pair_once():
+    from splitserve.kv_transfer.transport import contiguous_runs
+    assert contiguous_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
+    assert contiguous_runs([], []) == []
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered", "mixed"])
+def test_block_copy_matches_plain_indexing_for_long_block_lists(layout):
+    from splitserve.kv_transfer.transport import copy_blocks_by_layer
+    rng = random.Random(layout)
+    src, dst = random_pool(30, 200, seed=7), torch.zeros(pool_shape(30, 200))
+    if layout == "contiguous":
+        src_ids, dst_ids = list(range(20, 148)), list(range(60, 188))
+    elif layout == "scattered":
+        src_ids, dst_ids = rng.sample(range(200), 128), rng.sample(range(200), 128)
+    else:
+        src_ids = list(range(10, 74)) + rng.sample(range(100, 200), 64)
+        dst_ids = list(range(0, 32)) + rng.sample(range(40, 200), 96)
+    layers_seen = []
+    num_bytes = copy_blocks_by_layer(src, src_ids, dst, dst_ids, layers_seen.append)
+    assert layers_seen == list(range(30))
+    reference = torch.zeros_like(dst)
+    reference[:, :, dst_ids] = src[:, :, src_ids]
+    assert torch.equal(dst, reference)
+    assert num_bytes == src[:, :, src_ids].numel() * 4
