@@ -3,7 +3,8 @@
 It behaves like a tiny engine that runs one thing at a time: a prompt's prefill holds the
 "engine" for `prefill_s_per_token x prompt length` (so, with --serial, every other stream
 stalls meanwhile, like colocated whole-prompt prefill), then each token takes `gap_s`.
-Faults are injected by request number: HTTP 500s, streams cut short, pauses, failed KV
+Faults are injected by request number: HTTP 500s, truncated answers, streams cut without
+[DONE], pauses, failed KV
 transfers reported in the final chunk's `splitserve` object.
 
     python tests/fake_openai_server.py --port 8123 --gap-s 0.01 --fail-every 5
@@ -31,6 +32,7 @@ class FakeBehaviour:
     pause_s: float = 0.3
     kv_report: bool = False        # report a KV transfer per request in the final chunk
     kv_fail_every: int = 0         # every Nth request's KV transfer failed (then recomputed)
+    cut_every: int = 0             # every Nth stream ends after 2 tokens without [DONE]
 
 
 def fake_token(word: str) -> int:
@@ -87,6 +89,8 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
             await asyncio.sleep(behaviour.gap_s if i else 0.0)
             if behaviour.pause_every and n % behaviour.pause_every == 0 and i == 2:
                 await asyncio.sleep(behaviour.pause_s)
+            if behaviour.cut_every and n % behaviour.cut_every == 0 and i == 2:
+                return  # the connection closes mid-answer
             last = i == num_tokens - 1
             yield sse({"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model",
                        "choices": [{"index": 0, "text": f" t{i}",

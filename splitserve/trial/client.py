@@ -2,7 +2,8 @@
 
 One asyncio task per request sleeps until its scheduled second, then POSTs a streaming
 `/v1/completions` with the prompt as token ids, `max_tokens` and `ignore_eos`. Each SSE chunk
-with a choice is stamped on arrival; the chunk carries one token unless it lists `token_ids`.
+with a choice is stamped on arrival; it carries one token unless it says otherwise (`token_ids`
+or `num_tokens`), and the usage block's completion_tokens is the final count.
 The final chunk may carry a `splitserve` object with the server's per-request KV-transfer
 report (see docs/internals.md, "Trial <-> server"). Nothing here decides what is good: it
 only records what happened (metrics.py judges).
@@ -32,8 +33,11 @@ def completion_body(req: PlannedRequest, model: str | None) -> dict:
 
 
 def _tokens_in_chunk(choice: dict) -> int:
+    """Tokens this chunk delivers: `token_ids` or `num_tokens` when the server says, else one per text."""
     if isinstance(choice.get("token_ids"), list):
         return len(choice["token_ids"])
+    if isinstance(choice.get("num_tokens"), int):
+        return choice["num_tokens"]
     return 1 if choice.get("text") else 0
 
 

@@ -22,7 +22,7 @@ from splitserve.trial.spec import SLO
 
 FAILURE_KINDS = ("http_error", "timeout", "connection_error", "cancelled", "truncated",
                  "kv_transfer_failed")
-KV_OK_OUTCOMES = ("ok", "success", "recomputed_ok")
+KV_OK_OUTCOMES = ("ok", "success")
 
 
 @dataclass(slots=True)

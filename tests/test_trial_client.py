@@ -1,0 +1,55 @@
+"""The load generator records what each stream did: tokens, and every way a request can go wrong."""
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.trial.arrangements import free_port, stop_process_group, wait_ready
+from splitserve.trial.client import _tokens_in_chunk, run_load
+from splitserve.trial.workload import PlannedRequest
+
+from test_trial_end_to_end import FAKE
+
+
+@pytest.fixture(scope="module")
+def faulty_server():
+    port = free_port()
+    # request 3 and 6 are cut after 2 tokens; request 4 pauses 3 s (beyond the 1 s timeout)
+    proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--gap-s", "0.01", "--cut-every", "3",
+                             "--pause-every", "4", "--pause-s", "3"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process_group(proc)
+
+
+def planned(n, spacing_s=0.15):
+    return [PlannedRequest(i, "chat", i * spacing_s, [5, 6, 7], 5) for i in range(n)]
+
+
+def test_each_request_is_sent_on_schedule_and_every_way_it_ends_is_recorded(faulty_server):
+    records = asyncio.run(run_load(faulty_server, planned(6), timeout_s=1.0, model="fake-model"))
+    kinds = [r.error_kind for r in records]
+    assert kinds == [None, None, "cancelled", "timeout", None, "cancelled"]
+    for r in records:
+        assert r.sent_s >= r.scheduled_s                     # never early
+    ok = records[0]
+    assert len(ok.token_times_s) == 5 and ok.num_tokens == 5 and ok.finish_reason == "length"
+    assert ok.token_times_s == sorted(ok.token_times_s) and ok.token_times_s[0] >= ok.sent_s
+    assert len(records[2].token_times_s) == 2                # cut after two tokens
+
+
+def test_an_unreachable_server_is_a_connection_error():
+    port = free_port()  # nothing listens here
+    [rec] = asyncio.run(run_load(f"http://127.0.0.1:{port}", planned(1), timeout_s=5.0))
+    assert rec.error_kind == "connection_error" and rec.token_times_s == []
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ({"text": " the"}, 1), ({"text": ""}, 0), ({"text": "ab", "token_ids": [1, 2, 3]}, 3),
+    ({"text": "x", "num_tokens": 2}, 2), ({"text": "", "finish_reason": "length"}, 0)])
+def test_tokens_per_chunk(choice, expected):
+    assert _tokens_in_chunk(choice) == expected

@@ -1,0 +1,63 @@
+"""The trial against the project's own `splitserve serve` on a tiny random-weight model.
+
+One server is started separately (an external endpoint, reached by URL) and the trial
+launches a second arrangement itself; both get the same 20 requests.
+"""
+import json
+
+import pytest
+import yaml
+
+from serve_support import ServerProcess
+from splitserve.cli import main
+from tiny_models import write_tiny_checkpoint
+
+SERVE_ARGS = ["--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("trial") / "tiny", arch="llama")
+
+
+@pytest.fixture
+def own_server(tiny_model, tmp_path):
+    srv = ServerProcess(str(tiny_model), "--prefill-policy", "whole", "--kv-cache-memory", "8MiB",
+                        log_path=tmp_path / "own-server.log").wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_trial_of_twenty_requests_on_a_launched_and_an_external_splitserve(tiny_model, own_server, tmp_path):
+    spec = {
+        "name": "tiny-real", "seed": 5, "model": str(tiny_model), "warmup_requests": 1,
+        "max_context_tokens": 512,
+        "workload": {"classes": {"chat": {"prompt_tokens": {"dist": "uniform", "min": 16, "max": 48},
+                                          "answer_tokens": 8},
+                                 "document": {"prompt_tokens": 300, "answer_tokens": 8, "question": " Why?"}},
+                     "mix": {"chat": 3, "document": 1}},
+        "arrivals": {"pattern": "poisson", "rate": 8.0, "num_requests": 20},
+        "slo": {"ttft_s": 10.0, "gap_s": 2.0, "max_pause_s": 5.0, "e2e_s": 30.0},
+        "arrangements": [
+            {"name": "own-server-whole", "url": own_server.base_url},
+            {"name": "colocated-chunked", "serve": ["--prefill-policy", "chunked", "--max-num-batched-tokens",
+                                                    "64", *SERVE_ARGS]}],
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert (out / "report.html").read_text().count("data:image/png;base64,") >= 4
+    prompts = [p["num_prompt_tokens"] for p in doc["plan"]]
+    assert prompts.count(300) == sum(p["class"] == "document" for p in doc["plan"])
+    for arr in doc["arrangements"]:
+        assert arr["error"] is None, arr["error"]
+        summary = arr["runs"][0]["summary"]
+        assert summary["num_requests"] == 20
+        # ignore_eos: every answer has exactly its 8 tokens, by the server's own count
+        assert [r["num_tokens"] for r in arr["runs"][0]["requests"]] == [8] * 20
+        assert summary["num_complete"] == 20 and sum(summary["failures"].values()) == 0
+        assert summary["attainment"] > 0.5
+    assert doc["arrangements"][0]["kind"] == "external"
