@@ -1,6 +1,7 @@
 """Model loading: HF directories and GGUF files come out as the weights transformers holds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitserve.models.gguf_loader import hf_tensor_name, unpermute_rotary_rows
 from splitserve.models.loader import bundled_model_path, load_model, load_tokenizer
-from tiny_models import ARCHITECTURES, CHATML_TEMPLATE, LLAMA3_ROPE_SCALING, write_tiny_checkpoint
+from tiny_models import (ARCHITECTURES, CHATML_TEMPLATE, LLAMA3_ROPE_SCALING, llama_cpp_permute,
+                         write_tiny_checkpoint, write_tiny_gguf)
 
 CHATS = [
     [{"role": "user", "content": "Hello! Who are you?"}],
@@ -161,18 +163,40 @@ def test_bad_model_paths_say_what_to_pass(tmp_path):
         load_model(tmp_path / "fake.gguf")
 
 
-def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """convert_hf_to_gguf.py's LlamaModel.permute, the transformation the loader must undo."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
 @pytest.mark.parametrize("shape, num_heads", [((48, 10), 3), ((48,), 3), ((64, 8), 1)])
 def test_unpermute_undoes_llama_cpp_rotary_permutation(shape, num_heads):
     weight = torch.randn(shape)
     permuted = llama_cpp_permute(weight, num_heads)
     assert not torch.equal(permuted, weight)
     assert torch.equal(unpermute_rotary_rows(permuted, num_heads), weight)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_file_loads_like_the_checkpoint_it_was_converted_from(tmp_path, arch):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", arch=arch, tie_word_embeddings=arch == "qwen3")
+    from_gguf = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", hf_dir))
+    from_hf = load_model(hf_dir)
+    assert sorted(from_gguf.weights) == sorted(from_hf.weights)
+    for name, tensor in from_hf.weights.items():
+        assert torch.equal(from_gguf.weights[name], tensor), name
+    assert from_gguf.config.rms_norm_eps == pytest.approx(from_hf.config.rms_norm_eps)  # GGUF holds f32
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=0.0) == \
+        dataclasses.replace(from_hf.config, rms_norm_eps=0.0)
+    assert from_gguf.name == "tiny" and from_gguf.chat_template == from_hf.chat_template
+    for chat in CHATS:
+        text = from_hf.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert from_gguf.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == text
+        ids = from_hf.tokenizer.encode(text)
+        assert from_gguf.tokenizer.encode(text) == ids
+        assert from_gguf.tokenizer.decode(ids, skip_special_tokens=True) == \
+            from_hf.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_tokenizer_prepends_bos_when_the_file_says_so(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    tokenizer, _ = load_tokenizer(write_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, add_bos_token=True))
+    plain, _ = load_tokenizer(hf_dir)
+    assert tokenizer.encode("hello world") == [plain.bos_token_id] + plain.encode("hello world")
 
 
 def test_gguf_tensor_names_map_to_hf_names():

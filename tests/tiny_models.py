@@ -14,6 +14,7 @@ tokenizer="smollm" for the bundled model's real 49k-token tokenizer instead.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -116,3 +117,78 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embedd
     model.save_pretrained(path, **save_kwargs)
     tok.save_pretrained(path)
     return path
+
+
+# HF name -> llama.cpp name, written out here independently of splitserve's loader
+_GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[stem]}.{kind}"
+    _, _, layer, module = stem.split(".", 3)  # model.layers.N.<module>
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute of q/k rows (interleaves each head's halves)."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = False) -> Path:
+    """Convert a write_tiny_checkpoint directory (llama, qwen2 or qwen3) to an fp32 GGUF file,
+    the way llama.cpp's convert_hf_to_gguf.py lays it out (q/k rows permuted for llama)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"write_tiny_gguf converts llama, qwen2 or qwen3 checkpoints, not {arch!r}")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    tokens = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in SPECIAL_TOKENS else 1 for token in tokens])
+    merges = backend["model"]["merges"]  # ["a b", ...] or [["a", "b"], ...] by tokenizers version
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(add_bos_token)
+    writer.add_chat_template(tokenizer.chat_template)
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        if arch == "llama" and ".q_proj." in name:
+            tensor = llama_cpp_permute(tensor, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            tensor = llama_cpp_permute(tensor, kv_heads)
+        writer.add_tensor(gguf_name(name), tensor.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

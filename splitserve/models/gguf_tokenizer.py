@@ -69,7 +69,7 @@ def _byte_level_bpe(reader: gguf.GGUFReader, pre_tokenizer) -> PreTrainedTokeniz
 
     bos = token("bos_token_id")
     if metadata_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = tokens.index(bos)
+        bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return PreTrainedTokenizerFast(
