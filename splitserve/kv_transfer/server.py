@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
 from splitserve.kv_transfer.messages import Abort, Begin, Confirm, Fetch, LayerHeader, Reply
 from splitserve.kv_transfer.sender import KVSender
 from splitserve.kv_transfer.transport import AuthError, TransferError, block_index
@@ -125,10 +126,17 @@ class KVServer:
             conn.send(reply)
             return
         kv = self.sender.kv  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        # Reading without the lock is safe: if the hold ends meanwhile, the peer's Confirm
+        # fails and it discards what it read.
+        if has_byte_views(kv):
+            raw, runs = pool_bytes(kv), id_runs(reply.block_ids)
+            for layer in range(kv.shape[0]):
+                views = layer_views(raw, tuple(kv.shape), kv.element_size(), layer, runs)
+                conn.send(LayerHeader(layer=layer, num_bytes=sum(len(v) for v in views)))
+                conn.send_views(views)
+            return
         index = block_index(reply.block_ids, kv.device)
-        for layer in range(kv.shape[0]):
-            # Reading without the lock is safe: if the hold ends meanwhile, the peer's
-            # Confirm fails and it discards what it read.
+        for layer in range(kv.shape[0]):  # a GPU pool: stage each layer on the host
             chunk = kv[layer].index_select(1, index).cpu()  # [2, n, block_size, kv_heads, head_dim]
             raw = chunk.view(-1).view(torch.uint8).numpy()
             conn.send(LayerHeader(layer=layer, num_bytes=raw.nbytes))

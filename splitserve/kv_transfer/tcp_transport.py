@@ -6,10 +6,12 @@ they arrive (the next layer is on the wire while this one is copied); then Confi
 """
 from __future__ import annotations
 
+import math
 import socket
 
 import torch
 
+from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import Confirm, Fetch, LayerHeader, Reply, TransferDescriptor
 from splitserve.kv_transfer.shm_transport import control_call, open_control, release_over_control
@@ -41,11 +43,22 @@ class TcpTransport(KVTransport):
             conn.close()
 
     def _receive_layers(self, conn, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
-        dst_index = block_index(dst_block_ids, dst_kv.device)
-        # buffer: [2, n, block_size, kv_heads, head_dim], reused for every layer
-        buffer = torch.empty((2, len(dst_block_ids)) + tuple(dst_kv.shape[3:]), dtype=dst_kv.dtype)
-        raw = memoryview(buffer.view(-1).view(torch.uint8).numpy())
-        num_bytes = 0
+        layer_bytes = math.prod(dst_kv.shape[3:]) * dst_kv.element_size() * 2 * len(dst_block_ids)
+        if has_byte_views(dst_kv):  # straight into our blocks
+            raw, runs = pool_bytes(dst_kv), id_runs(dst_block_ids)
+            receive = lambda layer: conn.recv_into_views(  # noqa: E731
+                layer_views(raw, tuple(dst_kv.shape), dst_kv.element_size(), layer, runs))
+        else:  # a GPU pool: stage each layer on the host, then one copy to the device
+            dst_index = block_index(dst_block_ids, dst_kv.device)
+            # staging: [2, n, block_size, kv_heads, head_dim], reused for every layer
+            staging = torch.empty((2, len(dst_block_ids)) + tuple(dst_kv.shape[3:]),
+                                  dtype=dst_kv.dtype, pin_memory=torch.cuda.is_available())
+            staging_raw = memoryview(staging.view(-1).view(torch.uint8).numpy())
+
+            def receive(layer: int) -> None:
+                conn.recv_raw_into(staging_raw)
+                dst_kv[layer].index_copy_(1, dst_index, staging.to(dst_kv.device))
+
         for layer in range(dst_kv.shape[0]):
             on_layer(layer)
             header = conn.recv()
@@ -54,13 +67,11 @@ class TcpTransport(KVTransport):
             if not isinstance(header, LayerHeader) or header.layer != layer:
                 raise TransferError(f"expected layer {layer} from the prefill instance, got "
                                     f"{header!r}")
-            if header.num_bytes != len(raw):
+            if header.num_bytes != layer_bytes:
                 raise TransferError(f"layer {layer}: prefill sent {header.num_bytes} bytes, "
-                                    f"{len(raw)} expected for {len(dst_block_ids)} blocks")
-            conn.recv_raw_into(raw)
-            dst_kv[layer].index_copy_(1, dst_index, buffer.to(dst_kv.device))
-            num_bytes += len(raw)
-        return num_bytes
+                                    f"{layer_bytes} expected for {len(dst_block_ids)} blocks")
+            receive(layer)
+        return layer_bytes * dst_kv.shape[0]
 
     def release(self, descriptor: TransferDescriptor) -> None:
         release_over_control(self.config, descriptor)

@@ -23,6 +23,7 @@ from splitserve.kv_transfer.transport import AuthError, NetworkError, TransferEr
 
 MAX_FRAME_BYTES = 1 << 20  # headers are small; a bigger frame is a confused or hostile peer
 _LENGTH = struct.Struct("!I")
+_IOV_MAX = 512  # buffers per sendmsg/recvmsg_into (Linux allows 1024)
 
 
 class Connection:
@@ -60,6 +61,22 @@ class Connection:
                 raise NetworkError("peer closed the connection in the middle of a message")
             received += n
 
+    def send_views(self, views: list[memoryview]) -> None:
+        """Send the views back to back in as few syscalls as the kernel allows."""
+        pending, first = list(views), 0
+        while first < len(pending):
+            sent = self.sock.sendmsg(pending[first:first + _IOV_MAX])
+            first = _advance(pending, first, sent)
+
+    def recv_into_views(self, views: list[memoryview]) -> None:
+        """Fill the views in order (recvmsg_into scatters one read over many buffers)."""
+        pending, first = list(views), 0
+        while first < len(pending):
+            received = self.sock.recvmsg_into(pending[first:first + _IOV_MAX])[0]
+            if received == 0:
+                raise NetworkError("peer closed the connection in the middle of a layer")
+            first = _advance(pending, first, received)
+
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
         self.recv_raw_into(memoryview(buf))
@@ -70,6 +87,20 @@ class Connection:
             self.sock.close()
         except OSError:
             pass
+
+
+def _advance(views: list[memoryview], first: int, num_bytes: int) -> int:
+    """Drop `num_bytes` from the front of views[first:]; returns the new first index."""
+    while num_bytes:
+        if num_bytes >= len(views[first]):
+            num_bytes -= len(views[first])
+            first += 1
+        else:
+            views[first] = views[first][num_bytes:]
+            num_bytes = 0
+    while first < len(views) and len(views[first]) == 0:
+        first += 1
+    return first
 
 
 def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:

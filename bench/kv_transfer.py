@@ -1,0 +1,176 @@
+"""KV transfer throughput: one 2k-token request of SmolLM2-135M's KV, moved from a
+prefill process to this (decode) process over shm and tcp, against a memcpy of the
+same bytes measured in the same run.
+
+    .venv/bin/python bench/kv_transfer.py                 # shm and tcp, scattered block ids
+    .venv/bin/python bench/kv_transfer.py --layout contiguous --repeats 9 --json out.json
+
+A transfer's time is what the decode side's connector records: connect + handshake +
+Begin + copy + Confirm, i.e. everything between "blocks allocated" and "blocks usable".
+The engine-level parts of issue 4 (TTFT added by disaggregation, stalls of running
+streams when a long prompt arrives) need the engine and will be added here.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from splitserve.kv_transfer import (KVReceiver, KVSender, KVServer, KVTransferConfig,  # noqa: E402
+                                    TransferDescriptor, TransferOutcome, allocate_kv_pool,
+                                    make_transport, segment_name)
+
+# SmolLM2-135M (the bundled model): 30 layers, 3 KV heads of 64, fp32, blocks of 16 tokens.
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
+
+
+def pool_shape(num_blocks: int) -> tuple[int, ...]:
+    return (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
+def block_ids(layout: str, num_blocks: int, pool_blocks: int, seed: int) -> list[int]:
+    if layout == "contiguous":
+        return list(range(num_blocks))
+    return random.Random(seed).sample(range(pool_blocks), num_blocks)
+
+
+def serve(args) -> None:
+    """The prefill process: hold `--repeats` requests on the same blocks, serve them, exit."""
+    torch.set_num_threads(args.threads)
+    config = KVTransferConfig(transport=args.serve, lease_s=600)
+    shape = pool_shape(args.pool_blocks)
+    if args.serve == "shm":
+        kv, handle = allocate_kv_pool(shape, torch.float32, segment_name("bench-prefill"))
+        kv.copy_(torch.randn(shape))
+    else:
+        kv, handle = torch.randn(shape), None
+    sender = KVSender(config, kv, "bench-prefill", shm_name=handle.name if handle else "")
+    ids = block_ids(args.layout, args.num_blocks, args.pool_blocks, seed=1)
+    with KVServer(sender):
+        for i in range(args.repeats):
+            descriptor = sender.register(f"req-{i}", ids, args.tokens)
+            print(msgspec.json.encode(descriptor).decode(), flush=True)
+        released = 0
+        while released < args.repeats:
+            released += len(sender.poll())
+            time.sleep(0.005)
+    if handle is not None:
+        handle.close()
+
+
+class Memcpy:
+    """libc memcpy (memmove) of the same number of bytes: the ceiling for a same-host copy."""
+
+    def __init__(self, num_bytes: int):
+        self.src = torch.randn(num_bytes // 4)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # first touch of dst's pages is not part of a copy
+
+    def once(self) -> tuple[float, int]:
+        num_bytes = self.src.numel() * 4
+        start = time.perf_counter()
+        ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), num_bytes)
+        return time.perf_counter() - start, num_bytes
+
+
+class RemotePrefill:
+    """A prefill process holding `repeats` requests; `once()` pulls the next one."""
+
+    def __init__(self, transport: str, args):
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve", transport, "--tokens", str(args.tokens),
+             "--repeats", str(args.repeats), "--layout", args.layout,
+             "--threads", str(args.threads)], stdout=subprocess.PIPE, text=True)
+        self.descriptors = [msgspec.json.decode(self.process.stdout.readline(),
+                                                type=TransferDescriptor)
+                            for _ in range(args.repeats)]
+        config = KVTransferConfig(transport=transport, max_concurrent_transfers=1)
+        dst = torch.zeros(pool_shape(args.pool_blocks))
+        dst_ids = block_ids(args.layout, args.num_blocks, args.pool_blocks, seed=2)
+        self.receiver = KVReceiver(config, dst, make_transport(config),
+                                   allocate=lambda request_id, n: list(dst_ids),
+                                   free=lambda *_: None)
+
+    def once(self) -> tuple[float, int]:
+        self.receiver.add(self.descriptors.pop(0))
+        ended = []
+        while not ended:
+            ended = self.receiver.poll()
+            time.sleep(0.0005)
+        record = ended[0]
+        if record.outcome is not TransferOutcome.DONE:
+            raise RuntimeError(f"{record.transport} transfer failed: {record.error}")
+        return record.seconds, record.num_bytes
+
+    def close(self) -> None:
+        self.receiver.close()
+        try:
+            self.process.wait(timeout=60)
+        finally:
+            self.process.kill()
+            self.process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered",
+                        help="block ids on both sides: random (a pool after churn) or in order")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--serve", choices=("shm", "tcp"), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.num_blocks = -(-args.tokens // BLOCK_SIZE)
+    args.pool_blocks = 2 * args.num_blocks
+    if args.serve:
+        return serve(args)
+    torch.set_num_threads(args.threads)
+
+    num_bytes = args.num_blocks * BLOCK_SIZE * NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4
+    methods = {"memcpy": Memcpy(num_bytes)}
+    try:
+        for transport in args.transports.split(","):
+            methods[transport] = RemotePrefill(transport, args)
+        # Interleaved, so that load from other processes hits every method alike.
+        samples = {name: [] for name in methods}
+        for _ in range(args.repeats):
+            for name, method in methods.items():
+                samples[name].append(method.once())
+    finally:
+        for method in methods.values():
+            if isinstance(method, RemotePrefill):
+                method.close()
+    rows = {name: ([s for s, _ in runs], runs[0][1]) for name, runs in samples.items()}
+    base = num_bytes / statistics.median(rows["memcpy"][0])
+    print(f"{args.tokens}-token request, {num_bytes / 1e6:.1f} MB of KV, {args.layout} block ids, "
+          f"{args.threads} thread(s), median of {args.repeats}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'method':8} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'vs memcpy':>10}")
+    results = {}
+    for name, (seconds, nbytes) in rows.items():
+        rate = nbytes / statistics.median(seconds)
+        print(f"{name:8} {statistics.median(seconds) * 1e3:10.1f} {min(seconds) * 1e3:9.1f} "
+              f"{rate / 1e9:7.2f} {rate / base:9.0%}")
+        results[name] = {"seconds": seconds, "num_bytes": nbytes, "gb_per_s": rate / 1e9,
+                         "fraction_of_memcpy": rate / base}
+    if args.json:
+        args.json.write_text(json.dumps({"tokens": args.tokens, "layout": args.layout,
+                                         "threads": args.threads, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
