@@ -172,11 +172,10 @@ class LlamaModel:
             qpos = torch.arange(ctx - t, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [t, ctx]
             causal = False
-        group = self.config.num_heads // self.config.num_kv_heads
-        if group > 1:
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                             is_causal=causal, scale=self.scale)  # [nq, t, hd]
+        # 4-D inputs take torch's fused (flash) CPU kernel; 3-D ones fall back to the slow math path.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+            is_causal=causal, scale=self.scale, enable_gqa=True)[0]  # [nq, t, hd]
         return out.transpose(0, 1)
 
     def _decode_attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
