@@ -164,3 +164,61 @@ def test_cleanup_removes_segments_of_dead_owners_only(tmp_path):
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == [
         f"splitserve-kv-{os.getpid()}-prefill", "unrelated"]
 
+
+
+def _noncontiguous_pool(pool: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, not viewable as flat bytes (as a GPU pool is not)."""
+    swapped = torch.empty(pool.shape[:4] + (pool.shape[5], pool.shape[4]))
+    view = swapped.transpose(4, 5)
+    view.copy_(pool)
+    return view
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
+    config = KVTransferConfig(transport="tcp")
+    src = random_pool(3, 16, seed=3)
+    dst = torch.zeros(pool_shape(3, 16))
+    if side == "sender":
+        src = _noncontiguous_pool(src)
+    else:
+        dst = _noncontiguous_pool(dst)
+    assert not (src.is_contiguous() and dst.is_contiguous())
+    sender = KVSender(config, src, "p")
+    blocks = BlockPool(16, seed=1)
+    receiver = KVReceiver(config, dst, make_transport(config), blocks.allocate, blocks.free)
+    with KVServer(sender):
+        receiver.add(sender.register("r", [3, 4, 9, 0], 4 * BLOCK_SIZE))
+        [record] = poll_until_ended(receiver)
+    receiver.close()
+    assert record.outcome is TransferOutcome.DONE, record.error
+    assert torch.equal(dst[:, :, record.dst_block_ids], src[:, :, [3, 4, 9, 0]])
+
+
+def test_tcp_layers_of_megabytes_arrive_intact():
+    """Big layers make sendmsg/recvmsg_into return partial counts; nothing may slip."""
+    shape = (2, 2, 96, 16, 3, 64)  # 2 * 80 blocks * 12 KiB = ~2 MB per layer
+    config = KVTransferConfig(transport="tcp")
+    src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    dst = torch.zeros(shape)
+    src_ids = random.Random(1).sample(range(96), 80)
+    dst_ids = list(range(8, 48)) + random.Random(2).sample(range(48, 96), 40)
+    sender = KVSender(config, src, "p")
+    receiver = KVReceiver(config, dst, make_transport(config),
+                          lambda request_id, n: list(dst_ids), lambda *_: None)
+    with KVServer(sender):
+        receiver.add(sender.register("big", src_ids, 80 * 16))
+        [record] = poll_until_ended(receiver)
+    receiver.close()
+    assert record.outcome is TransferOutcome.DONE, record.error
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    assert record.num_bytes == src[:, :, src_ids].numel() * 4
+
+
+def test_advancing_past_partially_sent_views():
+    from splitserve.kv_transfer.wire import _advance
+    views = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"fgh")]
+    first = _advance(views, 0, 4)
+    assert first == 1 and bytes(views[1]) == b"e"
+    assert _advance(views, first, 1) == 2
+    assert _advance(views, 2, 3) == 3
