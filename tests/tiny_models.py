@@ -98,7 +98,10 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embedd
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        # transformers' 0.02 leaves attention near uniform in a 64-wide model, so rope and
+        # attention bugs would not change its tokens; 0.2 gives sharp attention and varied text.
+        initializer_range=0.2)
     if arch == "qwen3":
         settings["head_dim"] = 32  # Qwen3 sets head_dim apart from hidden_size / heads
     # transformers edits dict settings in place (it adds rope_theta to rope_scaling): pass copies
