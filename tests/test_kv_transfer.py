@@ -153,6 +153,7 @@ def test_decode_queues_transfers_when_full_and_proceeds_in_order():
     sender, receiver, src, dst, blocks = make_pair(dst_blocks=5)
     receiver.add(sender.register("first", [1, 2, 3], 3 * BLOCK_SIZE))
     receiver.add(sender.register("second", [4, 5, 6], 3 * BLOCK_SIZE))
+    assert receiver.has_unfinished() and sender.has_unfinished()
     [first] = poll_until_ended(receiver)
     assert first.request_id == "first" and receiver.stats().num_pending == 1
     assert receiver.poll() == []  # still no room for "second"
@@ -160,6 +161,8 @@ def test_decode_queues_transfers_when_full_and_proceeds_in_order():
     [second] = poll_until_ended(receiver)
     assert second.outcome is TransferOutcome.DONE
     assert torch.equal(dst[:, :, second.dst_block_ids], src[:, :, [4, 5, 6]])
+    assert not receiver.has_unfinished()
+    assert len(sender.poll()) == 2 and not sender.has_unfinished()
     receiver.close()
 
 
@@ -283,3 +286,51 @@ def test_block_copy_matches_plain_indexing_for_long_block_lists(layout):
     reference[:, :, dst_ids] = src[:, :, src_ids]
     assert torch.equal(dst, reference)
     assert num_bytes == src[:, :, src_ids].numel() * 4
+
+
+def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
+    """Engine-loop style: both sides poll, the 'clients' abort at random stages."""
+    clock = FakeClock()
+    rng = random.Random(0)
+    config = KVTransferConfig(transport="fake", fault_rate=0.2, lease_s=30, seed=1,
+                              max_concurrent_transfers=2)
+    src, dst = random_pool(4, 64, seed=1), torch.zeros(pool_shape(4, 48))
+    prefill_blocks, decode_blocks = BlockPool(64, seed=3), BlockPool(48, seed=4)
+    sender = KVSender(config, src, "prefill-0", clock=clock)
+    network = FakeNetwork()
+    network.add(sender)
+    receiver = KVReceiver(config, dst, FakeTransport(network), decode_blocks.allocate,
+                          decode_blocks.free)
+    outcomes, started, expected, abort_at, step = {}, 0, {}, {}, 0
+    while started < 200 or receiver.has_unfinished() or sender.has_unfinished():
+        step += 1
+        if started < 200 and prefill_blocks.free_ids and rng.random() < 0.5:
+            request_id = f"r{started}"
+            num_blocks = rng.randint(1, min(6, len(prefill_blocks.free_ids)))
+            ids = prefill_blocks.allocate(request_id, num_blocks)
+            expected[request_id] = src[:, :, ids].clone()
+            descriptor = sender.register(request_id, ids, num_blocks * BLOCK_SIZE)
+            if rng.random() < 0.05:
+                clock.now += 31  # nobody comes for it in time
+            elif rng.random() < 0.05:
+                release = sender.abort(request_id)  # client left before the pull
+                prefill_blocks.free(release.request_id, release.block_ids)
+            receiver.add(descriptor)
+            started += 1
+            if rng.random() < 0.15:  # the client will leave while it waits or moves
+                abort_at.setdefault(step + rng.randint(0, 20), []).append(request_id)
+        for request_id in abort_at.pop(step, []):
+            receiver.abort(request_id)
+        for release in sender.poll():
+            prefill_blocks.free(release.request_id, release.block_ids)
+        for record in receiver.poll():
+            outcomes[record.request_id] = record.outcome
+            if record.outcome is TransferOutcome.DONE:
+                assert torch.equal(dst[:, :, record.dst_block_ids], expected[record.request_id])
+                decode_blocks.free(record.request_id, record.dst_block_ids)  # decoding ended
+    receiver.close()
+    assert len(outcomes) == 200
+    counts = {o: list(outcomes.values()).count(o) for o in TransferOutcome}
+    assert counts[TransferOutcome.DONE] > 50 and counts[TransferOutcome.FAILED] > 10
+    assert counts[TransferOutcome.ABORTED] > 5
+    assert prefill_blocks.num_used == 0 and decode_blocks.num_used == 0

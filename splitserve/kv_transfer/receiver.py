@@ -121,6 +121,10 @@ class KVReceiver:
             self._start(transfer, block_ids)
         return ended
 
+    def has_unfinished(self) -> bool:
+        """True while poll() has something to do or report: keep the engine loop turning."""
+        return bool(self._pending or self._active or self._ended)
+
     def stats(self) -> ReceiverStats:
         stats = ReceiverStats(**{k: getattr(self._stats, k) for k in ReceiverStats.__slots__})
         stats.failures_by_kind = dict(self._stats.failures_by_kind)

@@ -135,6 +135,11 @@ class KVSender:
                 released.append(Release(request_id, hold.block_ids, reason))
         return released
 
+    def has_unfinished(self) -> bool:
+        """True while some hold is waiting: keep calling poll() even when otherwise idle."""
+        with self._lock:
+            return bool(self._holds)
+
     def stats(self) -> SenderStats:
         with self._lock:
             live = [h for h in self._holds.values() if not (h.confirmed or h.aborted_by_peer)]
