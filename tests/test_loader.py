@@ -101,6 +101,12 @@ def test_weights_come_in_the_requested_dtype(tmp_path):
         load_model(path, dtype=torch.int8)
 
 
+def test_eos_ids_include_those_only_generation_config_lists(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_model(path).config.eos_token_ids == (2, 7)
+
+
 def test_mistral_sliding_window_caps_the_context(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "m", arch="mistral", sliding_window=256)
     assert load_model(path).config.max_position_embeddings == 256
