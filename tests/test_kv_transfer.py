@@ -245,10 +245,17 @@ def test_unreachable_prefill_instance_is_a_network_failure():
     ("delay_ms", -1, "delay_ms"),
     ("lease_s", 0, "lease_s"),
     ("secret", b"short", "at least 8 bytes"),
+    ("host", "0.0.0.0", "without a secret"),
+    ("host", "10.0.0.5", "without a secret"),
 ])
 def test_config_names_the_bad_field(field, value, words):
     with pytest.raises(ValueError, match=words):
         KVTransferConfig(**{field: value})
+
+
+def test_non_loopback_host_is_fine_with_a_secret():
+    assert KVTransferConfig(host="10.0.0.5", secret=b"0123456789").host == "10.0.0.5"
+    assert KVTransferConfig(host="::1").host == "::1"
 
 
 def test_register_rejects_too_few_blocks_and_duplicates():

@@ -1,6 +1,7 @@
 """Settings for moving KV blocks between a prefill and a decode instance."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 TRANSPORTS = ("fake", "shm", "tcp")
@@ -37,9 +38,22 @@ class KVTransferConfig:
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("kv secret is too short to be worth anything; use at least 8 bytes "
                              "(e.g. `openssl rand -hex 16`)")
+        if self.secret is None and not is_loopback(self.host):
+            raise ValueError(f"kv host {self.host!r} is reachable from other machines: without a "
+                             "secret anyone there could read or release KV blocks; set a kv "
+                             "secret (--kv-secret) or bind to 127.0.0.1")
         for name in ("connect_timeout_s", "io_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv {name} must be positive, got {getattr(self, name)}")
         if self.max_concurrent_transfers <= 0:
             raise ValueError("kv max_concurrent_transfers must be positive, "
                              f"got {self.max_concurrent_transfers}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume the network can reach it
