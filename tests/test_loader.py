@@ -205,6 +205,17 @@ def test_gguf_tokenizer_prepends_bos_when_the_file_says_so(tmp_path):
     assert tokenizer.encode("hello world") == [plain.bos_token_id] + plain.encode("hello world")
 
 
+def test_gguf_tokenizer_with_an_unfamiliar_pre_tokenizer_goes_through_transformers(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    tokenizer, chat_template = load_tokenizer(
+        write_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, pre_tokenizer="llama-bpe"))
+    assert chat_template == CHATML_TEMPLATE
+    text = tokenizer.apply_chat_template(CHATS[1], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
+    assert tokenizer.decode(ids) == text
+
+
 def test_gguf_tensor_names_map_to_hf_names():
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"

@@ -146,7 +146,8 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = False) -> Path:
+def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = False,
+                    pre_tokenizer: str = "gpt-2") -> Path:
     """Convert a write_tiny_checkpoint directory (llama, qwen2 or qwen3) to an fp32 GGUF file,
     the way llama.cpp's convert_hf_to_gguf.py lays it out (q/k rows permuted for llama)."""
     import gguf
@@ -175,7 +176,7 @@ def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_tokenizer)  # llama.cpp's name for the split regex
     writer.add_token_list(tokens)
     writer.add_token_types([3 if token in SPECIAL_TOKENS else 1 for token in tokens])
     merges = backend["model"]["merges"]  # ["a b", ...] or [["a", "b"], ...] by tokenizers version
