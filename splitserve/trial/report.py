@@ -15,25 +15,34 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.trial.verdict import _fmt_s, main_summary
+from splitserve.trial.verdict import fmt_seconds, main_summary
 
 ROWS = [
     ("attainment", lambda s: f"{s['attainment']:.0%}"),
     ("goodput (req/s)", lambda s: f"{s['goodput_rps']:.3f}"),
     ("good / requests", lambda s: f"{s['num_good']} / {s['num_requests']}"),
-    ("TTFT p50 / p99", lambda s: f"{_fmt_s(s['ttft_s']['p50'])} / {_fmt_s(s['ttft_s']['p99'])}"),
-    ("TPOT p50 / p99", lambda s: f"{_fmt_s(s['tpot_s']['p50'])} / {_fmt_s(s['tpot_s']['p99'])}"),
-    ("gap p50 / p99", lambda s: f"{_fmt_s(s['gap_s']['p50'])} / {_fmt_s(s['gap_s']['p99'])}"),
-    ("longest pause p99 / max", lambda s: f"{_fmt_s(s['longest_pause_s']['p99'])} / "
-                                          f"{_fmt_s(s['longest_pause_s']['max'])}"),
+    ("TTFT p50 / p99", lambda s: f"{fmt_seconds(s['ttft_s']['p50'])} / {fmt_seconds(s['ttft_s']['p99'])}"),
+    ("TPOT p50 / p99", lambda s: f"{fmt_seconds(s['tpot_s']['p50'])} / {fmt_seconds(s['tpot_s']['p99'])}"),
+    ("gap p50 / p99", lambda s: f"{fmt_seconds(s['gap_s']['p50'])} / {fmt_seconds(s['gap_s']['p99'])}"),
+    ("longest pause p99 / max", lambda s: f"{fmt_seconds(s['longest_pause_s']['p99'])} / "
+                                          f"{fmt_seconds(s['longest_pause_s']['max'])}"),
     ("streams interrupted", lambda s: f"{s['interrupted_share']:.0%}"),
     ("time stalled (total)", lambda s: f"{s['stalled_s_total']:.1f} s"),
     ("failures", lambda s: ", ".join(f"{k} {v}" for k, v in s["failures"].items() if v) or "none"),
     ("retries", lambda s: str(s["retries"])),
     ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s"
                            if s["kv_transfer"]["num_reports"] else "-"),
-    ("client lag p99 / max", lambda s: f"{_fmt_s(s['client_lag_s']['p99'])} / {_fmt_s(s['client_lag_s']['max'])}"),
+    ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
+                                       f"{fmt_seconds(s['client_lag_s']['max'])}"),
 ]
+
+PLOT_TITLES = {
+    "ttft_cdf": "Time to first token (CDF)",
+    "gap_cdf": "Inter-token gaps (CDF)",
+    "pauses": "Each stream's pauses against long-prompt arrivals",
+    "attainment_vs_slo": "Attainment as every SLO is scaled",
+    "sweep": "Attainment against offered request rate (--sweep)",
+}
 
 
 def table(doc: dict) -> Table:
@@ -165,9 +174,9 @@ def write_html(doc: dict, path: pathlib.Path) -> None:
             f"<td>{html.escape(cell(main_summary(a)) if main_summary(a) else 'failed')}</td>"
             for a in doc["arrangements"]) + "</tr>" for label, cell in ROWS)
     head = "".join(f"<th>{html.escape(a['name'])}</th>" for a in doc["arrangements"])
-    errors = "".join(f"<p class=err><b>{html.escape(a['name'])} failed:</b> <pre>{html.escape(a['error'])}</pre></p>"
-                     for a in doc["arrangements"] if a["error"])
-    figures = "".join(f'<h3>{html.escape(name)}</h3><img alt="{name}" src="data:image/png;base64,{data}">'
+    errors = "".join(f"<div class=err><b>{html.escape(a['name'])} failed:</b>"
+                     f"<pre>{html.escape(a['error'])}</pre></div>" for a in doc["arrangements"] if a["error"])
+    figures = "".join(f'<h3>{PLOT_TITLES[name]}</h3><img alt="{name}" src="data:image/png;base64,{data}">'
                       for name, data in images.items())
     slo = doc["slo"]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>splitserve trial {html.escape(doc['trial'])}</title>

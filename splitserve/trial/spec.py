@@ -124,7 +124,8 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
     classes, mix = _read_workload(top.section("workload"))
     arrivals = _read_arrivals(top.section("arrivals"), classes, base_dir)
     slo = _read_slo(top.section("slo"))
-    arrangements = _read_arrangements(top.list("arrangements"), top)
+    arrangements = _read_arrangements(top.list("arrangements"),
+                                      allow_unequal_cores=top.bool("allow_unequal_cores", default=False))
     spec = TrialSpec(
         name=name, seed=seed, classes=classes, mix=mix, arrivals=arrivals, slo=slo,
         arrangements=arrangements,
@@ -257,7 +258,7 @@ DEFAULT_ARRANGEMENTS = [
 ]
 
 
-def _read_arrangements(raw_list: list, top: Section) -> list[Arrangement]:
+def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrangement]:
     raw_list = raw_list or DEFAULT_ARRANGEMENTS
     out = []
     for i, raw in enumerate(raw_list):
@@ -266,7 +267,8 @@ def _read_arrangements(raw_list: list, top: Section) -> list[Arrangement]:
                           command=sec.str_list("command", default=None), url=sec.str("url", default=None),
                           cores=sec.int("cores", default=None, minimum=1))
         sec.finish()
-        given = [k for k in ("serve", "command", "url") if getattr(arr, _ATTR[k]) is not None]
+        given = [key for key, value in (("serve", arr.serve_args), ("command", arr.command), ("url", arr.url))
+                 if value is not None]
         if len(given) != 1:
             raise SpecError(f"arrangements[{i}] ({arr.name}): give exactly one of serve, command or url, "
                             f"got {given or 'none'}")
@@ -281,14 +283,10 @@ def _read_arrangements(raw_list: list, top: Section) -> list[Arrangement]:
     if len(set(names)) != len(names):
         raise SpecError(f"arrangements: names must be unique, got {names}")
     cores = {a.name: a.cores for a in out if a.cores is not None}
-    if len(set(cores.values())) > 1 and not top.bool("allow_unequal_cores", default=False):
+    if len(set(cores.values())) > 1 and not allow_unequal_cores:
         raise SpecError(f"arrangements[].cores: arrangements must use equal total cores to be compared, "
                         f"got {cores}; fix the cores or set allow_unequal_cores: true")
-    top.bool("allow_unequal_cores", default=False)  # consume the key either way
     return out
-
-
-_ATTR = {"serve": "serve_args", "command": "command", "url": "url"}
 
 
 def _read_sweep(sec: Section) -> SweepSpec | None:

@@ -62,7 +62,7 @@ def main_summary(arr_doc: dict) -> dict | None:
     return runs[0]["summary"] if runs else None
 
 
-def _fmt_s(x: float | None) -> str:
+def fmt_seconds(x: float | None) -> str:
     if x is None:
         return "n/a"
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
@@ -92,10 +92,10 @@ def verdict(doc: dict) -> str:
     sep, sep_s = separated[0]
     col, col_s = colocated[0]
     gap_ratio = _ratio(col_s["gap_s"]["p99"], sep_s["gap_s"]["p99"])
-    facts = (f" p99 inter-token gap: {sep['name']} {_fmt_s(sep_s['gap_s']['p99'])} vs {col['name']} "
-             f"{_fmt_s(col_s['gap_s']['p99'])} ({gap_ratio}); streams interrupted by a pause: "
+    facts = (f" p99 inter-token gap: {sep['name']} {fmt_seconds(sep_s['gap_s']['p99'])} vs {col['name']} "
+             f"{fmt_seconds(col_s['gap_s']['p99'])} ({gap_ratio}); streams interrupted by a pause: "
              f"{sep_s['interrupted_share']:.0%} vs {col_s['interrupted_share']:.0%}; p99 TTFT "
-             f"{_fmt_s(sep_s['ttft_s']['p99'])} vs {_fmt_s(col_s['ttft_s']['p99'])}.")
+             f"{fmt_seconds(sep_s['ttft_s']['p99'])} vs {fmt_seconds(col_s['ttft_s']['p99'])}.")
     kv = sep_s["kv_transfer"]
     if kv["num_reports"]:
         facts += (f" {sep['name']} moved {kv['bytes'] / 1e6:.1f} MB of KV cache in {kv['seconds']:.2f} s "
@@ -114,6 +114,6 @@ def verdict(doc: dict) -> str:
     else:
         answer = " Separate prefill: no difference in goodput for this workload; pick the simpler colocated setup."
     lag = max((s["client_lag_s"]["max"] or 0.0) for _, s in ran)
-    lag_note = (f" Warning: the load generator sent some requests up to {_fmt_s(lag)} late, so offered "
+    lag_note = (f" Warning: the load generator sent some requests up to {fmt_seconds(lag)} late, so offered "
                 f"load was lower than planned." if lag > 0.5 else "")
     return head + answer + facts + lag_note + note
