@@ -167,6 +167,8 @@ def test_bad_model_paths_say_what_to_pass(tmp_path):
     (tmp_path / "fake.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_model(tmp_path / "fake.gguf")
+    with pytest.raises(FileNotFoundError, match=r"no config.json in .*pass the file itself \(.*fake.gguf\)"):
+        load_model(tmp_path)
 
 
 @pytest.mark.parametrize("shape, num_heads", [((48, 10), 3), ((48,), 3), ((64, 8), 1)])

@@ -51,7 +51,7 @@ def read_gguf_tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[PreTrained
 def _byte_level_bpe(reader: gguf.GGUFReader, pre_tokenizer) -> PreTrainedTokenizerFast:
     tokens: list[str] = metadata_value(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = metadata_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(merge.split(" ")) for merge in metadata_value(reader, "tokenizer.ggml.merges", [])]
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata_value(reader, "tokenizer.ggml.merges", [])]
     backend = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
                                    fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre_tokenizer

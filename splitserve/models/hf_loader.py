@@ -35,8 +35,10 @@ def read_json(path: Path) -> dict:
 def read_hf_config(directory: Path) -> ModelConfig:
     config_path = directory / "config.json"
     if not config_path.is_file():
+        ggufs = sorted(directory.glob("*.gguf"))
+        hint = f"; to load the GGUF here, pass the file itself ({ggufs[0]})" if ggufs else ""
         raise FileNotFoundError(f"no config.json in {directory}; an HF checkpoint directory needs "
-                                "config.json, *.safetensors and tokenizer.json")
+                                f"config.json, *.safetensors and tokenizer.json{hint}")
     raw = read_json(config_path)
     architectures = raw.get("architectures") or []
     supported = next((name for name in architectures if name in HF_ARCHITECTURES), None)
