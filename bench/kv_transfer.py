@@ -37,7 +37,7 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 
 
 def pool_shape(num_blocks: int) -> tuple[int, ...]:
-    return (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return (NUM_LAYERS, 2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)  # engine layout
 
 
 def block_ids(layout: str, num_blocks: int, pool_blocks: int, seed: int) -> list[int]:

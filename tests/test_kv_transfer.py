@@ -52,12 +52,12 @@ def test_fake_transfer_moves_exactly_the_requested_blocks(num_layers):
     touched = set()
     for record in records:
         assert record.outcome is TransferOutcome.DONE, record.error
-        assert torch.equal(dst[:, :, record.dst_block_ids], src[:, :, wanted[record.request_id]])
-        assert record.num_bytes == src[:, :, wanted[record.request_id]].numel() * 4
+        assert torch.equal(dst[:, :, :, record.dst_block_ids], src[:, :, :, wanted[record.request_id]])
+        assert record.num_bytes == src[:, :, :, wanted[record.request_id]].numel() * 4
         assert record.end >= record.start > 0
         touched.update(record.dst_block_ids)
     untouched = [b for b in range(48) if b not in touched]
-    assert not dst[:, :, untouched].any(), "blocks outside the destination lists were written"
+    assert not dst[:, :, :, untouched].any(), "blocks outside the destination lists were written"
     releases = sender.poll()
     assert sorted(r.request_id for r in releases) == ["r0", "r1", "r2"]
     assert all(r.reason is ReleaseReason.CONFIRMED for r in releases)
@@ -160,7 +160,7 @@ def test_decode_queues_transfers_when_full_and_proceeds_in_order():
     blocks.free("first", first.dst_block_ids)  # the first request finished decoding
     [second] = poll_until_ended(receiver)
     assert second.outcome is TransferOutcome.DONE
-    assert torch.equal(dst[:, :, second.dst_block_ids], src[:, :, [4, 5, 6]])
+    assert torch.equal(dst[:, :, :, second.dst_block_ids], src[:, :, :, [4, 5, 6]])
     assert not receiver.has_unfinished()
     assert len(sender.poll()) == 2 and not sender.has_unfinished()
     receiver.close()
@@ -200,7 +200,7 @@ def test_partial_fault_rate_fails_some_and_the_rest_are_exact():
     assert 5 < len(failed) < 35 and len(done) + len(failed) == 40
     for record in done:
         source = int(record.request_id[1:])
-        assert torch.equal(dst[:, :, record.dst_block_ids], src[:, :, [source]])
+        assert torch.equal(dst[:, :, :, record.dst_block_ids], src[:, :, :, [source]])
     assert blocks.num_used == len(done)
     receiver.close()
 
@@ -290,9 +290,9 @@ def test_block_copy_matches_plain_indexing_for_long_block_lists(layout):
     num_bytes = copy_blocks_by_layer(src, src_ids, dst, dst_ids, layers_seen.append)
     assert layers_seen == list(range(30))
     reference = torch.zeros_like(dst)
-    reference[:, :, dst_ids] = src[:, :, src_ids]
+    reference[:, :, :, dst_ids] = src[:, :, :, src_ids]
     assert torch.equal(dst, reference)
-    assert num_bytes == src[:, :, src_ids].numel() * 4
+    assert num_bytes == src[:, :, :, src_ids].numel() * 4
 
 
 def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
@@ -315,7 +315,7 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
             request_id = f"r{started}"
             num_blocks = rng.randint(1, min(6, len(prefill_blocks.free_ids)))
             ids = prefill_blocks.allocate(request_id, num_blocks)
-            expected[request_id] = src[:, :, ids].clone()
+            expected[request_id] = src[:, :, :, ids].clone()
             descriptor = sender.register(request_id, ids, num_blocks * BLOCK_SIZE)
             if rng.random() < 0.05:
                 clock.now += 31  # nobody comes for it in time
@@ -333,7 +333,7 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
         for record in receiver.poll():
             outcomes[record.request_id] = record.outcome
             if record.outcome is TransferOutcome.DONE:
-                assert torch.equal(dst[:, :, record.dst_block_ids], expected[record.request_id])
+                assert torch.equal(dst[:, :, :, record.dst_block_ids], expected[record.request_id])
                 decode_blocks.free(record.request_id, record.dst_block_ids)  # decoding ended
     receiver.close()
     assert len(outcomes) == 200

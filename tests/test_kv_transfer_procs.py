@@ -49,8 +49,8 @@ def test_transfer_between_two_processes(transport):
         [record] = poll_until_ended(receiver)
         receiver.close()
         assert record.outcome is TransferOutcome.DONE, record.error
-        expected = random_pool(30, 32, seed=11)[:, :, block_ids]
-        assert torch.equal(dst[:, :, record.dst_block_ids], expected)
+        expected = random_pool(30, 32, seed=11)[:, :, :, block_ids]
+        assert torch.equal(dst[:, :, :, record.dst_block_ids], expected)
         release = msgspec.json.decode(read_line(prefill))
         assert release == {"reason": "confirmed", "block_ids": block_ids}
         assert prefill.wait(timeout=30) == 0

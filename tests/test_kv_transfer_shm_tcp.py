@@ -58,11 +58,11 @@ def test_transport_moves_exactly_the_requested_blocks(transport, num_layers):
         records = poll_until_ended(receiver, num=4)
         for record in records:
             assert record.outcome is TransferOutcome.DONE, record.error
-            assert torch.equal(dst[:, :, record.dst_block_ids],
-                               sender.kv[:, :, wanted[record.request_id]])
+            assert torch.equal(dst[:, :, :, record.dst_block_ids],
+                               sender.kv[:, :, :, wanted[record.request_id]])
             assert record.transport == transport
         touched = {b for r in records for b in r.dst_block_ids}
-        assert not dst[:, :, [b for b in range(40) if b not in touched]].any()
+        assert not dst[:, :, :, [b for b in range(40) if b not in touched]].any()
         assert sorted(r.reason for r in sender.poll()) == [ReleaseReason.CONFIRMED] * 4
     finally:
         receiver.close()
@@ -192,12 +192,12 @@ def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
         [record] = poll_until_ended(receiver)
     receiver.close()
     assert record.outcome is TransferOutcome.DONE, record.error
-    assert torch.equal(dst[:, :, record.dst_block_ids], src[:, :, [3, 4, 9, 0]])
+    assert torch.equal(dst[:, :, :, record.dst_block_ids], src[:, :, :, [3, 4, 9, 0]])
 
 
 def test_tcp_layers_of_megabytes_arrive_intact():
     """Big layers make sendmsg/recvmsg_into return partial counts; nothing may slip."""
-    shape = (2, 2, 96, 16, 3, 64)  # 2 * 80 blocks * 12 KiB = ~2 MB per layer
+    shape = (2, 2, 3, 96, 16, 64)  # 2 * 80 blocks * 12 KiB = ~2 MB per layer
     config = KVTransferConfig(transport="tcp")
     src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     dst = torch.zeros(shape)
@@ -211,8 +211,8 @@ def test_tcp_layers_of_megabytes_arrive_intact():
         [record] = poll_until_ended(receiver)
     receiver.close()
     assert record.outcome is TransferOutcome.DONE, record.error
-    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
-    assert record.num_bytes == src[:, :, src_ids].numel() * 4
+    assert torch.equal(dst[:, :, :, dst_ids], src[:, :, :, src_ids])
+    assert record.num_bytes == src[:, :, :, src_ids].numel() * 4
 
 
 def test_advancing_past_partially_sent_views():

@@ -29,7 +29,8 @@ BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 2, 8
 
 
 def pool_shape(num_layers: int, num_blocks: int) -> tuple[int, ...]:
-    return (num_layers, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    """The engine's head-major layout."""
+    return (num_layers, 2, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
 
 
 def random_pool(num_layers: int, num_blocks: int, seed: int) -> torch.Tensor:
@@ -112,9 +113,9 @@ def pull(args) -> None:
     record = poll_until_ended(receiver)[0]
     receiver.close()
     src_ids = descriptor_block_ids(args.blocks)
-    expected = random_pool(num_layers, descriptor.source.kv_shape[2], args.seed)
+    expected = random_pool(num_layers, descriptor.source.kv_shape[3], args.seed)  # num_blocks
     exact = bool(record.outcome.value == "done" and torch.equal(
-        dst[:, :, record.dst_block_ids], expected[:, :, src_ids]))
+        dst[:, :, :, record.dst_block_ids], expected[:, :, :, src_ids]))
     print(msgspec.json.encode({"outcome": record.outcome.value, "error": record.error,
                                "num_bytes": record.num_bytes, "exact": exact}).decode(), flush=True)
 

@@ -1,7 +1,8 @@
 """Zero-copy byte views of a CPU pool's blocks, for scatter/gather socket I/O.
 
-On the wire one layer is `kv[layer, :, block_ids]` laid out contiguously: the K half of
-every block in list order, then the V half. Instead of gathering that into a temporary
+On the wire one layer is `kv[layer].index_select(2, block_ids)` laid out contiguously,
+[2, kv_heads, n, block_size, head_dim]: for K then V, for each head, the blocks in list
+order. Instead of gathering that into a temporary
 (sender) and scattering it out of one (receiver), both sides hand the kernel a list of
 views of the pool itself (sendmsg / recvmsg_into): the bytes are copied once per side,
 by the kernel.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from splitserve.kv_transfer import layout
 
 
 def has_byte_views(kv: torch.Tensor) -> bool:
@@ -35,15 +38,16 @@ def id_runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 def layer_views(raw: memoryview, kv_shape: tuple[int, ...], element_size: int, layer: int,
                 runs: list[tuple[int, int]]) -> list[memoryview]:
-    """Views that, concatenated, are kv[layer, :, block_ids] (K blocks, then V blocks).
+    """Views that, concatenated, are kv[layer].index_select(2, block_ids).
 
-    kv_shape: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_shape: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
     """
-    num_blocks = kv_shape[2]
-    block_bytes = math.prod(kv_shape[3:]) * element_size
+    assert layout.BLOCK_DIM == 3, "the offsets below are written for the head-major layout"
+    num_heads, num_blocks = kv_shape[2], kv_shape[3]
+    block_bytes = math.prod(kv_shape[4:]) * element_size  # one head of one block
     views = []
-    for half in (0, 1):  # K, then V
-        base = (layer * 2 + half) * num_blocks * block_bytes
+    for half_and_head in range(2 * num_heads):  # K heads, then V heads
+        base = (layer * 2 * num_heads + half_and_head) * num_blocks * block_bytes
         for first, length in runs:
             start = base + first * block_bytes
             views.append(raw[start:start + length * block_bytes])

@@ -20,7 +20,7 @@ class SourceInfo(msgspec.Struct, frozen=True):
 
     instance_id: str
     transport: str  # "fake" | "shm" | "tcp"
-    kv_shape: tuple[int, ...]  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_shape: tuple[int, ...]  # [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
     host: str = ""  # control socket (shm, tcp)
     port: int = 0
@@ -109,7 +109,7 @@ class Reply(msgspec.Struct, tag="reply"):
 
 class LayerHeader(msgspec.Struct, tag="layer"):
     layer: int
-    num_bytes: int  # raw bytes that follow: kv[layer, :, block_ids] contiguous
+    num_bytes: int  # raw bytes that follow: kv[layer].index_select(2, block_ids), contiguous
 
 
 ControlMessage = Union[Challenge, Hello, Welcome, Begin, Fetch, Confirm, Abort, Reply, LayerHeader]

@@ -61,7 +61,7 @@ class ReceiverStats:
 class KVReceiver:
     def __init__(self, config: KVTransferConfig, kv: torch.Tensor, transport: KVTransport,
                  allocate: Allocate, free: Free, clock: Callable[[], float] = time.time):
-        """kv: this instance's pool [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        """kv: this instance's pool [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
         self.config = config
         self.kv = kv
         self.transport = transport

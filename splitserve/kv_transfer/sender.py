@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import Reply, SourceInfo, TransferDescriptor
 from splitserve.kv_transfer.shm_pool import dtype_name
@@ -68,14 +69,14 @@ class SenderStats:
 class KVSender:
     def __init__(self, config: KVTransferConfig, kv: torch.Tensor, instance_id: str,
                  shm_name: str = "", clock: Callable[[], float] = time.monotonic):
-        """kv: this instance's pool [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        """kv: this instance's pool [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
         if config.transport == "shm" and not shm_name:
             raise ValueError("kv transport 'shm' needs the pool in shared memory: allocate it "
                              "with allocate_kv_pool and pass its name as shm_name")
         self.config = config
         self.kv = kv
         self.instance_id = instance_id
-        self.block_size = kv.shape[3]
+        self.block_size = layout.block_size(tuple(kv.shape))
         self._shm_name = shm_name
         self._clock = clock
         self._lock = threading.Lock()

@@ -5,7 +5,7 @@ thread per connected peer. Each peer authenticates first when a secret is set, t
 sends requests, each answered before the next:
 
     Begin(request_id)   -> Reply(block_ids, num_tokens)  or Reply(ok=False, error)
-    Fetch(request_id)   -> per layer: LayerHeader + kv[layer, :, block_ids] raw bytes
+    Fetch(request_id)   -> per layer: LayerHeader + kv[layer] blocks as raw bytes
                            (tcp transport; shm readers copy from the shared pool instead)
     Confirm(request_id) -> Reply: ok only if the blocks were held the whole time
     Abort(request_id)   -> Reply(ok=True): free now instead of at lease expiry
@@ -125,7 +125,7 @@ class KVServer:
         if not reply.ok:
             conn.send(reply)
             return
-        kv = self.sender.kv  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        kv = self.sender.kv  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         # Reading without the lock is safe: if the hold ends meanwhile, the peer's Confirm
         # fails and it discards what it read.
         if has_byte_views(kv):
@@ -137,7 +137,7 @@ class KVServer:
             return
         index = block_index(reply.block_ids, kv.device)
         for layer in range(kv.shape[0]):  # a GPU pool: stage each layer on the host
-            chunk = kv[layer].index_select(1, index).cpu()  # [2, n, block_size, kv_heads, head_dim]
+            chunk = kv[layer].index_select(2, index).cpu()  # [2, kv_heads, n, block_size, head_dim]
             raw = chunk.view(-1).view(torch.uint8).numpy()
             conn.send(LayerHeader(layer=layer, num_bytes=raw.nbytes))
             conn.send_raw(memoryview(raw))

@@ -81,7 +81,7 @@ def allocate_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, name: str,
                      shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, KVPoolHandle]:
     """Create a zeroed shared segment and view it as a tensor of `shape` (CPU).
 
-    shape: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    shape: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
     """
     numel = _check_shape(shape)
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()

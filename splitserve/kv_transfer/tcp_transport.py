@@ -1,16 +1,16 @@
 """Cross-host transport: the prefill instance streams the blocks over its socket.
 
 Per transfer, on one authenticated connection: Fetch(request_id), then for each layer
-a LayerHeader and `kv[layer, :, src_blocks]` as raw bytes, written into our blocks as
+a LayerHeader and `kv[layer].index_select(2, src_blocks)` as raw bytes, written into our blocks as
 they arrive (the next layer is on the wire while this one is copied); then Confirm.
 """
 from __future__ import annotations
 
-import math
 import socket
 
 import torch
 
+from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import Confirm, Fetch, LayerHeader, Reply, TransferDescriptor
@@ -43,21 +43,23 @@ class TcpTransport(KVTransport):
             conn.close()
 
     def _receive_layers(self, conn, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
-        layer_bytes = math.prod(dst_kv.shape[3:]) * dst_kv.element_size() * 2 * len(dst_block_ids)
+        layer_bytes = (layout.block_numel(tuple(dst_kv.shape)) // dst_kv.shape[0]
+                       * dst_kv.element_size() * len(dst_block_ids))
         if has_byte_views(dst_kv):  # straight into our blocks
             raw, runs = pool_bytes(dst_kv), id_runs(dst_block_ids)
             receive = lambda layer: conn.recv_into_views(  # noqa: E731
                 layer_views(raw, tuple(dst_kv.shape), dst_kv.element_size(), layer, runs))
         else:  # a GPU pool: stage each layer on the host, then one copy to the device
             dst_index = block_index(dst_block_ids, dst_kv.device)
-            # staging: [2, n, block_size, kv_heads, head_dim], reused for every layer
-            staging = torch.empty((2, len(dst_block_ids)) + tuple(dst_kv.shape[3:]),
+            # staging: [2, kv_heads, n, block_size, head_dim], reused for every layer
+            num_heads, per_block = dst_kv.shape[2], tuple(dst_kv.shape[4:])
+            staging = torch.empty((2, num_heads, len(dst_block_ids)) + per_block,
                                   dtype=dst_kv.dtype, pin_memory=torch.cuda.is_available())
             staging_raw = memoryview(staging.view(-1).view(torch.uint8).numpy())
 
             def receive(layer: int) -> None:
                 conn.recv_raw_into(staging_raw)
-                dst_kv[layer].index_copy_(1, dst_index, staging.to(dst_kv.device))
+                dst_kv[layer].index_copy_(2, dst_index, staging.to(dst_kv.device))
 
         for layer in range(dst_kv.shape[0]):
             on_layer(layer)

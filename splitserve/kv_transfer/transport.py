@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.messages import TransferDescriptor
 
 LayerHook = Callable[[int], None]
@@ -80,14 +81,14 @@ def check_layout(descriptor: TransferDescriptor, dst_kv: torch.Tensor,
                  num_src_blocks: int, dst_block_ids: list[int]) -> None:
     """Both pools must agree on everything but the number of blocks."""
     src_shape = tuple(descriptor.source.kv_shape)
-    if len(src_shape) != 6 or dst_kv.dim() != 6:
-        raise TransferError(f"kv pools must be [layers, 2, blocks, block_size, kv_heads, head_dim]; "
+    if len(src_shape) != layout.NUM_DIMS or dst_kv.dim() != layout.NUM_DIMS:
+        raise TransferError(f"kv pools must be [layers, 2, kv_heads, blocks, block_size, head_dim]; "
                             f"source is {src_shape}, destination {tuple(dst_kv.shape)}")
-    src_layout = src_shape[:2] + src_shape[3:]
-    dst_layout = tuple(dst_kv.shape[:2]) + tuple(dst_kv.shape[3:])
+    src_layout = layout.without_blocks(src_shape)
+    dst_layout = layout.without_blocks(tuple(dst_kv.shape))
     if src_layout != dst_layout:
         raise TransferError(f"prefill and decode instances disagree on the KV layout (layers, 2, "
-                            f"block_size, kv_heads, head_dim): {src_layout} vs {dst_layout}; "
+                            f"kv_heads, block_size, head_dim): {src_layout} vs {dst_layout}; "
                             "run both with the same model and block size")
     if descriptor.source.dtype != str(dst_kv.dtype).removeprefix("torch."):
         raise TransferError(f"kv dtype differs: source {descriptor.source.dtype}, "
@@ -147,12 +148,14 @@ def copy_blocks_by_layer(src_kv: torch.Tensor, src_block_ids: list[int], dst_kv:
     """
     runs = contiguous_runs(src_block_ids, dst_block_ids)
     num_layers = src_kv.shape[0]
+    assert layout.BLOCK_DIM == 3, "the slicing below is written for the head-major layout"
     layers_per_step = max(1, min(num_layers, len(runs) // 8))
     for first in range(0, num_layers, layers_per_step):
         last = min(num_layers, first + layers_per_step)
         for layer in range(first, last):
             on_layer(layer)
         for src, dst, length in runs:
-            # [layers, 2, length, block_size, kv_heads, head_dim]; device moves happen here
-            dst_kv[first:last, :, dst:dst + length].copy_(src_kv[first:last, :, src:src + length])
-    return src_kv[:, :, 0].numel() * len(src_block_ids) * src_kv.element_size()
+            # [layers, 2, kv_heads, length, block_size, head_dim]; device moves happen here
+            dst_kv[first:last, :, :, dst:dst + length].copy_(
+                src_kv[first:last, :, :, src:src + length])
+    return layout.block_numel(tuple(src_kv.shape)) * len(src_block_ids) * src_kv.element_size()
