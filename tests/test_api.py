@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from serve_support import ServerProcess, all_blocks_free, metric_samples, wait_until
+from serve_support import ServerProcess, all_blocks_free, metric_samples, process_alive, wait_until
 from tiny_models import write_tiny_checkpoint
 
 MAX_NUM_SEQS = 4
@@ -25,7 +25,9 @@ def server(tmp_path_factory):
     srv = ServerProcess(str(model), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queued-requests", "0",
                         "--kv-cache-memory", "8MiB", log_path=root / "server.log").wait_ready()
     yield srv
-    assert srv.stop() == 0, srv.log()
+    pids = [i["pid"] for i in srv.health()["instances"]]
+    assert srv.stop() == 0, srv.log()  # SIGTERM: a clean stop of the frontend and its engine
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=10), "engine outlived serve"
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,7 @@ class EngineProcess:
         for t in threads:
             t.join(timeout=2)
         self.ctx.term()
+        log.info("engine %s stopped", self.engine_id)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -131,6 +131,7 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         await client.shutdown()
         await asyncio.to_thread(stop_engines, processes)
+        log.warning("all engines stopped")
     return 0
 
 

@@ -1,0 +1,152 @@
+"""A real server with two colocated engine processes, under load and under faults.
+
+One server per module (tiny random-weight model, 2 engines with 1 thread each); the tests run
+in order and the last ones kill the engines.
+- Many clients at once get complete answers, and no KV block leaks. Greedy answers of the same
+  request must be identical however the batch around them looked, so each concurrent stream
+  is checked against the same request run alone afterwards.
+- Clients that leave mid-stream have their requests aborted and their blocks freed.
+- An engine that dies is noticed: its requests end with an error, never a hang; the survivor
+  takes the traffic; with no engine left the API answers 503 with Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from serve_support import ServerProcess, all_blocks_free, metric_samples, process_alive, wait_until
+from tiny_models import write_tiny_checkpoint
+
+# (prompt words, answer tokens): mixed prompt and answer lengths
+CASES = [(1, 1), (2, 5), (4, 17), (8, 2), (14, 33), (20, 9), (30, 64), (3, 100)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("load")
+    model = write_tiny_checkpoint(root / "tiny", arch="llama")
+    srv = ServerProcess(str(model), "--max-num-seqs", "32", "--max-queued-requests", "64",
+                        "--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "128",
+                        instances=2, log_path=root / "server.log").wait_ready()
+    yield srv
+    pids = [i["pid"] for i in srv.health()["instances"]]
+    assert srv.stop() == 0, srv.log()
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=10), "engines outlived serve"
+
+
+def messages(words: int) -> list[dict]:
+    return [{"role": "user", "content": " ".join(["hello world the answer"] * words)}]
+
+
+async def stream_answer(client: openai.AsyncOpenAI, model: str, case: int) -> tuple[str, int, str]:
+    words, max_tokens = CASES[case]
+    stream = await client.chat.completions.create(
+        model=model, messages=messages(words), max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, finish, completion_tokens = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            completion_tokens = chunk.usage.completion_tokens
+    return text, completion_tokens, finish
+
+
+def test_64_concurrent_streams_get_complete_correct_answers_and_free_all_blocks(server):
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            results = await asyncio.gather(*(stream_answer(client, model, i % len(CASES)) for i in range(64)))
+            # The same requests, one at a time, as the reference.
+            alone = [await stream_answer(client, model, c) for c in range(len(CASES))]
+            return results, alone
+
+    results, alone = asyncio.run(run_all())
+    for i, (text, completion_tokens, finish) in enumerate(results):
+        case = i % len(CASES)
+        assert completion_tokens == CASES[case][1], f"stream {i} got {completion_tokens} tokens"
+        assert finish == "length"
+        assert text == alone[case][0], f"stream {i} differs from the same request run alone"
+    assert wait_until(lambda: all_blocks_free(server.base_url))
+    free = metric_samples(server.base_url, "splitserve_instance_kv_blocks_free")
+    assert len(free) == 2  # both instances report, and both are fully free
+    prompts_seen = metric_samples(server.base_url, "splitserve_instance_prefix_cache_hit_rate")
+    assert all(rate > 0 for rate in prompts_seen.values()), "the router left an instance idle"
+
+
+def test_20_clients_disconnecting_mid_stream_free_their_blocks(server):
+    aborted_before = metric_samples(server.base_url, "splitserve_requests_total")['{outcome="abort"}']
+
+    async def leave_early(client, model, i):
+        stream = await client.chat.completions.create(
+            model=model, messages=messages(1 + i), max_tokens=150, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        received = 0
+        async for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+            if received == 3:
+                break
+        await stream.close()
+        return received
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(leave_early(client, model, i) for i in range(20)))
+
+    assert asyncio.run(run_all()) == [3] * 20
+    assert wait_until(lambda: all_blocks_free(server.base_url)), httpx.get(server.base_url + "/metrics").text
+    aborted = metric_samples(server.base_url, "splitserve_requests_total")['{outcome="abort"}']
+    assert aborted - aborted_before == 20
+    # ... and the server keeps serving.
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    answer = client.completions.create(model=client.models.list().data[0].id, prompt="hello", max_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 5
+
+
+def engine_pids(server) -> dict[str, int]:
+    return {i["id"]: i["pid"] for i in server.health()["instances"]}
+
+
+def test_killed_engine_fails_its_requests_and_leaves_rotation(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    args = dict(model=model, prompt="hello world", max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+    # Least outstanding tokens puts the second stream on the other (idle) engine.
+    streams = [iter(client.completions.create(**args)) for _ in range(2)]
+    for s in streams:
+        next(s)
+    os.kill(engine_pids(server)["engine-0"], signal.SIGKILL)
+
+    outcomes = []
+    for s in streams:
+        try:
+            outcomes.append(sum(1 for _ in s) and "finished")
+        except openai.APIError as e:
+            outcomes.append(f"error: {e.message}")
+    assert sorted(o.split(":")[0] for o in outcomes) == ["error", "finished"], outcomes
+    assert any("engine instance engine-0 died" in o for o in outcomes)
+
+    health = server.health()
+    assert health["instances_alive"] == 1
+    assert {i["id"]: i["alive"] for i in health["instances"]} == {"engine-0": False, "engine-1": True}
+    for _ in range(3):  # every new request goes to the survivor
+        answer = client.completions.create(model=model, prompt="hello", max_tokens=4,
+                                           extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 4
+
+
+def test_no_engine_left_means_503_with_retry_after(server):
+    os.kill(engine_pids(server)["engine-1"], signal.SIGKILL)
+    assert wait_until(lambda: server.health()["instances_alive"] == 0)
+    assert httpx.get(server.base_url + "/health").status_code == 503
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "no_engine"
