@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.kv_transfer import (KVReceiver, KVSender, KVServer, KVTransferConfig,  # noqa: E402
-                                    TransferDescriptor, TransferOutcome, allocate_kv_pool,
+from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,  # noqa: E402
+                                    KVTransferConfig, TransferDescriptor, TransferOutcome, allocate_kv_pool,
                                     make_transport, segment_name)
 
 # SmolLM2-135M (the bundled model): 30 layers, 3 KV heads of 64, fp32, blocks of 16 tokens.
@@ -100,7 +100,7 @@ class RemotePrefill:
         dst = torch.zeros(pool_shape(args.pool_blocks))
         dst_ids = block_ids(args.layout, args.num_blocks, args.pool_blocks, seed=2)
         self.receiver = KVReceiver(config, dst, make_transport(config),
-                                   allocate=lambda request_id, n: list(dst_ids),
+                                   allocate=lambda request_id, n: DestinationBlocks(list(dst_ids)),
                                    free=lambda *_: None)
 
     def once(self) -> tuple[float, int]:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from splitserve.kv_transfer import (FakeNetwork, FakeTransport, KVReceiver, KVSender,
+from splitserve.kv_transfer import (DestinationBlocks, FakeNetwork, FakeTransport, KVReceiver, KVSender,
                                     KVTransferConfig, ReleaseReason, TransferOutcome)
 from test_kv_transfer_support import BLOCK_SIZE, BlockPool, poll_until_ended, pool_shape, random_pool
 
@@ -62,6 +62,24 @@ def test_fake_transfer_moves_exactly_the_requested_blocks(num_layers):
     assert sorted(r.request_id for r in releases) == ["r0", "r1", "r2"]
     assert all(r.reason is ReleaseReason.CONFIRMED for r in releases)
     assert receiver.stats().num_done == 3 and blocks.num_used == sum(map(len, wanted.values()))
+    receiver.close()
+
+
+def test_leading_blocks_the_decode_side_caches_are_not_pulled():
+    config = KVTransferConfig(transport="fake")
+    src = random_pool(2, 8, seed=0)
+    sender = KVSender(config, src, "p")
+    network = FakeNetwork()
+    network.add(sender)
+    dst = torch.full(pool_shape(2, 8), 7.0)
+    receiver = KVReceiver(config, dst, FakeTransport(network),
+                          lambda request_id, n: DestinationBlocks([6, 1, 2], num_cached=1),
+                          lambda *_: None)
+    receiver.add(sender.register("r", [0, 3, 5], 3 * BLOCK_SIZE))
+    [record] = poll_until_ended(receiver)
+    assert record.outcome is TransferOutcome.DONE
+    assert (dst[:, :, :, 6] == 7.0).all()
+    assert torch.equal(dst[:, :, :, [1, 2]], src[:, :, :, [3, 5]])
     receiver.close()
 
 
@@ -125,7 +143,7 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides():
 
 def test_abort_while_waiting_for_decode_blocks_releases_the_prefill_side():
     sender, receiver, *_, blocks = make_pair(dst_blocks=4)
-    hog = blocks.allocate("someone-else", 3)  # only one block left
+    hog = blocks.take("someone-else", 3)  # only one block left
     receiver.add(sender.register("queued", [1, 2], 2 * BLOCK_SIZE))
     assert receiver.poll() == [] and receiver.stats().num_pending == 1
     assert receiver.abort("queued")
@@ -314,7 +332,7 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
         if started < 200 and prefill_blocks.free_ids and rng.random() < 0.5:
             request_id = f"r{started}"
             num_blocks = rng.randint(1, min(6, len(prefill_blocks.free_ids)))
-            ids = prefill_blocks.allocate(request_id, num_blocks)
+            ids = prefill_blocks.take(request_id, num_blocks)
             expected[request_id] = src[:, :, :, ids].clone()
             descriptor = sender.register(request_id, ids, num_blocks * BLOCK_SIZE)
             if rng.random() < 0.05:

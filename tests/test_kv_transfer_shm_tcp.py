@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.kv_transfer import (KVReceiver, KVSender, KVServer, KVTransferConfig,
+from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer, KVTransferConfig,
                                     ReleaseReason, TransferOutcome, allocate_kv_pool,
                                     attach_kv_pool, cleanup_stale_segments, make_transport,
                                     segment_name)
@@ -64,6 +64,29 @@ def test_transport_moves_exactly_the_requested_blocks(transport, num_layers):
         touched = {b for r in records for b in r.dst_block_ids}
         assert not dst[:, :, :, [b for b in range(40) if b not in touched]].any()
         assert sorted(r.reason for r in sender.poll()) == [ReleaseReason.CONFIRMED] * 4
+    finally:
+        receiver.close()
+        server.close()
+        if handle:
+            handle.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_blocks_the_decode_side_already_caches_are_not_pulled(transport):
+    sender, server, handle = start_prefill(transport, 3, 16)
+    config = KVTransferConfig(transport=transport)
+    dst = torch.full(pool_shape(3, 16), 7.0)  # 7.0 stands for KV the decode side already has
+    receiver = KVReceiver(config, dst, make_transport(config),
+                          lambda request_id, n: DestinationBlocks([4, 5, 0, 9], num_cached=2),
+                          lambda *_: None)
+    try:
+        receiver.add(sender.register("r", [1, 2, 3, 8], 4 * BLOCK_SIZE))
+        [record] = poll_until_ended(receiver)
+        assert record.outcome is TransferOutcome.DONE, record.error
+        assert torch.equal(dst[:, :, :, [0, 9]], sender.kv[:, :, :, [3, 8]])
+        assert (dst[:, :, :, [4, 5]] == 7.0).all()
+        assert record.num_bytes == sender.kv[:, :, :, [3, 8]].numel() * 4
+        assert record.num_cached_blocks == 2
     finally:
         receiver.close()
         server.close()
@@ -205,7 +228,7 @@ def test_tcp_layers_of_megabytes_arrive_intact():
     dst_ids = list(range(8, 48)) + random.Random(2).sample(range(48, 96), 40)
     sender = KVSender(config, src, "p")
     receiver = KVReceiver(config, dst, make_transport(config),
-                          lambda request_id, n: list(dst_ids), lambda *_: None)
+                          lambda request_id, n: DestinationBlocks(list(dst_ids)), lambda *_: None)
     with KVServer(sender):
         receiver.add(sender.register("big", src_ids, 80 * 16))
         [record] = poll_until_ended(receiver)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.kv_transfer import (KVReceiver, KVSender, KVServer, KVTransferConfig,  # noqa: E402
+from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer, KVTransferConfig,  # noqa: E402
                                     TransferDescriptor, allocate_kv_pool, make_transport,
                                     segment_name)
 
@@ -46,7 +46,7 @@ class BlockPool:
         random.Random(seed).shuffle(self.free_ids)
         self.owner: dict[int, str] = {}
 
-    def allocate(self, request_id: str, num_blocks: int) -> list[int] | None:
+    def take(self, request_id: str, num_blocks: int) -> list[int] | None:
         if num_blocks > len(self.free_ids) + len(self.owner):
             raise ValueError(f"{num_blocks} blocks exceed the whole pool")
         if num_blocks > len(self.free_ids):
@@ -54,6 +54,11 @@ class BlockPool:
         ids = [self.free_ids.pop() for _ in range(num_blocks)]
         self.owner.update((b, request_id) for b in ids)
         return ids
+
+    def allocate(self, request_id: str, num_blocks: int) -> DestinationBlocks | None:
+        """The KVReceiver's allocate callback."""
+        ids = self.take(request_id, num_blocks)
+        return None if ids is None else DestinationBlocks(ids)
 
     def free(self, request_id: str, block_ids: list[int]) -> None:
         for b in block_ids:

@@ -12,7 +12,7 @@ from splitserve.kv_transfer.config import TRANSPORTS, KVTransferConfig
 from splitserve.kv_transfer.fake_transport import FakeNetwork, FakeTransport
 from splitserve.kv_transfer.messages import (SourceInfo, TransferDescriptor, TransferOutcome,
                                              TransferRecord)
-from splitserve.kv_transfer.receiver import KVReceiver, ReceiverStats
+from splitserve.kv_transfer.receiver import DestinationBlocks, KVReceiver, ReceiverStats
 from splitserve.kv_transfer.sender import KVSender, Release, ReleaseReason, SenderStats
 from splitserve.kv_transfer.server import KVServer
 from splitserve.kv_transfer.shm_pool import (allocate_kv_pool, attach_kv_pool,
@@ -35,7 +35,7 @@ def make_transport(config: KVTransferConfig, network: FakeNetwork | None = None)
 
 
 __all__ = [
-    "TRANSPORTS", "FakeNetwork", "FakeTransport", "KVReceiver", "KVSender", "KVServer",
+    "TRANSPORTS", "DestinationBlocks", "FakeNetwork", "FakeTransport", "KVReceiver", "KVSender", "KVServer",
     "KVTransferConfig", "KVTransport", "ReceiverStats", "Release", "ReleaseReason",
     "SenderStats", "ShmTransport", "SourceInfo", "TcpTransport", "TransferDescriptor",
     "TransferError", "TransferOutcome", "TransferRecord", "allocate_kv_pool",

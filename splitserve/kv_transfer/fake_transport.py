@@ -36,7 +36,8 @@ class FakeTransport(KVTransport):
         self.network = network
         self.layer_hook = layer_hook
 
-    def pull(self, descriptor: TransferDescriptor, dst_kv, dst_block_ids, on_layer) -> int:
+    def pull(self, descriptor: TransferDescriptor, dst_kv, dst_block_ids, on_layer,
+             first_block: int = 0) -> int:
         sender = self.network.sender(descriptor.source.instance_id)
         begin = sender.peer_begin(descriptor.request_id)
         if not begin.ok:
@@ -48,7 +49,8 @@ class FakeTransport(KVTransport):
             if self.layer_hook is not None:
                 self.layer_hook(layer)
 
-        num_bytes = copy_blocks_by_layer(sender.kv, begin.block_ids, dst_kv, dst_block_ids, hooks)
+        num_bytes = copy_blocks_by_layer(sender.kv, begin.block_ids[first_block:], dst_kv,
+                                         dst_block_ids[first_block:], hooks)
         confirm = sender.peer_confirm(descriptor.request_id)
         if not confirm.ok:
             raise SourceGone(confirm.error)

@@ -62,6 +62,7 @@ class TransferRecord(msgspec.Struct):
     error: str = ""
     error_kind: str = ""  # injected | network | source_gone | auth | no_space | cancelled | ...
     dst_block_ids: list[int] = []
+    num_cached_blocks: int = 0  # leading dst blocks the decode side already had (not moved)
 
     @property
     def seconds(self) -> float:
@@ -90,6 +91,7 @@ class Begin(msgspec.Struct, tag="begin"):
 
 class Fetch(msgspec.Struct, tag="fetch"):
     request_id: str
+    first_block: int = 0  # skip blocks the puller already has
 
 
 class Confirm(msgspec.Struct, tag="confirm"):

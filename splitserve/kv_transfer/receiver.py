@@ -6,7 +6,8 @@ A request's path on a decode instance, before it can join the decode batch:
     poll()                   engine thread, once per step:
         - PENDING: ask the block manager for destination blocks (`allocate`); if there is
           no room yet the transfer stays queued, in arrival order; if it can never fit,
-          FAILED with the allocator's message
+          FAILED with the allocator's message. Leading blocks the decode side's own prefix
+          cache already holds (`DestinationBlocks.num_cached`) are not pulled.
         - then TRANSFERRING on a puller thread: the transport copies the blocks layer
           by layer and confirms receipt to the prefill instance
         - returns every transfer that ended since the last poll: DONE (its blocks now
@@ -33,8 +34,18 @@ from splitserve.kv_transfer.messages import TransferDescriptor, TransferOutcome,
 from splitserve.kv_transfer.transport import (FaultInjector, InjectedFault, KVTransport,
                                               TransferCancelled, TransferError)
 
-Allocate = Callable[[str, int], "list[int] | None"]  # (request_id, num_blocks) -> ids, None if full
-Free = Callable[[str, list[int]], None]
+
+
+@dataclass(slots=True)
+class DestinationBlocks:
+    """What the decode side's block manager gave a transfer."""
+
+    block_ids: list[int]  # one per source block, in order
+    num_cached: int = 0  # leading blocks that already hold this prompt's KV: not pulled
+
+
+Allocate = Callable[[str, int], "DestinationBlocks | None"]  # (request_id, num_blocks); None: full
+Free = Callable[[str, list[int]], None]  # (request_id, block ids it was given)
 
 
 @dataclass(slots=True, eq=False)
@@ -107,7 +118,7 @@ class KVReceiver:
             if len(self._active) >= self.config.max_concurrent_transfers:
                 break  # do not take blocks for transfers that would only wait for a puller
             try:
-                block_ids = self._allocate(request_id, transfer.descriptor.num_blocks)
+                blocks = self._allocate(request_id, transfer.descriptor.num_blocks)
             except ValueError as exc:  # can never fit: refuse explicitly
                 del self._pending[request_id]
                 self._end(transfer, TransferOutcome.FAILED, f"decode instance refused: {exc}",
@@ -115,10 +126,10 @@ class KVReceiver:
                 self._pullers.submit(self.transport.release, transfer.descriptor)
                 ended.append(transfer.record)
                 continue
-            if block_ids is None:
+            if blocks is None:
                 break  # full for now; keep arrival order
             del self._pending[request_id]
-            self._start(transfer, block_ids)
+            self._start(transfer, blocks)
         return ended
 
     def has_unfinished(self) -> bool:
@@ -141,12 +152,15 @@ class KVReceiver:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _start(self, transfer: _Transfer, block_ids: list[int]) -> None:
-        if len(block_ids) != transfer.descriptor.num_blocks:
-            self._free(transfer.descriptor.request_id, block_ids)
-            raise AssertionError(f"allocate returned {len(block_ids)} blocks, "
-                                 f"asked for {transfer.descriptor.num_blocks}")
-        transfer.record.dst_block_ids = list(block_ids)
+    def _start(self, transfer: _Transfer, blocks: DestinationBlocks) -> None:
+        if (len(blocks.block_ids) != transfer.descriptor.num_blocks
+                or not 0 <= blocks.num_cached <= len(blocks.block_ids)):
+            self._free(transfer.descriptor.request_id, blocks.block_ids)
+            raise AssertionError(f"allocate returned {len(blocks.block_ids)} blocks "
+                                 f"({blocks.num_cached} cached), asked for "
+                                 f"{transfer.descriptor.num_blocks}")
+        transfer.record.dst_block_ids = list(blocks.block_ids)
+        transfer.record.num_cached_blocks = blocks.num_cached
         transfer.record.outcome = TransferOutcome.TRANSFERRING
         transfer.fail_at_layer = self._faults.plan(self.kv.shape[0])
         self._active[transfer.descriptor.request_id] = transfer
@@ -200,7 +214,7 @@ class KVReceiver:
             if transfer.cancel.wait(self._faults.delay_s):
                 raise TransferCancelled("aborted during the injected delay")
             record.num_bytes = self.transport.pull(descriptor, self.kv, record.dst_block_ids,
-                                                   on_layer)
+                                                   on_layer, record.num_cached_blocks)
             record.outcome = TransferOutcome.DONE
         except TransferError as exc:
             aborted = isinstance(exc, TransferCancelled)

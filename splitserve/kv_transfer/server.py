@@ -5,7 +5,8 @@ thread per connected peer. Each peer authenticates first when a secret is set, t
 sends requests, each answered before the next:
 
     Begin(request_id)   -> Reply(block_ids, num_tokens)  or Reply(ok=False, error)
-    Fetch(request_id)   -> per layer: LayerHeader + kv[layer] blocks as raw bytes
+    Fetch(request_id, first_block) -> per layer: LayerHeader + that layer's blocks
+                           [first_block:] as raw bytes
                            (tcp transport; shm readers copy from the shared pool instead)
     Confirm(request_id) -> Reply: ok only if the blocks were held the whole time
     Abort(request_id)   -> Reply(ok=True): free now instead of at lease expiry
@@ -116,26 +117,31 @@ class KVServer:
         elif isinstance(message, Abort):
             conn.send(sender.peer_abort(message.request_id))
         elif isinstance(message, Fetch):
-            self._stream(conn, message.request_id)
+            self._stream(conn, message.request_id, message.first_block)
         else:
             conn.send(Reply(ok=False, error=f"unexpected {type(message).__name__}"))
 
-    def _stream(self, conn: Connection, request_id: str) -> None:
+    def _stream(self, conn: Connection, request_id: str, first_block: int) -> None:
         reply = self.sender.peer_begin(request_id)
         if not reply.ok:
             conn.send(reply)
             return
+        if not 0 <= first_block <= len(reply.block_ids):
+            conn.send(Reply(ok=False, error=f"first_block {first_block} is outside the "
+                                            f"{len(reply.block_ids)} blocks of {request_id!r}"))
+            return
+        block_ids = reply.block_ids[first_block:]
         kv = self.sender.kv  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         # Reading without the lock is safe: if the hold ends meanwhile, the peer's Confirm
         # fails and it discards what it read.
         if has_byte_views(kv):
-            raw, runs = pool_bytes(kv), id_runs(reply.block_ids)
+            raw, runs = pool_bytes(kv), id_runs(block_ids)
             for layer in range(kv.shape[0]):
                 views = layer_views(raw, tuple(kv.shape), kv.element_size(), layer, runs)
                 conn.send(LayerHeader(layer=layer, num_bytes=sum(len(v) for v in views)))
                 conn.send_views(views)
             return
-        index = block_index(reply.block_ids, kv.device)
+        index = block_index(block_ids, kv.device)
         for layer in range(kv.shape[0]):  # a GPU pool: stage each layer on the host
             chunk = kv[layer].index_select(2, index).cpu()  # [2, kv_heads, n, block_size, head_dim]
             raw = chunk.view(-1).view(torch.uint8).numpy()

@@ -73,7 +73,7 @@ class ShmTransport(KVTransport):
                     raise TransferError(str(exc)) from None
             return self._pools[source.shm_name][0]
 
-    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
+    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer, first_block: int = 0) -> int:
         src_kv = self._source_pool(descriptor)
         conn = open_control(self.config, descriptor)
         try:
@@ -81,8 +81,8 @@ class ShmTransport(KVTransport):
             if not begin.ok:
                 raise SourceGone(begin.error)
             check_layout(descriptor, dst_kv, len(begin.block_ids), dst_block_ids)
-            num_bytes = copy_blocks_by_layer(src_kv, begin.block_ids, dst_kv, dst_block_ids,
-                                             on_layer)
+            num_bytes = copy_blocks_by_layer(src_kv, begin.block_ids[first_block:], dst_kv,
+                                             dst_block_ids[first_block:], on_layer)
             confirm = control_call(conn, Confirm(descriptor.request_id))
             if not confirm.ok:
                 raise SourceGone(confirm.error)

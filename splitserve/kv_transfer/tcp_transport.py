@@ -25,12 +25,12 @@ class TcpTransport(KVTransport):
     def __init__(self, config: KVTransferConfig):
         self.config = config
 
-    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
+    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer, first_block: int = 0) -> int:
         check_layout(descriptor, dst_kv, descriptor.num_blocks, dst_block_ids)
         conn = open_control(self.config, descriptor)
         try:
-            conn.send(Fetch(descriptor.request_id))
-            num_bytes = self._receive_layers(conn, descriptor, dst_kv, dst_block_ids, on_layer)
+            conn.send(Fetch(descriptor.request_id, first_block))
+            num_bytes = self._receive_layers(conn, dst_kv, dst_block_ids[first_block:], on_layer)
             confirm = control_call(conn, Confirm(descriptor.request_id))
             if not confirm.ok:
                 raise SourceGone(confirm.error)
@@ -42,7 +42,7 @@ class TcpTransport(KVTransport):
         finally:
             conn.close()
 
-    def _receive_layers(self, conn, descriptor, dst_kv, dst_block_ids, on_layer) -> int:
+    def _receive_layers(self, conn, dst_kv, dst_block_ids, on_layer) -> int:
         layer_bytes = (layout.block_numel(tuple(dst_kv.shape)) // dst_kv.shape[0]
                        * dst_kv.element_size() * len(dst_block_ids))
         if has_byte_views(dst_kv):  # straight into our blocks

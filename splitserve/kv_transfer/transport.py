@@ -4,11 +4,11 @@ A transport knows how to reach a source (a prefill instance) and copy
 `src_kv[:, :, src_block_ids]` into `dst_kv[:, :, dst_block_ids]`. It does not decide
 which blocks move or when: that is the connector's job (sender.py, receiver.py).
 
-    pull(descriptor, dst_kv, dst_block_ids, on_layer) -> bytes moved
-        begin (the source names its blocks and checks the lease), copy layer by layer
-        calling on_layer(layer) before each (it raises to cancel or to inject a fault),
-        then confirm receipt so the source can free its blocks. Any failure raises
-        TransferError with a message a person can act on.
+    pull(descriptor, dst_kv, dst_block_ids, on_layer, first_block) -> bytes moved
+        begin (the source names its blocks and checks the lease), copy blocks
+        [first_block:] layer by layer calling on_layer(layer) before each (it raises to
+        cancel or to inject a fault), then confirm receipt so the source can free its
+        blocks. Any failure raises TransferError with a message a person can act on.
     release(descriptor)
         best effort: tell the source it can free the blocks now (abort, failure).
 """
@@ -68,7 +68,7 @@ class KVTransport(ABC):
 
     @abstractmethod
     def pull(self, descriptor: TransferDescriptor, dst_kv: torch.Tensor,
-             dst_block_ids: list[int], on_layer: LayerHook) -> int: ...
+             dst_block_ids: list[int], on_layer: LayerHook, first_block: int = 0) -> int: ...
 
     @abstractmethod
     def release(self, descriptor: TransferDescriptor) -> None: ...
