@@ -5,12 +5,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from splitserve.models.gguf_loader import hf_tensor_name, unpermute_rotary_rows
+from splitserve.models.gguf_loader import hf_tensor_name, metadata_value, open_gguf, unpermute_rotary_rows
 from splitserve.models.loader import bundled_model_path, load_model, load_tokenizer
 from tiny_models import (ARCHITECTURES, CHATML_TEMPLATE, LLAMA3_ROPE_SCALING, llama_cpp_permute,
                          write_tiny_checkpoint, write_tiny_gguf)
@@ -216,6 +218,17 @@ def test_gguf_tokenizer_with_an_unfamiliar_pre_tokenizer_goes_through_transforme
     ids = tokenizer.encode(text)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
     assert tokenizer.decode(ids) == text
+
+
+def test_faster_gguf_reader_reads_what_the_plain_reader_reads(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", write_tiny_checkpoint(tmp_path / "hf"))
+    fast, plain = open_gguf(path), gguf.GGUFReader(path)
+    assert list(fast.fields) == list(plain.fields)
+    for key in plain.fields:
+        assert metadata_value(fast, key) == metadata_value(plain, key), key
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    for ours, theirs in zip(fast.tensors, plain.tensors):
+        assert np.array_equal(ours.data, theirs.data) and ours.tensor_type == theirs.tensor_type
 
 
 def test_gguf_tensor_names_map_to_hf_names():
