@@ -1,0 +1,104 @@
+"""Turns the engine benchmark's rows into ratios, target verdicts and a terminal table.
+
+Targets (issue 2), each at every thread count measured:
+  prefill_vs_matmul    2,048-token prefill GFLOP/s >= 85% of the matmul rate on the model's shapes
+  decode_b32_vs_hf     decode tok/s at batch 32 >= 3x HF transformers'
+  decode_b1_vs_memory  batch-1 decode step <= 1.3x (fp32 weight bytes / measured read bandwidth)
+"""
+from __future__ import annotations
+
+import hardware
+from flops import ModelShape
+
+GIB = 1 << 30
+PREFILL_TARGET = 0.85
+DECODE_B32_TARGET = 3.0
+DECODE_B1_TARGET = 1.3
+
+
+def find(rows: list[dict], system: str, kind: str, threads: int, size: int) -> dict | None:
+    key = "num_tokens" if kind == "prefill" else "batch_size"
+    return next((r for r in rows if r["system"] == system and r["kind"] == kind
+                 and r["threads"] == threads and r[key] == size), None)
+
+
+def achieved_gflops(row: dict, shape: ModelShape) -> float:
+    if row["kind"] == "prefill":
+        return shape.prefill_flops(row["num_tokens"]) / row["seconds"] / 1e9
+    step_s = row["batch_size"] / row["tokens_per_s"]
+    return shape.decode_step_flops(row["batch_size"], row["context_len"]) / step_s / 1e9
+
+
+def targets(report: dict, shape: ModelShape) -> list[dict]:
+    """One verdict per (target, thread count, system); `met` is None when a side is missing."""
+    rows, hw = report["rows"], report["hardware"]
+    out = []
+    for threads in sorted({r["threads"] for r in rows}):
+        matmul = hardware.model_shape_gflops(hw, threads)
+        bound_s = shape.weight_bytes() / (hardware.bandwidth(hw, threads, "read") * 1e9)
+        for system in ("splitserve", "hf"):
+            prefill = find(rows, system, "prefill", threads, 2048)
+            if prefill:
+                fraction = achieved_gflops(prefill, shape) / matmul
+                out.append(_verdict("prefill_vs_matmul", system, threads, fraction, PREFILL_TARGET,
+                                    f"{achieved_gflops(prefill, shape):.1f} of {matmul:.1f} GFLOP/s"))
+            b1 = find(rows, system, "decode", threads, 1)
+            if b1:
+                step_s = 1.0 / b1["tokens_per_s"]
+                out.append(_verdict("decode_b1_vs_memory", system, threads, step_s / bound_s,
+                                    DECODE_B1_TARGET, f"step {step_s * 1e3:.1f} ms, bound "
+                                    f"{bound_s * 1e3:.1f} ms", lower_is_better=True))
+        ours, hf = (find(rows, s, "decode", threads, 32) for s in ("splitserve", "hf"))
+        if ours and hf:
+            out.append(_verdict("decode_b32_vs_hf", "splitserve", threads,
+                                ours["tokens_per_s"] / hf["tokens_per_s"], DECODE_B32_TARGET,
+                                f"{ours['tokens_per_s']:.1f} vs {hf['tokens_per_s']:.1f} tok/s"))
+    return out
+
+
+def _verdict(name: str, system: str, threads: int, value: float, target: float, detail: str,
+             lower_is_better: bool = False) -> dict:
+    met = value <= target if lower_is_better else value >= target
+    return {"target": name, "system": system, "threads": threads, "value": round(value, 3),
+            "goal": f"{'<=' if lower_is_better else '>='} {target}", "met": met, "detail": detail}
+
+
+def format_report(report: dict, shape: ModelShape | None) -> str:
+    rows = report["rows"]
+    lines = [f"load average at start {_load(report['loadavg_start'])}, "
+             f"at end {_load(report['loadavg_end'])} (2 cores shared: a quiet rerun is cleaner)", ""]
+    header = f"{'system':<11}{'kind':<9}{'size':>6}{'thr':>4}{'tok/s':>9}{'ms/step':>9}{'GFLOP/s':>9}{'vs hf':>7}{'vs llama.cpp':>13}"
+    lines += [header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: (r["kind"] != "prefill", r.get("num_tokens") or r["batch_size"],
+                                            r["threads"], r["system"])):
+        size = row["num_tokens"] if row["kind"] == "prefill" else row["batch_size"]
+        ms = (row["seconds"] if row["kind"] == "prefill" else row["batch_size"] / row["tokens_per_s"]) * 1e3
+        gflops = f"{achieved_gflops(row, shape):9.1f}" if shape and row["system"] != "llama.cpp" else f"{'':9}"
+        lines.append(f"{row['system']:<11}{row['kind']:<9}{size:>6}{row['threads']:>4}"
+                     f"{row['tokens_per_s']:9.1f}{ms:9.1f}{gflops}"
+                     f"{_ratio(row, rows, 'hf'):>7}{_ratio(row, rows, 'llama.cpp'):>13}")
+    if report.get("targets"):
+        lines += ["", "targets (issue 2):"]
+        for t in report["targets"]:
+            mark = "MET" if t["met"] else "NOT MET"
+            lines.append(f"  {t['target']:<20} {t['system']:<11} {t['threads']} thr: "
+                         f"{t['value']:.2f} (goal {t['goal']}) {mark} - {t['detail']}")
+    rss = report.get("peak_rss")
+    if rss:
+        lines += ["", f"peak RSS, bundled model + {rss['kv_cache_memory'] / GIB:.0f} GiB KV cache: "
+                      f"{rss['peak_rss'] / GIB:.2f} GiB (after load {rss['peak_rss_after_load'] / GIB:.2f} GiB)"]
+    for name, why in report.get("skipped", {}).items():
+        lines.append(f"SKIPPED {name}: {why.splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def _ratio(row: dict, rows: list[dict], baseline: str) -> str:
+    if row["system"] == baseline:
+        return ""
+    size = row["num_tokens"] if row["kind"] == "prefill" else row["batch_size"]
+    other = find(rows, baseline, row["kind"], row["threads"], size)
+    return f"{row['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else ""
+
+
+def _load(loadavg) -> str:
+    return "/".join(f"{x:.1f}" for x in loadavg)
