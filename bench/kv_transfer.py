@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,  # noqa: E402
-                                    KVTransferConfig, TransferDescriptor, TransferOutcome, allocate_kv_pool,
+                                    KVTransferConfig, TransferDescriptor, TransferOutcome,
+                                    allocate_kv_pool,
                                     make_transport, segment_name)
 
 # SmolLM2-135M (the bundled model): 30 layers, 3 KV heads of 64, fp32, blocks of 16 tokens.

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from splitserve.kv_transfer import (DestinationBlocks, FakeNetwork, FakeTransport, KVReceiver, KVSender,
-                                    KVTransferConfig, ReleaseReason, TransferOutcome)
+from splitserve.kv_transfer import (DestinationBlocks, FakeNetwork, FakeTransport, KVReceiver,
+                                    KVSender, KVTransferConfig, ReleaseReason, TransferOutcome)
 from test_kv_transfer_support import BLOCK_SIZE, BlockPool, poll_until_ended, pool_shape, random_pool
 
 torch.set_num_threads(1)

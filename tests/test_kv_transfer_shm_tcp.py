@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer, KVTransferConfig,
+from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,
+                                    KVTransferConfig,
                                     ReleaseReason, TransferOutcome, allocate_kv_pool,
                                     attach_kv_pool, cleanup_stale_segments, make_transport,
                                     segment_name)
@@ -245,3 +246,32 @@ def test_advancing_past_partially_sent_views():
     assert first == 1 and bytes(views[1]) == b"e"
     assert _advance(views, first, 1) == 2
     assert _advance(views, 2, 3) == 3
+
+
+def test_a_peer_speaking_garbage_is_dropped_and_others_are_still_served():
+    import socket
+    sender, server, _ = start_prefill("tcp", 2, 8)
+    receiver, dst, _ = make_receiver("tcp", 2, 8)
+    try:
+        host, port = sender.source_info.host, sender.source_info.port
+        with socket.create_connection((host, port), timeout=5) as rogue:
+            rogue.recv(4096)  # the challenge
+            rogue.sendall(b"\xff\xff\xff\xff" + b"GET / HTTP/1.1\r\n\r\n")  # a 4 GiB "frame"
+            try:
+                answer = rogue.recv(4096)
+            except ConnectionResetError:  # closed with our junk unread: also a hang-up
+                answer = b""
+            assert answer == b"", "the server should hang up on it"
+        receiver.add(sender.register("r", [1, 2], 2 * BLOCK_SIZE))
+        [record] = poll_until_ended(receiver)
+        assert record.outcome is TransferOutcome.DONE, record.error
+    finally:
+        receiver.close()
+        server.close()
+
+
+def test_listening_everywhere_needs_an_address_to_advertise():
+    config = KVTransferConfig(transport="tcp", host="0.0.0.0", secret=SECRET)
+    sender = KVSender(config, random_pool(2, 4, seed=0), "p")
+    with pytest.raises(ValueError, match="advertise_host"):
+        KVServer(sender).start()

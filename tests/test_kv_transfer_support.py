@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer, KVTransferConfig,  # noqa: E402
+from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,  # noqa: E402
+                                    KVTransferConfig,
                                     TransferDescriptor, allocate_kv_pool, make_transport,
                                     segment_name)
 

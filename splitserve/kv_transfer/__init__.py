@@ -35,7 +35,8 @@ def make_transport(config: KVTransferConfig, network: FakeNetwork | None = None)
 
 
 __all__ = [
-    "TRANSPORTS", "DestinationBlocks", "FakeNetwork", "FakeTransport", "KVReceiver", "KVSender", "KVServer",
+    "TRANSPORTS", "DestinationBlocks", "FakeNetwork", "FakeTransport", "KVReceiver", "KVSender",
+    "KVServer",
     "KVTransferConfig", "KVTransport", "ReceiverStats", "Release", "ReleaseReason",
     "SenderStats", "ShmTransport", "SourceInfo", "TcpTransport", "TransferDescriptor",
     "TransferError", "TransferOutcome", "TransferRecord", "allocate_kv_pool",

@@ -43,6 +43,10 @@ class KVServer:
         self.num_refused_peers = 0
 
     def start(self) -> tuple[str, int]:
+        if self.config.host in ("0.0.0.0", "::", "") and not self._advertise_host:
+            raise ValueError(f"kv host {self.config.host!r} listens everywhere but is no address "
+                             "a decode instance can dial; pass advertise_host (this machine's "
+                             "address as the decode instances see it)")
         listener = socket.create_server((self.config.host, self.config.port), backlog=64)
         listener.settimeout(0.2)  # so the accept loop notices close()
         self._listener = listener
