@@ -124,6 +124,27 @@ class RemotePrefill:
             self.process.wait()
 
 
+def measure_prefill(tokens: int, threads: int) -> float:
+    """Seconds for the bundled model to prefill `tokens` tokens in one step (whole prompt)."""
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.core import EngineCore
+    from splitserve.sampling import SamplingParams
+
+    core = EngineCore(EngineConfig(num_threads=threads, cache=CacheConfig(kv_cache_memory="256MiB"),
+                                   scheduler=SchedulerConfig(prefill_policy="whole",
+                                                             max_num_batched_tokens=2 * tokens)))
+    shape = (core.model_config.num_layers, core.model_config.num_kv_heads,
+             core.model_config.head_dim)
+    assert shape == (NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM), f"bundled model is {shape}"
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, core.model_config.vocab_size) for _ in range(tokens)]
+    core.add_request("prefill", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        core.step()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -133,6 +154,8 @@ def main() -> None:
                         help="block ids on both sides: random (a pool after churn) or in order")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--skip-prefill", action="store_true",
+                        help="do not time the bundled model's prefill of the same prompt")
     parser.add_argument("--serve", choices=("shm", "tcp"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.num_blocks = -(-args.tokens // BLOCK_SIZE)
@@ -168,9 +191,18 @@ def main() -> None:
               f"{rate / 1e9:7.2f} {rate / base:9.0%}")
         results[name] = {"seconds": seconds, "num_bytes": nbytes, "gb_per_s": rate / 1e9,
                          "fraction_of_memcpy": rate / base}
+    prefill_s = None
+    if not args.skip_prefill:
+        prefill_s = measure_prefill(args.tokens, args.threads)
+        print(f"prefill of the same {args.tokens} tokens by the bundled model (whole, "
+              f"{args.threads} thread(s)): {prefill_s:.2f} s; a transfer adds "
+              + ", ".join(f"{name} {statistics.median(rows[name][0]) / prefill_s:.1%}"
+                          for name in rows if name != "memcpy")
+              + " of it (to the second token: the first is streamed by the prefill instance)")
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "layout": args.layout,
-                                         "threads": args.threads, "results": results}, indent=2))
+                                         "threads": args.threads, "prefill_s": prefill_s,
+                                         "results": results}, indent=2))
 
 
 if __name__ == "__main__":
