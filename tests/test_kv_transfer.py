@@ -359,3 +359,21 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
     assert counts[TransferOutcome.DONE] > 50 and counts[TransferOutcome.FAILED] > 10
     assert counts[TransferOutcome.ABORTED] > 5
     assert prefill_blocks.num_used == 0 and decode_blocks.num_used == 0
+
+
+def test_kv_flags_build_a_config_and_name_the_bad_one(tmp_path):
+    import argparse
+    from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
+    parser = argparse.ArgumentParser()
+    add_kv_arguments(parser)
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef\n")
+    config = kv_config_from_args(parser.parse_args(
+        ["--kv-transport", "tcp", "--kv-fault-rate", "0.2", "--kv-delay-ms", "5",
+         "--kv-host", "10.1.2.3", "--kv-secret-file", str(secret)]))
+    assert (config.transport, config.fault_rate, config.delay_ms) == ("tcp", 0.2, 5.0)
+    assert config.secret == b"0123456789abcdef"
+    with pytest.raises(ValueError, match="without a secret.*--kv-"):
+        kv_config_from_args(parser.parse_args(["--kv-host", "10.1.2.3"]))
+    with pytest.raises(ValueError, match="--kv-secret-file: cannot read"):
+        kv_config_from_args(parser.parse_args(["--kv-secret-file", str(tmp_path / "none")]))

@@ -8,6 +8,7 @@ See docs/internals.md, "KV transfer", for the calls an engine makes and from whi
 """
 from __future__ import annotations
 
+from splitserve.kv_transfer.cli_args import add_kv_arguments, kv_config_from_args
 from splitserve.kv_transfer.config import TRANSPORTS, KVTransferConfig
 from splitserve.kv_transfer.fake_transport import FakeNetwork, FakeTransport
 from splitserve.kv_transfer.messages import (SourceInfo, TransferDescriptor, TransferOutcome,
@@ -40,5 +41,6 @@ __all__ = [
     "KVTransferConfig", "KVTransport", "ReceiverStats", "Release", "ReleaseReason",
     "SenderStats", "ShmTransport", "SourceInfo", "TcpTransport", "TransferDescriptor",
     "TransferError", "TransferOutcome", "TransferRecord", "allocate_kv_pool",
-    "attach_kv_pool", "cleanup_stale_segments", "make_transport", "segment_name",
+    "add_kv_arguments", "attach_kv_pool", "cleanup_stale_segments", "kv_config_from_args",
+    "make_transport", "segment_name",
 ]

@@ -41,7 +41,7 @@ class KVTransferConfig:
         if self.secret is None and not is_loopback(self.host):
             raise ValueError(f"kv host {self.host!r} is reachable from other machines: without a "
                              "secret anyone there could read or release KV blocks; set a kv "
-                             "secret (--kv-secret) or bind to 127.0.0.1")
+                             "secret (--kv-secret-file) or bind to 127.0.0.1")
         for name in ("connect_timeout_s", "io_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv {name} must be positive, got {getattr(self, name)}")

@@ -126,7 +126,7 @@ def client_handshake(conn: Connection, secret: bytes | None) -> None:
         raise AuthError(f"peer did not start a handshake (sent {type(challenge).__name__})")
     if challenge.auth_required and secret is None:
         raise AuthError("the prefill instance requires a kv secret; start this instance with "
-                        "the same --kv-secret")
+                        "the same --kv-secret-file")
     if secret is not None and not challenge.auth_required:
         raise AuthError("a kv secret is configured here but the prefill instance does not "
                         "authenticate; refusing to talk to it (configure the secret on both)")
