@@ -88,7 +88,7 @@ def verdict(doc: dict) -> str:
             f"good, goodput {best_s['goodput_rps']:.2f} req/s.")
     if not separated or not colocated:
         others = "; ".join(f"{a['name']} {s['attainment']:.0%}" for a, s in ranked[1:])
-        return head + (f" Others: {others}." if others else "") + note
+        return head + (f" Others: {others}." if others else "") + _warnings(ran) + note
     sep, sep_s = separated[0]
     col, col_s = colocated[0]
     gap_ratio = _ratio(col_s["gap_s"]["p99"], sep_s["gap_s"]["p99"])
@@ -113,7 +113,23 @@ def verdict(doc: dict) -> str:
                   f"instance idles between requests.")
     else:
         answer = " Separate prefill: no difference in goodput for this workload; pick the simpler colocated setup."
+    return head + answer + facts + _warnings(ran) + note
+
+
+def _warnings(ran: list[tuple[dict, dict]]) -> str:
+    """Say when the comparison itself is weak: the load generator lagged, or every arrangement drowned."""
+    out = ""
     lag = max((s["client_lag_s"]["max"] or 0.0) for _, s in ran)
-    lag_note = (f" Warning: the load generator sent some requests up to {fmt_seconds(lag)} late, so offered "
-                f"load was lower than planned." if lag > 0.5 else "")
-    return head + answer + facts + lag_note + note
+    if lag > 0.5:
+        out += (f" Warning: the load generator sent some requests up to {fmt_seconds(lag)} late, so offered "
+                f"load was lower than planned.")
+    if all(s["attainment"] < 0.5 for _, s in ran):
+        worst = []
+        for a, s in ran:
+            kind, count = max(s["failures"].items(), key=lambda kv: kv[1])
+            worst.append(f"{a['name']} {count}/{s['num_requests']} {kind}" if count else
+                         f"{a['name']} misses SLOs")
+        out += (f" Warning: every arrangement met fewer than half its deadlines ({'; '.join(worst)}): "
+                f"the comparison says little; for timeouts and missed SLOs lower the rate, loosen the SLOs or "
+                f"run --sweep; for errors read the servers' logs.")
+    return out
