@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -29,7 +30,8 @@ from splitserve.sampling import SamplingParams
 log = logging.getLogger("splitserve.engine")
 
 STATS_INTERVAL_S = 0.25
-HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 1.0  # the frontend declares an engine dead after 5 s of silence
+PARENT_CHECK_INTERVAL_S = 1.0
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,27 +165,37 @@ class EngineProcess:
                    threading.Thread(target=self._output_thread, name="engine-out", daemon=True)]
         for t in threads:
             t.start()
-        next_stats = 0.0
+        # Stats go out after anything changed, at most every STATS_INTERVAL_S, so an idle
+        # engine costs the frontend nothing but the output thread's heartbeats.
+        next_stats, changed, next_parent_check = 0.0, True, 0.0
         while not self.stopping.is_set():
             busy = self.core.has_unfinished_requests()
             outputs: list[TokenOutput] = []
-            try:  # idle: sleep on the inbox; busy: only take what is already there
-                message = self.inbox.get(timeout=STATS_INTERVAL_S) if not busy else self.inbox.get_nowait()
+            try:  # idle: sleep on the inbox (until stats are due); busy: take what is there
+                if busy:
+                    message = self.inbox.get_nowait()
+                else:
+                    wait = max(0.0, next_stats - time.monotonic()) if changed else PARENT_CHECK_INTERVAL_S
+                    message = self.inbox.get(timeout=wait)
+                changed = True
                 outputs += self._apply(message)
                 while True:
                     outputs += self._apply(self.inbox.get_nowait())
             except queue.Empty:
                 pass
             if self.core.has_unfinished_requests() and not self.stopping.is_set():
+                changed = True
                 for o in self.core.step():
                     outputs.append(TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
                                                o.num_prompt_tokens, o.num_cached_tokens, o.error))
             if outputs:
                 self.outbox.put(StepOutputs(self.engine_id, outputs))
             now = time.monotonic()
-            if now >= next_stats:
+            if changed and now >= next_stats:
                 self.outbox.put(self._stats())
-                next_stats = now + STATS_INTERVAL_S
+                next_stats, changed = now + STATS_INTERVAL_S, False
+            if now >= next_parent_check:
+                next_parent_check = now + PARENT_CHECK_INTERVAL_S
                 if self._parent_gone():
                     log.error("engine %s: parent process is gone; exiting", self.engine_id)
                     self.stopping.set()
@@ -214,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             raise SystemExit(0)
 
+    # The I/O threads need the GIL for microseconds; at Python's default 5 ms switch interval
+    # a step's Python code could hold them (and every token's delivery) back that long.
+    sys.setswitchinterval(0.0005)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     core = EngineCore(engine_config_from_args(args, args.role))
