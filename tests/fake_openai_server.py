@@ -33,6 +33,7 @@ class FakeBehaviour:
     kv_report: bool = False        # report a KV transfer per request in the final chunk
     kv_fail_every: int = 0         # every Nth request's KV transfer failed (then recomputed)
     cut_every: int = 0             # every Nth stream ends after 2 tokens without [DONE]
+    error_every: int = 0           # every Nth stream sends an error chunk (failed KV transfer) after 1 token
 
 
 def fake_token(word: str) -> int:
@@ -91,6 +92,12 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
                 await asyncio.sleep(behaviour.pause_s)
             if behaviour.cut_every and n % behaviour.cut_every == 0 and i == 2:
                 return  # the connection closes mid-answer
+            if behaviour.error_every and n % behaviour.error_every == 0 and i == 1:
+                yield sse({"error": {"message": "KV transfer failed", "type": "server_error"},
+                           "splitserve": {"kv_transfer": {"bytes": 0, "seconds": 0.5, "outcome": "failed",
+                                                          "retries": 2}}})
+                yield b"data: [DONE]\n\n"
+                return
             last = i == num_tokens - 1
             yield sse({"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model",
                        "choices": [{"index": 0, "text": f" t{i}",

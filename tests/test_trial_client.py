@@ -48,6 +48,21 @@ def test_an_unreachable_server_is_a_connection_error():
     assert rec.error_kind == "connection_error" and rec.token_times_s == []
 
 
+def test_an_error_chunk_is_a_cancelled_stream_and_its_kv_report_is_kept():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--error-every", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, 60, proc)
+        [rec] = asyncio.run(run_load(base_url, planned(1), timeout_s=10.0))
+    finally:
+        stop_process_group(proc)
+    assert rec.error_kind == "cancelled" and "KV transfer failed" in rec.error_message
+    assert rec.kv_transfer["outcome"] == "failed" and rec.retries == 2
+    assert len(rec.token_times_s) == 1
+
+
 @pytest.mark.parametrize("choice, expected", [
     ({"text": " the"}, 1), ({"text": ""}, 0), ({"text": "ab", "token_ids": [1, 2, 3]}, 3),
     ({"text": "x", "num_tokens": 2}, 2), ({"text": "", "finish_reason": "length"}, 0)])

@@ -69,6 +69,10 @@ async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clo
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             rec.error_kind, rec.error_message = "http_error", f"HTTP {resp.status_code}: {text[:300]}"
+            try:
+                _read_report(json.loads(text).get("splitserve"), rec)
+            except (json.JSONDecodeError, AttributeError):
+                pass  # an error page that is not JSON carries no report
             return
         saw_done = False
         async for line in resp.aiter_lines():
@@ -80,6 +84,7 @@ async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clo
                 break
             chunk = json.loads(payload)
             now = clock() - t0
+            _read_report(chunk.get("splitserve"), rec)  # before an error: a failed transfer reports too
             if "error" in chunk:
                 rec.error_kind, rec.error_message = "cancelled", str(chunk["error"])[:300]
                 return
@@ -90,17 +95,20 @@ async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clo
             usage = chunk.get("usage")
             if usage and usage.get("completion_tokens") is not None:
                 rec.num_tokens = int(usage["completion_tokens"])
-            report = chunk.get("splitserve")
-            if isinstance(report, dict):
-                if isinstance(report.get("kv_transfer"), dict):
-                    rec.kv_transfer = report["kv_transfer"]
-                    rec.retries += int(report["kv_transfer"].get("retries", 0) or 0)
-                rec.retries += int(report.get("retries", 0) or 0)
         if rec.num_tokens == 0:
             rec.num_tokens = len(rec.token_times_s)
         if not saw_done or rec.finish_reason in ("abort", "error"):
             rec.error_kind = "cancelled"
             rec.error_message = f"stream ended early (finish_reason={rec.finish_reason!r}, [DONE] seen: {saw_done})"
+
+
+def _read_report(report: object, rec: RequestRecord) -> None:
+    if not isinstance(report, dict):
+        return
+    if isinstance(report.get("kv_transfer"), dict):
+        rec.kv_transfer = report["kv_transfer"]
+        rec.retries += int(report["kv_transfer"].get("retries", 0) or 0)
+    rec.retries += int(report.get("retries", 0) or 0)
 
 
 async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,
