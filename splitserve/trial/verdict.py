@@ -103,17 +103,30 @@ def verdict(doc: dict) -> str:
     if sep_s["goodput_rps"] > col_s["goodput_rps"]:
         answer = (f" Separate prefill: yes. Decode steps on {sep['name']} never wait behind a long prompt's "
                   f"prefill, so answers keep streaming while documents arrive; that outweighs giving each "
-                  f"phase only part of the cores (goodput {_ratio(sep_s['goodput_rps'], col_s['goodput_rps'])} "
-                  f"the best colocated arrangement, {col['name']}).")
+                  f"phase only part of the cores (goodput {sep_s['goodput_rps']:.2f} vs {col_s['goodput_rps']:.2f} "
+                  f"req/s for the best colocated arrangement, {col['name']}).")
     elif sep_s["goodput_rps"] < col_s["goodput_rps"]:
         answer = (f" Separate prefill: no. {col['name']} met more deadlines "
-                  f"(goodput {_ratio(col_s['goodput_rps'], sep_s['goodput_rps'])} {sep['name']}'s): here prefill "
+                  f"(goodput {col_s['goodput_rps']:.2f} vs {sep_s['goodput_rps']:.2f} req/s): here prefill "
                   f"interference costs colocated decoding less than splitting the cores costs the separated "
-                  f"arrangement, whose prefill runs on fewer threads (slower first tokens) and whose decode "
-                  f"instance idles between requests.")
+                  f"arrangement{_split_cost(sep, sep_s, col_s)}.")
     else:
         answer = " Separate prefill: no difference in goodput for this workload; pick the simpler colocated setup."
     return head + answer + facts + _warnings(ran) + note
+
+
+def _split_cost(sep: dict, sep_s: dict, col_s: dict) -> str:
+    """Which half of the split arrangement paid for having fewer cores, from the numbers."""
+    costs = []
+    if (sep_s["ttft_s"]["p99"] or 0) > (col_s["ttft_s"]["p99"] or 0):
+        costs.append(f"its prefill instance, with fewer threads, gave later first tokens (p99 TTFT "
+                     f"{fmt_seconds(sep_s['ttft_s']['p99'])} vs {fmt_seconds(col_s['ttft_s']['p99'])})")
+    if (sep_s["tpot_s"]["p50"] or 0) > (col_s["tpot_s"]["p50"] or 0):
+        costs.append(f"its decode instance, with fewer threads, took longer per token (median TPOT "
+                     f"{fmt_seconds(sep_s['tpot_s']['p50'])} vs {fmt_seconds(col_s['tpot_s']['p50'])})")
+    if sep_s["failures"]["kv_transfer_failed"]:
+        costs.append(f"{sep_s['failures']['kv_transfer_failed']} KV transfers failed")
+    return ": " + "; ".join(costs) if costs else ""
 
 
 def _warnings(ran: list[tuple[dict, dict]]) -> str:
