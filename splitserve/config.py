@@ -121,9 +121,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    instance_id: str = "engine-0"
+    # Prefill/decode roles: how KV moves (a kv_transfer.KVTransferConfig; None = colocated only)
+    kv_transfer: object | None = None
+    kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
+        if self.scheduler.role != "colocated" and self.kv_transfer is None:
+            raise ValueError(f"role {self.scheduler.role!r} needs a KV transfer setting (e.g. --kv-transport shm)")

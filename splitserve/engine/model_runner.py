@@ -12,7 +12,8 @@ from splitserve.models.llama import ForwardBatch, LlamaModel, PrefillChunk
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-                 cache_config: CacheConfig, device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 cache_config: CacheConfig, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 allocate_pool=None):
         self.device = torch.device(device)
         self.model = LlamaModel(model_config, weights, device, dtype)
         self.block_size = cache_config.block_size
@@ -20,8 +21,11 @@ class ModelRunner:
         c = model_config
         # Allocated once; every engine role uses the same layout so blocks can be shipped as-is.
         # [num_layers, 2 (k, v), num_kv_heads, num_blocks, block_size, head_dim]
-        self.kv_cache = torch.zeros(c.num_layers, 2, c.num_kv_heads, self.num_blocks, self.block_size,
-                                    c.head_dim, device=self.device, dtype=dtype)
+        shape = (c.num_layers, 2, c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
+        if allocate_pool is None:  # (shape, dtype) -> tensor; a prefill instance puts it in shared memory
+            self.kv_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        else:
+            self.kv_cache = allocate_pool(shape, dtype)
         self.model.block_size = self.block_size
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:

@@ -45,6 +45,7 @@ class Request:
     generator: object | None = None  # torch.Generator when params.seed is set
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
+    kv_transfer: object | None = None  # decode role: TransferRecord of the KV it received
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,3 +85,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_descriptor: object | None = None  # prefill role: where a decode instance can pull the KV
+    kv_transfer: object | None = None  # decode role: the TransferRecord of this request's KV

@@ -43,13 +43,18 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilled: deque[Request] = deque()  # KV received from a prefill instance
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_prefilled(self, request: Request) -> None:
+        """A request whose prompt KV already sits in its blocks: it joins as a decode."""
+        self.prefilled.append(request)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     def remove(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks (abort)."""
@@ -57,9 +62,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
         self.blocks.free(request)
 
     def schedule(self) -> ScheduledBatch:
+        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+            request = self.prefilled.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
         if self.config.prefill_policy == "whole":
             return self._schedule_whole()
         return self._schedule_chunked()

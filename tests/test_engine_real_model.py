@@ -1,0 +1,84 @@
+"""The bundled SmolLM2-135M GGUF: the engine's greedy tokens equal transformers' on the same
+dequantized weights, for a batch of chats from 5 to ~1,500 tokens, under both prefill policies
+and with prefix-cache hits."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.models.loader import load_model
+from splitserve.sampling import SamplingParams
+from engine_support import hf_greedy, run_to_end
+
+pytestmark = pytest.mark.real_model
+NEW_TOKENS = 32
+WORDS = ("river mountain city harbor market bridge winter summer letter garden engine signal "
+         "history council farmer doctor teacher village station report evening morning quiet "
+         "ancient careful bright narrow distant rapid gentle heavy simple").split()
+
+
+def text(rng: random.Random, num_words: int) -> str:
+    sentences = []
+    while num_words > 0:
+        n = min(num_words, rng.randrange(6, 14))
+        words = [rng.choice(WORDS) for _ in range(n)]
+        sentences.append(" ".join(words).capitalize() + ".")
+        num_words -= n
+    return " ".join(sentences)
+
+
+@pytest.fixture(scope="module")
+def case():
+    loaded = load_model(None)
+    tok = loaded.tokenizer
+    rng = random.Random(0)
+    system = {"role": "system", "content": "You answer questions about this report. " + text(rng, 400)}
+    prompts = [tok.encode("The capital of France is")[:5]]
+    for words in (3, 20, 60, 150, 300, 700, 1300):
+        messages = [{"role": "user", "content": text(rng, words) + " What is this about?"}]
+        if words in (20, 150, 300):  # these share the long system prompt
+            messages.insert(0, system)
+        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] == 5 and 1200 <= lengths[-1] <= 1600, lengths
+    # transformers' modeling code on the same dequantized weights. test_loader.py checks that these
+    # weights equal what transformers' own GGUF loader produces (which takes over a minute here).
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = loaded.config
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings)).eval()
+    missing, unexpected = hf.load_state_dict(loaded.weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    del hf
+    return loaded, prompts, expected
+
+
+@pytest.mark.parametrize("policy", ["chunked", "whole"])
+def test_bundled_model_greedy_batch_matches_transformers(case, policy):
+    loaded, prompts, expected = case
+    config = EngineConfig(cache=CacheConfig(kv_cache_memory="256MiB"),
+                          scheduler=SchedulerConfig(prefill_policy=policy, max_num_batched_tokens=512))
+    engine = EngineCore(config, loaded)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got = run_to_end(engine)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    # Again, now that the shared system prompt and every chat sit in the prefix cache.
+    hits = engine.stats().prefix_cache_hits
+    for i, p in enumerate(prompts):
+        engine.add_request(f"again{i}", p, params)
+    again = run_to_end(engine)
+    assert engine.stats().prefix_cache_hits - hits > 2000
+    assert [again[f"again{i}"] for i in range(len(prompts))] == expected
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks_total
