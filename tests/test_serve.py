@@ -111,6 +111,16 @@ def test_20_clients_disconnecting_mid_stream_free_their_blocks(server):
     assert answer.usage.completion_tokens == 5
 
 
+def test_non_streaming_client_leaving_aborts_its_request(server):
+    aborted_before = metric_samples(server.base_url, "splitserve_requests_total")['{outcome="abort"}']
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/completions", timeout=0.15,
+                   json={"prompt": "hello", "max_tokens": 480, "ignore_eos": True})
+    assert wait_until(lambda: metric_samples(server.base_url, "splitserve_requests_total")[
+        '{outcome="abort"}'] == aborted_before + 1)
+    assert wait_until(lambda: all_blocks_free(server.base_url))
+
+
 def engine_pids(server) -> dict[str, int]:
     return {i["id"]: i["pid"] for i in server.health()["instances"]}
 

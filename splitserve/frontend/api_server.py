@@ -74,11 +74,11 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request_id_of(request))
+        return await serving.chat(body, request_id_of(request), request.receive)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serving.completion(body, request_id_of(request))
+        return await serving.completion(body, request_id_of(request), request.receive)
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest):

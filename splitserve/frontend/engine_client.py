@@ -186,6 +186,9 @@ class EngineClient:
         self.router.on_finish(state.instance_id, request_id)
         self.metrics.requests.labels("abort").inc()
         self._send(state.instance_id, AbortRequests([request_id]))
+        # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
+        state.queue.put_nowait(GenerationEvent("", 0, state.num_prompt_tokens, state.num_completion_tokens,
+                                               True, "abort"))
 
     def _send(self, engine_id: str, message: ToEngine) -> None:
         self._outbox.put_nowait((socket_identity(engine_id, "in"), self.codec.encode(message)))

@@ -8,8 +8,9 @@ model name, n, prompt length against the context and the KV cache, token ids, ra
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,6 +22,7 @@ from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
 
 _json = msgspec.json.Encoder()
+Receive = Callable[[], Awaitable[dict]]  # the ASGI receive channel of the HTTP request
 
 
 def sse(payload: dict) -> bytes:
@@ -109,7 +111,7 @@ class OpenAIServing:
 
     # ---- endpoints -----------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, request_id: str):
+    async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
         _, token_ids = self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
@@ -117,9 +119,9 @@ class OpenAIServing:
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage)
         if body.stream:
             return self._streaming(answer.chat_chunks(stream), request_id)
-        return await self._full(answer, stream, request_id)
+        return await self._full(answer, stream, request_id, receive)
 
-    async def completion(self, body: CompletionRequest, request_id: str):
+    async def completion(self, body: CompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
@@ -129,24 +131,33 @@ class OpenAIServing:
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage)
         if body.stream:
             return self._streaming(answer.text_chunks(stream), request_id)
-        return await self._full(answer, stream, request_id)
+        return await self._full(answer, stream, request_id, receive)
 
     @staticmethod
     def _streaming(chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
 
-    async def _full(self, answer: Answer, stream: RequestStream, request_id: str) -> JSONResponse:
+    async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
+        watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
         texts, last = [], None
         try:
             async for event in stream:
                 texts.append(event.text)
                 last = event
         finally:
-            stream.close()  # a cancelled handler (client gone) aborts the request
+            watcher.cancel()
+            stream.close()  # a cancelled handler aborts the request too
         if last.error:
             raise error_for(last)
         return JSONResponse(answer.full("".join(texts), last), headers={"X-Request-Id": request_id})
+
+
+async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
+    """A non-streaming client that leaves is noticed too: its request is aborted in the engine."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    stream.close()
 
 
 def error_for(event: GenerationEvent) -> ApiError:
