@@ -103,3 +103,15 @@ def test_analyze_cli_names_a_missing_file(capsys):
 
     assert main(["workload", "analyze", "/nonexistent/trace.csv"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_analyze_reads_a_trials_request_log(tmp_path):
+    plan = [{"index": i, "class": "chat", "send_at_s": 2.0 * i, "num_prompt_tokens": 100 * (i + 1),
+             "max_tokens": 8} for i in range(12)]
+    log = tmp_path / "results.json"
+    log.write_text(json.dumps({"plan": plan}))
+    result = analyze(read_requests(log), long_input_tokens=1000)
+    assert result["num_requests"] == 12
+    assert result["long_input_share"] == pytest.approx(3 / 12)      # 1000, 1100, 1200
+    assert result["burstiness"]["interarrival_cv"] == pytest.approx(0.0)
+    assert result["burstiness"]["mean_rate"] == pytest.approx(0.5)
