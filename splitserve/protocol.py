@@ -17,8 +17,9 @@ from __future__ import annotations
 import msgspec
 
 from splitserve.config import ROLES
+from splitserve.kv_transfer.messages import TransferDescriptor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV handover fields (disaggregated prefill/decode)
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -34,18 +35,18 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
 
 
-class KVHandover(msgspec.Struct, frozen=True):
-    """Room for disaggregation (issue 4): where a request's KV comes from or goes to.
+class KVTransferReport(msgspec.Struct, frozen=True):
+    """What a decode instance says about the transfer of one request's KV (the reported subset
+    of kv_transfer's TransferRecord); rides on the request's final output."""
 
-    On a prefill instance, `send_to_instance` names the decode instance that will pull the
-    blocks; on a decode instance, `source_instance` and `source_blocks` say where the
-    prefilled KV lives. Colocated requests carry no handover.
-    """
-
-    send_to_instance: str | None = None
-    source_instance: str | None = None
-    source_blocks: list[int] = []
-    transfer_id: str | None = None
+    outcome: str  # "done" | "failed" (TransferOutcome values)
+    source_instance: str = ""
+    transport: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0  # bytes moving, start to end
+    wait_seconds: float = 0.0  # descriptor arrived -> bytes started (waiting for blocks / a puller)
+    error: str = ""
+    error_kind: str = ""  # injected | network | source_gone | auth | no_space | ...
 
 
 # ---- frontend -> engine -------------------------------------------------------------------
@@ -54,8 +55,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     params: WireSamplingParams
-    prefill_only: bool = False  # prefill role: compute KV + first token, then hand over
-    kv: KVHandover | None = None
+    # decode role: the prompt's KV waits on a prefill instance, which produced first_token_ids
+    kv_descriptor: TransferDescriptor | None = None
+    first_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -94,11 +96,25 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     rejected: bool = False  # the engine refused the request at admission (a user error)
+    kv_descriptor: TransferDescriptor | None = None  # prefill role, with "prefill_done"
+    kv_transfer: KVTransferReport | None = None  # decode role, on the final output
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):
     engine_id: str
     outputs: list[TokenOutput]
+
+
+class KVStats(msgspec.Struct, frozen=True):
+    """An instance's KV-transfer counters since start (SenderStats / ReceiverStats)."""
+
+    num_lease_expiries: int = 0  # prefill: handed-over KV nobody pulled in time
+    num_held_blocks: int = 0  # prefill: blocks waiting for a decode instance now
+    num_confirmed: int = 0  # prefill
+    num_done: int = 0  # decode
+    num_failed: int = 0  # decode
+    num_pending: int = 0  # decode: waiting for blocks or a puller
+    num_transferring: int = 0  # decode
 
 
 class EngineStats(msgspec.Struct, tag="stats", frozen=True):
@@ -112,6 +128,7 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     num_steps: int = 0
+    kv: KVStats | None = None  # prefill and decode roles
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -3,6 +3,17 @@
     submit() --router.pick--> GenerateRequest --ROUTER--> engine <id>/in
     engine <id>/out --StepOutputs--> _handle_outputs: derender + stop strings --> RequestStream
 
+Disaggregated (the router names a prefill instance P and a decode instance D):
+
+    submit --> P: GenerateRequest(prompt)
+    P --> TokenOutput(first token, "prefill_done", kv_descriptor) --> the client gets the token now
+      --> D: GenerateRequest(prompt, kv_descriptor, first_token_ids)   (D pulls the KV from P)
+    D --> TokenOutput(more tokens ..., final one with kv_transfer) --> the client
+
+An abort (client gone, stop string) goes to every instance that may hold the request: P (its
+blocks may still be held for the handover) and D. The transfer's report ends up on the final
+event, in the format the trial reads (docs/internals.md, "Trial <-> server").
+
 Everything runs on the frontend's asyncio loop (one thread), so request state needs no
 locks. A stop-string hit or a closed stream sends an abort to the engine at once, so the
 engine frees the request's KV blocks. An engine that exits or goes silent is marked dead and
@@ -24,8 +35,8 @@ from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.render import OutputText, Renderer
 from splitserve.frontend.router import RoutableRequest, Router
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
-                                 PROTOCOL_VERSION, Shutdown, StepOutputs, ToEngine, WireSamplingParams,
-                                 socket_identity)
+                                 KVTransferReport, PROTOCOL_VERSION, Shutdown, StepOutputs, ToEngine,
+                                 TokenOutput, WireSamplingParams, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +54,21 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     rejected: bool = False  # the engine refused it at admission: the user's request was bad
+    kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
+
+
+def trial_report(report: KVTransferReport, finish_reason: str | None) -> dict:
+    """A decode instance's transfer report in the shape of docs/internals.md "Trial <-> server"."""
+    if report.outcome == "done":
+        outcome = "ok"
+    else:
+        outcome = "failed" if finish_reason == "error" else "recomputed"
+    out = {"bytes": report.num_bytes, "seconds": round(report.seconds, 6), "outcome": outcome, "retries": 0,
+           "wait_seconds": round(report.wait_seconds, 6), "source": report.source_instance,
+           "transport": report.transport}
+    if report.outcome != "done":
+        out["error_kind"], out["error"] = report.error_kind, report.error
+    return out
 
 
 @dataclass(slots=True)
@@ -55,6 +81,16 @@ class RequestState:
     num_completion_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
+    # disaggregated: instance_id is P until the handover, then D
+    decode_instance_id: str | None = None
+    prefill_instance_id: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    wire_params: WireSamplingParams | None = None
+
+    def holders(self) -> list[str]:
+        """Every instance that may hold this request's blocks now."""
+        return list(dict.fromkeys(i for i in (self.prefill_instance_id, self.instance_id,
+                                              self.decode_instance_id) if i is not None))
 
 
 @dataclass(slots=True)
@@ -169,26 +205,45 @@ class EngineClient:
         routable = RoutableRequest(request_id, len(prompt_token_ids), params.max_tokens)
         plan = self.router.pick(routable)
         self.router.on_start(plan, routable)
-        state = RequestState(request_id, plan.instance_id, self.renderer.new_output_text(stop),
-                             len(prompt_token_ids))
-        self.requests[request_id] = state
+        state = RequestState(request_id, plan.prefill_instance_id or plan.instance_id,
+                             self.renderer.new_output_text(stop), len(prompt_token_ids))
         wire = WireSamplingParams(
             max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
-        self._send(plan.instance_id, GenerateRequest(request_id, list(prompt_token_ids), wire))
+        if plan.prefill_instance_id is not None:
+            state.prefill_instance_id, state.decode_instance_id = plan.prefill_instance_id, plan.instance_id
+            state.prompt_token_ids, state.wire_params = list(prompt_token_ids), wire
+        self.requests[request_id] = state
+        self._send(state.instance_id, GenerateRequest(request_id, list(prompt_token_ids), wire))
         return RequestStream(self, state)
 
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
-        self.router.on_finish(state.instance_id, request_id)
+        self._release(state)
         self.metrics.requests.labels("abort").inc()
-        self._send(state.instance_id, AbortRequests([request_id]))
         # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
         state.queue.put_nowait(GenerationEvent("", 0, state.num_prompt_tokens, state.num_completion_tokens,
                                                True, "abort"))
+
+    def _release(self, state: RequestState, abort: bool = True) -> None:
+        """The request is over here: forget it in the router and, unless its engines finished it
+        themselves, abort it on every instance that may hold it (an unknown id is a no-op
+        there), so each frees its blocks."""
+        for instance_id in state.holders():
+            self.router.on_finish(instance_id, state.request_id)
+            inst = self.instances.get(instance_id)
+            if abort and inst is not None and inst.alive:
+                self._send(instance_id, AbortRequests([state.request_id]))
+
+    def _hand_over(self, state: RequestState, out: TokenOutput) -> None:
+        """P finished the prompt: D pulls its KV and continues after the first token."""
+        self.router.on_finish(state.instance_id, state.request_id)
+        state.instance_id = state.decode_instance_id
+        self._send(state.instance_id, GenerateRequest(state.request_id, state.prompt_token_ids, state.wire_params,
+                                                      out.kv_descriptor, list(out.new_token_ids)))
 
     def _send(self, engine_id: str, message: ToEngine) -> None:
         self._outbox.put_nowait((socket_identity(engine_id, "in"), self.codec.encode(message)))
@@ -231,6 +286,7 @@ class EngineClient:
             elif isinstance(message, EngineStats):
                 inst.stats = message
                 self.metrics.observe_stats(message)
+                self.router.set_free_blocks(engine_id, message.num_free_blocks)
             elif isinstance(message, Heartbeat):
                 pass
 
@@ -262,22 +318,31 @@ class EngineClient:
                 state.last_token_at = now
             self.router.on_progress(state.instance_id, state.request_id,
                                     state.num_prompt_tokens if is_first else 0, len(out.new_token_ids))
-            text = state.output_text.add_tokens(out.new_token_ids, out.finished)
-            finished, reason = out.finished, out.finish_reason
+            handed_over = out.finish_reason == "prefill_done"
+            finished, reason = out.finished and not handed_over, out.finish_reason
+            text = state.output_text.add_tokens(out.new_token_ids, finished)
             if state.output_text.stopped and not finished:
-                self._send(state.instance_id, AbortRequests([state.request_id]))  # frees its blocks now
-                finished, reason = True, "stop"
+                finished, reason = True, "stop"  # _finish aborts it everywhere: frees its blocks now
+            elif handed_over:
+                self._hand_over(state, out)
+            kv_report = None
+            if out.kv_transfer is not None:
+                kv_report = trial_report(out.kv_transfer, reason)
+                self.metrics.observe_transfer(out.kv_transfer, kv_report["outcome"])
             event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens,
-                                    state.num_completion_tokens, finished, reason, out.error, out.rejected)
+                                    state.num_completion_tokens, finished, reason if finished else None,
+                                    out.error, out.rejected, kv_report)
             if finished:
-                self._finish(state, "rejected" if out.rejected else reason)
+                # an engine error (a refused handover, a failed transfer) may leave P holding blocks
+                self._finish(state, "rejected" if out.rejected else reason,
+                             abort=not out.finished or reason == "error")
                 self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
             state.queue.put_nowait(event)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
-    def _finish(self, state: RequestState, outcome: str | None) -> None:
+    def _finish(self, state: RequestState, outcome: str | None, abort: bool) -> None:
         self.requests.pop(state.request_id, None)
-        self.router.on_finish(state.instance_id, state.request_id)
+        self._release(state, abort)
         self.metrics.requests.labels(outcome or "error").inc()
         self.metrics.e2e.observe(time.monotonic() - state.arrival)
 
@@ -306,6 +371,7 @@ class EngineClient:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
+            self._release(state)  # the request's other instance frees it too
             self.metrics.requests.labels("error").inc()
             state.queue.put_nowait(GenerationEvent(
                 "", 0, state.num_prompt_tokens, state.num_completion_tokens, True, "error",

@@ -23,8 +23,9 @@ import msgspec
 import zmq
 
 from splitserve.config import PREFILL_POLICIES, ROLES, CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
-                                 Shutdown, StepOutputs, TokenOutput, socket_identity)
+                                 KVStats, KVTransferReport, Shutdown, StepOutputs, TokenOutput, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -32,6 +33,22 @@ log = logging.getLogger("splitserve.engine")
 STATS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 1.0  # the frontend declares an engine dead after 5 s of silence
 PARENT_CHECK_INTERVAL_S = 1.0
+TRANSFER_POLL_S = 0.001
+
+
+def transfer_report(record) -> KVTransferReport | None:
+    """The wire subset of a kv_transfer TransferRecord."""
+    if record is None:
+        return None
+    wait = max(0.0, record.start - record.queued_at) if record.start and record.queued_at else 0.0
+    return KVTransferReport(record.outcome.value, record.source_instance, record.transport, record.num_bytes,
+                            record.seconds, wait, record.error, record.error_kind)
+
+
+def to_wire(o) -> TokenOutput:
+    """An engine RequestOutput as the frontend gets it."""
+    return TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
+                       o.num_cached_tokens, o.error, False, o.kv_descriptor, transfer_report(o.kv_transfer))
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +62,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size per engine, e.g. 512MiB")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",
+                   help="decode role, when a KV transfer fails: prefill the prompt again, or fail the request")
+    add_kv_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
 
 
-def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
+                            instance_id: str = "engine-0") -> EngineConfig:
+    kv = kv_config_from_args(args) if role != "colocated" else None
     return EngineConfig(
+        instance_id=instance_id, kv_transfer=kv, kv_failure_policy=args.kv_failure_policy,
         model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -126,19 +149,25 @@ class EngineProcess:
 
     def _stats(self) -> EngineStats:
         s = self.core.stats()
+        sender, receiver = s.kv_sender or {}, s.kv_receiver or {}
+        kv = None
+        if s.kv_sender is not None or s.kv_receiver is not None:
+            kv = KVStats(sender.get("num_lease_expiries", 0), sender.get("num_held_blocks", 0),
+                         sender.get("num_confirmed", 0), receiver.get("num_done", 0),
+                         receiver.get("num_failed", 0), receiver.get("num_pending", 0),
+                         receiver.get("num_transferring", 0))
         return EngineStats(self.engine_id, self.role, s.num_waiting, s.num_running, s.num_blocks_total,
                            s.num_free_blocks, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_preemptions, s.num_steps)
+                           s.num_preemptions, s.num_steps, kv)
 
     def _reject(self, request_id: str, why: str) -> TokenOutput:
         return TokenOutput(request_id, [], True, "error", error=why, rejected=True)
 
     def _add(self, msg: GenerateRequest) -> TokenOutput | None:
-        if msg.prefill_only or msg.kv is not None:
-            return self._reject(msg.request_id, "KV handover is not supported by this engine yet")
         try:
             params = SamplingParams(**msgspec.structs.asdict(msg.params))
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params,
+                                  kv_descriptor=msg.kv_descriptor, first_token_ids=msg.first_token_ids or None)
         except (ValueError, TypeError) as e:
             return self._reject(msg.request_id, str(e))
         return None
@@ -185,9 +214,14 @@ class EngineProcess:
                 pass
             if self.core.has_unfinished_requests() and not self.stopping.is_set():
                 changed = True
-                for o in self.core.step():
-                    outputs.append(TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
-                                               o.num_prompt_tokens, o.num_cached_tokens, o.error))
+                outputs += [to_wire(o) for o in self.core.step()]
+                if not self.core.scheduler.has_unfinished():
+                    # Only KV transfers in flight (puller threads, a held lease): wait a little for
+                    # them or for a message instead of spinning a core the other engines need.
+                    try:
+                        outputs += self._apply(self.inbox.get(timeout=TRANSFER_POLL_S))
+                    except queue.Empty:
+                        pass
             if outputs:
                 self.outbox.put(StepOutputs(self.engine_id, outputs))
             now = time.monotonic()
@@ -200,6 +234,7 @@ class EngineProcess:
                     log.error("engine %s: parent process is gone; exiting", self.engine_id)
                     self.stopping.set()
         self.outbox.put(None)
+        self.core.close()
         for t in threads:
             t.join(timeout=2)
         self.ctx.term()
@@ -231,7 +266,12 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    core = EngineCore(engine_config_from_args(args, args.role))
+    try:
+        config = engine_config_from_args(args, args.role, engine_id)
+    except ValueError as e:
+        log.error("engine %s: %s", engine_id, e)
+        return 2
+    core = EngineCore(config)
     process = EngineProcess(core, engine_id, args.role, args.connect, args.parent_pid)
     log.info("engine %s (%s) connecting to %s", engine_id, args.role, args.connect)
     process.run()

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from splitserve.frontend.engine_proc import add_engine_arguments
+from splitserve.kv_transfer import kv_config_from_args
 
 log = logging.getLogger("splitserve.serve")
 
@@ -27,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--instances", type=int, default=1, help="colocated engine processes (data parallel)")
+    p.add_argument("--instances", type=int, default=None,
+                   help="colocated engine processes (data parallel; default 1)")
+    p.add_argument("--prefill", type=int, default=0, help="prefill engine processes (disaggregated; needs --decode)")
+    p.add_argument("--decode", type=int, default=0, help="decode engine processes (disaggregated; needs --prefill)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="per engine, beyond --max-num-seqs; more gets 429 with Retry-After")
     p.add_argument("--pin-cores", action="store_true",
@@ -39,7 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.instances < 1:
+    disaggregated = args.prefill or args.decode
+    if disaggregated and args.instances is not None:
+        raise ValueError("--instances (colocated engines) cannot be mixed with --prefill/--decode; "
+                         "use either --instances N or --prefill N --decode M")
+    if disaggregated and (args.prefill < 1 or args.decode < 1):
+        raise ValueError(f"disaggregated serving needs at least one of each: --prefill {args.prefill} "
+                         f"--decode {args.decode}; give both --prefill N and --decode M (N, M >= 1)")
+    if args.prefill > 1 and args.kv_port != 0:
+        raise ValueError(f"--kv-port {args.kv_port} cannot be shared by {args.prefill} prefill instances; "
+                         "leave --kv-port at 0 (each picks a free port and advertises it)")
+    if args.instances is None:
+        args.instances = 0 if disaggregated else 1
+    if args.instances < 1 and not disaggregated:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
@@ -55,9 +71,29 @@ def core_sets(instances: int, threads: int) -> list[str]:
     return [",".join(str(c) for c in cores[i * threads:(i + 1) * threads]) for i in range(instances)]
 
 
-def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus: str | None) -> list[str]:
+def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(engine_id, role) of every engine `serve` starts."""
+    if args.prefill or args.decode:
+        return ([(f"prefill-{i}", "prefill") for i in range(args.prefill)]
+                + [(f"decode-{i}", "decode") for i in range(args.decode)])
+    return [(f"engine-{i}", "colocated") for i in range(args.instances)]
+
+
+def kv_flags(args: argparse.Namespace) -> list[str]:
+    """The --kv-* flags, forwarded to prefill and decode engines."""
+    cmd = ["--kv-transport", args.kv_transport, "--kv-lease-s", str(args.kv_lease_s),
+           "--kv-fault-rate", str(args.kv_fault_rate), "--kv-delay-ms", str(args.kv_delay_ms),
+           "--kv-host", args.kv_host, "--kv-port", str(args.kv_port), "--kv-seed", str(args.kv_seed),
+           "--kv-failure-policy", args.kv_failure_policy]
+    if args.kv_secret_file is not None:
+        cmd += ["--kv-secret-file", str(args.kv_secret_file)]
+    return cmd
+
+
+def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus: str | None,
+                   role: str = "colocated") -> list[str]:
     cmd = [sys.executable, "-m", "splitserve.cli", "engine", "--connect", address, "--engine-id", engine_id,
-           "--role", "colocated", "--parent-pid", str(os.getpid()), "--device", args.device,
+           "--role", role, "--parent-pid", str(os.getpid()), "--device", args.device,
            "--prefill-policy", args.prefill_policy, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
            "--block-size", str(args.block_size), "--seed", str(args.seed)]
@@ -67,6 +103,8 @@ def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus:
         cmd += ["--threads-per-instance", str(args.threads_per_instance)]
     if cpus:
         cmd += ["--cpus", cpus]
+    if role != "colocated":
+        cmd += kv_flags(args)
     return cmd
 
 
@@ -99,15 +137,16 @@ async def serve(args: argparse.Namespace) -> int:
     from splitserve.frontend.metrics import FrontendMetrics
     from splitserve.frontend.router import Router
 
-    cpus = core_sets(args.instances, args.threads_per_instance or 1) if args.pin_cores else [None] * args.instances
+    roles = engine_roles(args)
+    cpus = core_sets(len(roles), args.threads_per_instance or 1) if args.pin_cores else [None] * len(roles)
     metrics, router = FrontendMetrics(), Router()
     client = EngineClient(None, router, metrics, bind=args.engine_address,
                           max_queued_requests=args.max_queued_requests)
-    engine_ids = [f"engine-{i}" for i in range(args.instances)]
+    engine_ids = [engine_id for engine_id, _ in roles]
     processes = []
     try:
-        for engine_id, cores in zip(engine_ids, cpus):
-            proc = subprocess.Popen(engine_command(args, engine_id, client.address, cores))
+        for (engine_id, role), cores in zip(roles, cpus):
+            proc = subprocess.Popen(engine_command(args, engine_id, client.address, cores, role))
             processes.append(proc)
             client.attach_process(engine_id, proc)
         client.start()
@@ -123,7 +162,8 @@ async def serve(args: argparse.Namespace) -> int:
             while not server.started:
                 await asyncio.sleep(0.05)
             print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{args.port}/v1 "
-                  f"with {args.instances} engine(s)", flush=True)
+                  f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}; "
+                  f"engines join at {client.address}", flush=True)
 
         announcer = asyncio.create_task(announce())
         await server.serve()
@@ -137,7 +177,13 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    check_args(args)
+    try:
+        check_args(args)
+        if args.prefill:
+            kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
+    except ValueError as e:
+        print(f"splitserve serve: {e}", file=sys.stderr)
+        return 2
 
     def on_term(signum, frame):  # before uvicorn installs its own handlers: stop like Ctrl-C
         raise KeyboardInterrupt

@@ -8,10 +8,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from splitserve.protocol import EngineStats
+from splitserve.protocol import EngineStats, KVTransferReport
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+KV_OUTCOMES = ("ok", "recomputed", "failed")
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -43,8 +45,36 @@ class FrontendMetrics:
         self.alive = Gauge("splitserve_instance_alive", "1 while the instance is alive", labels, registry=r)
         self.outstanding = Gauge("splitserve_instance_outstanding_tokens",
                                  "Router's view: prompt + answer tokens still to do", labels, registry=r)
+        self.role = Gauge("splitserve_instance_role", "1 for the instance's role (colocated|prefill|decode)",
+                          labels, registry=r)
+        # KV transfers (disaggregated), counted per request from the decode instances' reports
+        self.kv_transfers = Counter("splitserve_kv_transfers", "KV transfers by outcome (ok|recomputed|failed)",
+                                    ["outcome"], registry=r)
+        self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes moved between instances",
+                                         registry=r)
+        self.kv_transfer_seconds = Histogram("splitserve_kv_transfer_seconds", "Time a transfer's bytes moved",
+                                             buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_transfer_failures = Counter("splitserve_kv_transfer_failures", "Failed KV transfers by kind",
+                                            ["kind"], registry=r)
+        self.kv_lease_expiries = Gauge("splitserve_kv_lease_expiries",
+                                       "Handed-over KV never pulled within the lease (prefill), since start",
+                                       labels, registry=r)
+        self.kv_held_blocks = Gauge("splitserve_kv_held_blocks", "Blocks a prefill instance holds for a handover",
+                                    labels, registry=r)
+        self.kv_in_flight = Gauge("splitserve_kv_transfers_in_flight",
+                                  "Transfers a decode instance is waiting for or moving", labels, registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # present at 0 from the start
+        for outcome in KV_OUTCOMES:
+            self.kv_transfers.labels(outcome)
+
+    def observe_transfer(self, report: KVTransferReport, outcome: str) -> None:
+        self.kv_transfers.labels(outcome).inc()
+        self.kv_transfer_bytes.inc(report.num_bytes)
+        if report.outcome == "done":
+            self.kv_transfer_seconds.observe(report.seconds)
+        else:
+            self.kv_transfer_failures.labels(report.error_kind or "unknown").inc()
 
     def observe_stats(self, stats: EngineStats) -> None:
         labels = (stats.engine_id, stats.role)
@@ -55,9 +85,14 @@ class FrontendMetrics:
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         self.hit_rate.labels(*labels).set(rate)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
+        if stats.kv is not None:
+            self.kv_lease_expiries.labels(*labels).set(stats.kv.num_lease_expiries)
+            self.kv_held_blocks.labels(*labels).set(stats.kv.num_held_blocks)
+            self.kv_in_flight.labels(*labels).set(stats.kv.num_pending + stats.kv.num_transferring)
 
     def set_alive(self, instance_id: str, role: str, alive: bool) -> None:
         self.alive.labels(instance_id, role).set(1 if alive else 0)
+        self.role.labels(instance_id, role).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after_s = retry_after_s
+        self.report: dict | None = None  # splitserve's per-request report (a failed KV transfer)
 
     def response(self, request_id: str | None = None) -> JSONResponse:
         headers = {}
@@ -33,7 +34,10 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        if self.report is not None:
+            body["splitserve"] = self.report
+        return body
 
 
 class _Body(BaseModel):

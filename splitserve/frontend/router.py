@@ -3,8 +3,14 @@
 For N colocated instances: least outstanding tokens, where a request's outstanding tokens
 are its prompt tokens not yet prefilled plus the answer tokens it may still produce. The
 router is told when a request starts, makes progress and ends, so its picture stays exact
-without asking the engines. Disaggregation (issue 4) extends `Router` with a prefill/decode
-choice: `pick` gets the request and returns a `RoutePlan`, which can then name two instances.
+without asking the engines.
+
+Disaggregated (prefill and decode instances live): `pick` names two instances. The prefill
+instance is the one with the fewest queued prompt tokens (its outstanding tokens count only
+prompts); the decode instance the one with the fewest running tokens (its outstanding tokens
+count only answers), ties broken by free KV blocks as the engines last reported them. A
+request is registered on both at once, so admission limits hold on both sides. A drained
+instance takes no new requests; a dead one is out of rotation.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ class InstanceLoad:
     role: str = "colocated"
     alive: bool = True
     max_requests: int = 1 << 30  # admission limit: running slots + bounded queue
+    draining: bool = False  # takes no new requests (admin DELETE); leaves once empty
+    num_free_blocks: int = 0  # as last reported by the engine
     outstanding_tokens: int = 0
     # request_id -> its outstanding tokens (so progress and the end are O(1))
     requests: dict[str, int] = field(default_factory=dict)
@@ -56,6 +64,30 @@ class Router:
     def add_instance(self, instance_id: str, role: str = "colocated", max_requests: int = 1 << 30) -> None:
         self.instances[instance_id] = InstanceLoad(instance_id, role, True, max_requests)
 
+    def drain(self, instance_id: str) -> None:
+        self.instances[instance_id].draining = True
+
+    def remove(self, instance_id: str) -> None:
+        self.instances.pop(instance_id, None)
+
+    def set_free_blocks(self, instance_id: str, num_free_blocks: int) -> None:
+        load = self.instances.get(instance_id)
+        if load is not None:
+            load.num_free_blocks = num_free_blocks
+
+    def _open(self, role: str) -> list[InstanceLoad]:
+        live = [x for x in self.instances.values() if x.alive and not x.draining and x.role == role]
+        if not live:
+            raise NoInstanceAvailable(f"no {role} engine instance is alive", retry_after_s=5)
+        open_ = [x for x in live if x.num_requests < x.max_requests]
+        if not open_:
+            raise NoInstanceAvailable(f"every {role} engine instance's queue is full; retry later")
+        return open_
+
+    def is_disaggregated(self) -> bool:
+        roles = {x.role for x in self.instances.values() if x.alive and not x.draining}
+        return "prefill" in roles and "decode" in roles
+
     def mark_dead(self, instance_id: str) -> list[str]:
         """Takes an instance out of rotation; returns the requests it held."""
         load = self.instances[instance_id]
@@ -66,29 +98,41 @@ class Router:
         return lost
 
     def pick(self, request: RoutableRequest) -> RoutePlan:
-        live = [x for x in self.instances.values() if x.alive and x.role == "colocated"]
-        if not live:
-            raise NoInstanceAvailable("no engine instance is alive", retry_after_s=5)
-        open_ = [x for x in live if x.num_requests < x.max_requests]
-        if not open_:
-            raise NoInstanceAvailable("every engine instance's queue is full; retry later")
-        best = min(open_, key=lambda x: (x.outstanding_tokens, x.num_requests))
-        return RoutePlan(best.instance_id)
+        """Colocated instances when any is open, else a prefill + decode pair."""
+        try:
+            colocated = self._open("colocated")
+        except NoInstanceAvailable:
+            if not self.is_disaggregated():
+                raise
+        else:
+            best = min(colocated, key=lambda x: (x.outstanding_tokens, x.num_requests))
+            return RoutePlan(best.instance_id)
+        prefill = min(self._open("prefill"), key=lambda x: (x.outstanding_tokens, x.num_requests))
+        decode = min(self._open("decode"), key=lambda x: (x.outstanding_tokens, -x.num_free_blocks,
+                                                           x.num_requests))
+        return RoutePlan(decode.instance_id, prefill.instance_id)
 
     def on_start(self, plan: RoutePlan, request: RoutableRequest) -> None:
-        load = self.instances[plan.instance_id]
-        tokens = request.num_prompt_tokens + request.max_tokens
-        load.requests[request.request_id] = tokens
+        if plan.prefill_instance_id is None:
+            self._add(plan.instance_id, request.request_id, request.num_prompt_tokens + request.max_tokens)
+        else:
+            self._add(plan.prefill_instance_id, request.request_id, request.num_prompt_tokens)
+            self._add(plan.instance_id, request.request_id, request.max_tokens)
+
+    def _add(self, instance_id: str, request_id: str, tokens: int) -> None:
+        load = self.instances[instance_id]
+        load.requests[request_id] = tokens
         load.outstanding_tokens += tokens
 
     def on_progress(self, instance_id: str, request_id: str, num_prompt_done: int, num_new_tokens: int) -> None:
-        load = self.instances[instance_id]
-        if request_id not in load.requests:
+        load = self.instances.get(instance_id)
+        if load is None or request_id not in load.requests:
             return
         done = min(load.requests[request_id], num_prompt_done + num_new_tokens)
         load.requests[request_id] -= done
         load.outstanding_tokens -= done
 
     def on_finish(self, instance_id: str, request_id: str) -> None:
-        load = self.instances[instance_id]
-        load.outstanding_tokens -= load.requests.pop(request_id, 0)
+        load = self.instances.get(instance_id)
+        if load is not None:
+            load.outstanding_tokens -= load.requests.pop(request_id, 0)

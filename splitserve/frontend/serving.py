@@ -162,9 +162,27 @@ async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
 
 def error_for(event: GenerationEvent) -> ApiError:
     if event.rejected:
-        return ApiError(400, f"the engine refused the request: {event.error}")
-    return ApiError(503, event.error or "the engine failed", "server_error", code="engine_failure",
-                    retry_after_s=1)
+        error = ApiError(400, f"the engine refused the request: {event.error}")
+    elif event.kv_transfer is not None:
+        error = ApiError(503, event.error or "the KV transfer failed", "server_error",
+                         code="kv_transfer_failed", retry_after_s=1)
+    else:
+        error = ApiError(503, event.error or "the engine failed", "server_error", code="engine_failure",
+                         retry_after_s=1)
+    error.report = splitserve_report(event)
+    return error
+
+
+def splitserve_report(event: GenerationEvent) -> dict | None:
+    """The per-request report of docs/internals.md "Trial <-> server" (disaggregated only)."""
+    if event.kv_transfer is None:
+        return None
+    return {"kv_transfer": event.kv_transfer, "retries": 0}
+
+
+def with_report(payload: dict, event: GenerationEvent) -> dict:
+    report = splitserve_report(event)
+    return payload if report is None else {**payload, "splitserve": report}
 
 
 def usage(event: GenerationEvent) -> dict:
@@ -190,12 +208,14 @@ class Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
             head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(last)}
+        return with_report({**head, "choices": [choice], "usage": usage(last)}, last)
 
-    def _chunk(self, obj: str, choice: dict) -> bytes:
+    def _chunk(self, obj: str, choice: dict, last: GenerationEvent | None = None) -> bytes:
         chunk = {**self._head(obj), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
+        elif last is not None:  # no usage chunk follows: the finishing chunk carries the report
+            chunk = with_report(chunk, last)
         return sse(chunk)
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[GenerationEvent]:
@@ -208,7 +228,7 @@ class Answer:
     def _tail(self, obj: str, last: GenerationEvent) -> list[bytes]:
         out = []
         if self.include_usage:
-            out.append(sse({**self._head(obj), "choices": [], "usage": usage(last)}))
+            out.append(sse(with_report({**self._head(obj), "choices": [], "usage": usage(last)}, last)))
         return out + [SSE_DONE]
 
     async def chat_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
@@ -224,7 +244,7 @@ class Answer:
                                         "logprobs": None, "finish_reason": None})
             if event.finished:
                 yield self._chunk(obj, {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": event.finish_reason})
+                                        "finish_reason": event.finish_reason}, event)
                 for chunk in self._tail(obj, event):
                     yield chunk
                 return
@@ -238,7 +258,8 @@ class Answer:
                 break
             if event.text or event.finished:
                 yield self._chunk(obj, {"index": 0, "text": event.text, "logprobs": None,
-                                        "finish_reason": event.finish_reason if event.finished else None})
+                                        "finish_reason": event.finish_reason if event.finished else None},
+                                  event if event.finished else None)
             if event.finished:
                 for chunk in self._tail(obj, event):
                     yield chunk

@@ -1,0 +1,70 @@
+"""Start a real `splitserve serve --prefill N --decode M` (or a colocated one) for the disaggregation tests."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from serve_support import REPO, ServerProcess, free_port
+
+
+class DisaggServer(ServerProcess):
+    """ServerProcess with any arrangement flags (`--prefill 1 --decode 1 ...` or `--instances 1`)."""
+
+    def __init__(self, model: str, *arrangement: str, log_path: Path | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), "--model", model,
+               "--threads-per-instance", "1", "--log-level", "warning", "--kv-cache-memory", "8MiB",
+               "--max-num-batched-tokens", "128", *arrangement]
+        self.log_path = log_path or Path(os.devnull)
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+
+def completion_body(prompt: list[int], max_tokens: int, stream: bool, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None, **extra}
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict, leave_after: int | None = None
+                            ) -> dict:
+    """Reads one SSE completion. Returns {"text", "num_tokens", "finish", "report", "error", "done",
+    "chunks"}; with leave_after, closes the connection after that many content chunks."""
+    result = {"text": "", "num_tokens": None, "finish": None, "report": None, "error": None, "done": False,
+              "chunks": 0, "status": None}
+    async with client.stream("POST", base_url + "/v1/completions", json=body) as resp:
+        result["status"] = resp.status_code
+        if resp.status_code != 200:
+            payload = (await resp.aread()).decode()
+            result["error"] = payload
+            return result
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = httpx.Response(200, content=line[6:]).json()
+            result["report"] = chunk.get("splitserve", result["report"])
+            if "error" in chunk:
+                result["error"] = chunk["error"]
+                continue
+            for choice in chunk.get("choices") or []:
+                result["text"] += choice.get("text") or ""
+                result["finish"] = choice.get("finish_reason") or result["finish"]
+                result["chunks"] += 1
+            if chunk.get("usage"):
+                result["num_tokens"] = chunk["usage"]["completion_tokens"]
+            if leave_after is not None and result["chunks"] >= leave_after:
+                break  # leaving the `async with` closes the connection: a client disconnect
+    return result
+
+
+def run(coro):
+    return asyncio.run(coro)
