@@ -1,0 +1,93 @@
+"""Serving pieces without a server: router choice, the wire codec, CPU budget arguments."""
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+
+from splitserve.frontend.engine_proc import parse_cpus
+from splitserve.frontend.launch import core_sets
+from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
+                                 Shutdown, StepOutputs, TokenOutput, WireSamplingParams)
+
+
+def start(router: Router, request_id: str, prompt: int, answer: int) -> str:
+    request = RoutableRequest(request_id, prompt, answer)
+    plan = router.pick(request)
+    router.on_start(plan, request)
+    return plan.instance_id
+
+
+def test_router_sends_each_request_to_the_least_outstanding_tokens():
+    router = Router()
+    router.add_instance("a")
+    router.add_instance("b")
+    assert start(router, "long", 1000, 100) == "a"
+    assert start(router, "short-1", 10, 10) == "b"
+    assert start(router, "short-2", 10, 10) == "b"  # b holds 40 tokens, a 1100
+    router.on_progress("a", "long", num_prompt_done=1000, num_new_tokens=1)  # a now holds 99
+    assert start(router, "mid", 50, 50) == "b"  # b: 40 < 99
+    assert start(router, "next", 5, 5) == "a"  # a: 99 < b: 140
+    router.on_finish("a", "long")
+    router.on_finish("a", "next")
+    assert router.instances["a"].outstanding_tokens == 0 and router.instances["a"].num_requests == 0
+
+
+def test_router_respects_admission_limits_and_dead_instances():
+    router = Router()
+    router.add_instance("a", max_requests=1)
+    router.add_instance("b", max_requests=1)
+    start(router, "r1", 5, 5)
+    start(router, "r2", 5, 5)
+    with pytest.raises(NoInstanceAvailable) as full:
+        start(router, "r3", 5, 5)
+    assert full.value.retry_after_s >= 1
+    held_by_a = router.instances["a"].requests.copy()
+    assert router.mark_dead("a") == list(held_by_a)
+    router.on_finish("b", "r2")
+    assert start(router, "r4", 5, 5) == "b"  # never the dead one
+    router.mark_dead("b")
+    with pytest.raises(NoInstanceAvailable, match="alive"):
+        start(router, "r5", 5, 5)
+
+
+def test_every_wire_message_round_trips_through_its_direction():
+    codec = Codec()
+    to_engine = [GenerateRequest("r1", [1, 2, 3], WireSamplingParams(max_tokens=4, seed=7, stop_token_ids=[2])),
+                 AbortRequests(["r1", "r2"]), Shutdown("bye")]
+    from_engine = [EngineHello("e0", "colocated", "m", 512, 600, 100, 16, 8, 1234),
+                   StepOutputs("e0", [TokenOutput("r1", [5], True, "length", 3, 0)]),
+                   EngineStats("e0", "colocated", 1, 2, 100, 90), Heartbeat("e0")]
+    for message in to_engine:
+        assert codec.to_engine.decode(codec.encode(message)) == message
+    for message in from_engine:
+        assert codec.from_engine.decode(codec.encode(message)) == message
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xff\xfe garbage", msgspec.msgpack.encode({"type": "no-such-tag"}),
+    msgspec.msgpack.encode({"type": "abort", "request_ids": "not-a-list"}),
+    msgspec.msgpack.encode({"type": "generate", "request_id": "r", "prompt_token_ids": ["x"],
+                            "params": {"max_tokens": 1}}),
+])
+def test_malformed_or_foreign_frames_are_refused_by_the_decoder(payload):
+    with pytest.raises(msgspec.DecodeError):
+        Codec().to_engine.decode(payload)
+
+
+def test_an_engine_message_is_not_accepted_as_a_frontend_message():
+    codec = Codec()
+    with pytest.raises(msgspec.DecodeError):
+        codec.to_engine.decode(codec.encode(Heartbeat("e0")))
+
+
+def test_cpu_budget_arguments():
+    assert parse_cpus("0,2-3") == {0, 2, 3}
+    with pytest.raises(ValueError, match="--cpus"):
+        parse_cpus("zero")
+    cores = len(os.sched_getaffinity(0))
+    assert core_sets(1, 1) == [str(min(os.sched_getaffinity(0)))]
+    with pytest.raises(ValueError, match="--pin-cores"):
+        core_sets(cores + 1, 1)
