@@ -21,6 +21,7 @@ ROWS = [
     ("attainment", lambda s: f"{s['attainment']:.0%}"),
     ("goodput (req/s)", lambda s: f"{s['goodput_rps']:.3f}"),
     ("good / requests", lambda s: f"{s['num_good']} / {s['num_requests']}"),
+    ("attainment by class", lambda s: ", ".join(f"{name} {c['attainment']:.0%}" for name, c in s["by_class"].items())),
     ("TTFT p50 / p99", lambda s: f"{fmt_seconds(s['ttft_s']['p50'])} / {fmt_seconds(s['ttft_s']['p99'])}"),
     ("TPOT p50 / p99", lambda s: f"{fmt_seconds(s['tpot_s']['p50'])} / {fmt_seconds(s['tpot_s']['p99'])}"),
     ("gap p50 / p99", lambda s: f"{fmt_seconds(s['gap_s']['p50'])} / {fmt_seconds(s['gap_s']['p99'])}"),
