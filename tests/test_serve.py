@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
-from serve_support import ServerProcess, all_blocks_free, metric_samples, process_alive, wait_until
+from serve_support import ServerProcess, free_port, all_blocks_free, metric_samples, process_alive, wait_until
 from tiny_models import write_tiny_checkpoint
 
 # (prompt words, answer tokens): mixed prompt and answer lengths
@@ -37,6 +39,14 @@ def server(tmp_path_factory):
     pids = [i["pid"] for i in srv.health()["instances"]]
     assert srv.stop() == 0, srv.log()
     assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=10), "engines outlived serve"
+
+
+def test_serve_exits_with_a_clear_error_when_the_model_cannot_load(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(tmp_path / "missing"),
+                           "--port", str(free_port()), "--threads-per-instance", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "splitserve serve:" in proc.stderr and "missing" in proc.stderr.splitlines()[-1]
 
 
 def messages(words: int) -> list[dict]:

@@ -55,7 +55,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments an engine needs; `serve` shares them and forwards them to its engines."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine")
+    p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine (serve's default: its cores / engines)")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="chunked")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests per engine")

@@ -138,6 +138,10 @@ async def serve(args: argparse.Namespace) -> int:
     from splitserve.frontend.router import Router
 
     roles = engine_roles(args)
+    if args.threads_per_instance is None:
+        # Unset, every engine would start one torch thread per core and they would fight over
+        # them; split the cores this process may use evenly instead.
+        args.threads_per_instance = max(1, len(os.sched_getaffinity(0)) // len(roles))
     cpus = core_sets(len(roles), args.threads_per_instance or 1) if args.pin_cores else [None] * len(roles)
     metrics, router = FrontendMetrics(), Router()
     client = EngineClient(None, router, metrics, bind=args.engine_address,
@@ -193,3 +197,6 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         return 0
+    except (RuntimeError, TimeoutError, OSError, ValueError) as e:  # startup failed: no model, dead engine
+        print(f"splitserve serve: {e}", file=sys.stderr)
+        return 1
