@@ -126,27 +126,35 @@ class LlamaModel:
         x = self.embed[batch.input_ids]  # [n, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
+        nd = batch.num_decode_tokens
+        decode_bias = None
+        if nd:  # 0 where a decode may look, -inf past its context: built once, added per layer
+            lens = batch.decode_context_lens
+            width = batch.decode_block_tables.shape[1] * self.block_size
+            pad = torch.arange(width, device=x.device).unsqueeze(0) >= lens.unsqueeze(1)
+            decode_bias = torch.zeros(pad.shape, dtype=x.dtype, device=x.device).masked_fill_(pad, float("-inf"))
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
-            q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-            q, k, v = q.view(n, nq, hd), k.view(n, nkv, hd), v.reshape(n, nkv, hd)
-            if layer["q_norm"] is not None:
-                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            # [num_kv_heads, num_blocks * block_size, head_dim]: head-major, so gathered blocks
+            v = qkv[:, (nq + nkv) * hd:].view(n, nkv, hd)
+            if layer["q_norm"] is None:  # q and k are adjacent: rotate both in one pass
+                qk = self._rope(qkv[:, :(nq + nkv) * hd].view(n, nq + nkv, hd), cos, sin)
+                q, k = qk[:, :nq], qk[:, nq:]
+            else:
+                q = self._rms_norm(qkv[:, :nq * hd].view(n, nq, hd), layer["q_norm"])
+                k = self._rms_norm(qkv[:, nq * hd:(nq + nkv) * hd].view(n, nkv, hd), layer["k_norm"])
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            # [2, num_kv_heads, num_blocks, block_size, head_dim]: head-major, so gathered blocks
             # form [heads, tokens, head_dim] for attention without a further copy
-            k_cache = kv_cache[li, 0].flatten(1, 2)
-            v_cache = kv_cache[li, 1].flatten(1, 2)
-            k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            kv_layer = kv_cache[li]
+            kv_layer[0].flatten(1, 2).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            kv_layer[1].flatten(1, 2).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
-            nd = batch.num_decode_tokens
             if nd:
-                attn[:nd] = self._decode_attention(q[:nd], k_cache, v_cache, batch)
+                attn[:nd] = self._decode_attention(q[:nd], kv_layer, batch.decode_block_tables, decode_bias)
             for chunk in batch.prefills:
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
-                attn[s] = self._prefill_attention(q[s], k[s], v[s], k_cache, v_cache, chunk)
+                attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
             x = x + F.linear(attn.view(n, nq * hd), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
@@ -154,20 +162,19 @@ class LlamaModel:
         x = self._rms_norm(x[batch.sample_indices], self.final_norm)
         return F.linear(x, self.lm_head)  # [num_samples, vocab]
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        # cache: [nkv, num_blocks * block_size, hd] -> [nkv, len(block_ids) * block_size, hd]
-        nkv, _, hd = cache.shape
-        blocks = cache.view(nkv, -1, self.block_size, hd).index_select(1, block_ids.flatten())
-        return blocks.view(nkv, -1, hd)
+    @staticmethod
+    def _gather(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # kv_layer: [2, nkv, num_blocks, block_size, hd] -> [2, nkv, len(block_ids) * block_size, hd]
+        return kv_layer.index_select(2, block_ids.flatten()).flatten(2, 3)
 
-    def _prefill_attention(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill_attention(self, q, k, v, kv_layer, chunk: PrefillChunk) -> torch.Tensor:
         # q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
         t, ctx = chunk.num_tokens, chunk.num_context_tokens
         if ctx == t:  # nothing cached before this chunk: attend to the chunk itself, causally
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            keys = self._gather(k_cache, chunk.block_ids)[:, :ctx]  # [nkv, ctx, hd]
-            values = self._gather(v_cache, chunk.block_ids)[:, :ctx]
+            gathered = self._gather(kv_layer, chunk.block_ids)[:, :, :ctx]  # [2, nkv, ctx, hd]
+            keys, values = gathered[0], gathered[1]
             # query i sits at position ctx - t + i and may see keys 0..ctx - t + i
             qpos = torch.arange(ctx - t, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [t, ctx]
@@ -178,18 +185,17 @@ class LlamaModel:
             is_causal=causal, scale=self.scale, enable_gqa=True)[0]  # [nq, t, hd]
         return out.transpose(0, 1)
 
-    def _decode_attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
-        # q: [b, nq, hd]; one query per sequence, each over its own cached context
+    def _decode_attention(self, q, kv_layer, block_tables, bias) -> torch.Tensor:
+        # q: [b, nq, hd]; one query per sequence over its own cached context; bias: [b, max_ctx]
         b = q.shape[0]
         nkv, hd = self.config.num_kv_heads, self.config.head_dim
         group = self.config.num_heads // nkv
-        lens = batch.decode_context_lens
-        keys = self._gather(k_cache, batch.decode_block_tables).view(nkv * b, -1, hd)  # [nkv*b, max_ctx, hd]
-        values = self._gather(v_cache, batch.decode_block_tables).view(nkv * b, -1, hd)
+        gathered = self._gather(kv_layer, block_tables)  # [2, nkv, b * max_ctx, hd]
+        keys = gathered[0].view(nkv * b, -1, hd)  # [nkv*b, max_ctx, hd]
+        values = gathered[1].view(nkv * b, -1, hd)
         max_ctx = keys.shape[1]
         qg = q.view(b, nkv, group, hd).transpose(0, 1).reshape(nkv * b, group, hd)
-        scores = torch.bmm(qg, keys.transpose(1, 2)) * self.scale  # [nkv*b, group, max_ctx]
-        pad = torch.arange(max_ctx, device=q.device).unsqueeze(0) >= lens.unsqueeze(1)  # [b, max_ctx]
-        scores.view(nkv, b, group, max_ctx).masked_fill_(pad[None, :, None, :], float("-inf"))
+        scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(self.scale)  # [nkv*b, group, max_ctx]
+        scores.view(nkv, b, group, max_ctx).add_(bias[None, :, None, :])
         out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [nkv*b, group, hd]
         return out.view(nkv, b, group, hd).transpose(0, 1).reshape(b, nkv * group, hd)
