@@ -34,6 +34,7 @@ import zmq.asyncio
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.render import OutputText, Renderer
 from splitserve.frontend.router import RoutableRequest, Router
+from splitserve.frontend.security import EngineLinkSecurity
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
                                  KVTransferReport, PROTOCOL_VERSION, Shutdown, StepOutputs, ToEngine,
                                  TokenOutput, WireSamplingParams, socket_identity)
@@ -130,7 +131,7 @@ class RequestStream:
 class EngineClient:
     def __init__(self, renderer: Renderer, router: Router, metrics: FrontendMetrics,
                  bind: str = "tcp://127.0.0.1:0", max_queued_requests: int = 256,
-                 heartbeat_timeout_s: float = 5.0) -> None:
+                 heartbeat_timeout_s: float = 5.0, link: EngineLinkSecurity | None = None) -> None:
         self.renderer, self.router, self.metrics = renderer, router, metrics
         self.max_queued_requests = max_queued_requests
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -141,6 +142,9 @@ class EngineClient:
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a silent drop
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.link = link
+        if link is not None:  # CurveZMQ: only engines holding the shared secret get through
+            link.secure_server(self.socket, self.ctx)
         self.socket.bind(bind)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
@@ -176,6 +180,8 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         self.socket.close(linger=0)
+        if self.link is not None:
+            self.link.close()
         self.ctx.term()
 
     # ---- properties the API needs ------------------------------------------------------
@@ -348,12 +354,31 @@ class EngineClient:
 
     # ---- noticing dead engines ---------------------------------------------------------
 
+    def drain(self, engine_id: str) -> None:
+        """No new requests for this instance; the watchdog shuts it down once it is empty."""
+        self.router.drain(engine_id)
+        log.warning("engine %s is draining", engine_id)
+
+    def _drained(self, engine_id: str, inst: Instance) -> bool:
+        load = self.router.instances.get(engine_id)
+        if load is None or not load.draining or load.num_requests:
+            return False
+        held = inst.stats.kv.num_held_blocks if inst.stats is not None and inst.stats.kv is not None else 0
+        return held == 0  # a prefill instance may still hold KV a decode instance is pulling
+
     async def _watchdog_loop(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             now = time.monotonic()
             for engine_id, inst in list(self.instances.items()):
                 if not inst.alive:
+                    continue
+                if self._drained(engine_id, inst):
+                    inst.alive = False
+                    self.router.mark_dead(engine_id)
+                    self.metrics.set_alive(engine_id, inst.hello.role, False)
+                    self._send(engine_id, Shutdown("drained by the admin API"))
+                    log.warning("engine %s drained and told to shut down", engine_id)
                     continue
                 exited = inst.process is not None and inst.process.poll() is not None
                 silent = now - inst.last_seen > self.heartbeat_timeout_s

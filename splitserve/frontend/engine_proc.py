@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from splitserve.config import PREFILL_POLICIES, ROLES, CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.frontend.security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
                                  KVStats, KVTransferReport, Shutdown, StepOutputs, TokenOutput, socket_identity)
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, default="colocated")
     p.add_argument("--cpus", default=None, help="pin to these cores, e.g. '0,1' or '2-3'")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    add_engine_link_arguments(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
@@ -100,9 +102,10 @@ def parse_cpus(text: str) -> set[int]:
 
 
 class EngineProcess:
-    def __init__(self, core, engine_id: str, role: str, connect: str, parent_pid: int | None = None) -> None:
+    def __init__(self, core, engine_id: str, role: str, connect: str, parent_pid: int | None = None,
+                 link: EngineLinkSecurity | None = None) -> None:
         self.core, self.engine_id, self.role = core, engine_id, role
-        self.connect, self.parent_pid = connect, parent_pid
+        self.connect, self.parent_pid, self.link = connect, parent_pid, link
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -112,6 +115,8 @@ class EngineProcess:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, socket_identity(self.engine_id, direction))
         sock.setsockopt(zmq.LINGER, 1000)
+        if self.link is not None:
+            self.link.secure_client(sock)
         sock.connect(self.connect)
         return sock
 
@@ -268,11 +273,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         config = engine_config_from_args(args, args.role, engine_id)
+        link = engine_link_from_args(args, args.connect, "--connect")
     except ValueError as e:
         log.error("engine %s: %s", engine_id, e)
         return 2
     core = EngineCore(config)
-    process = EngineProcess(core, engine_id, args.role, args.connect, args.parent_pid)
+    process = EngineProcess(core, engine_id, args.role, args.connect, args.parent_pid, link)
     log.info("engine %s (%s) connecting to %s", engine_id, args.role, args.connect)
     process.run()
     return 0

@@ -19,6 +19,9 @@ import subprocess
 import sys
 
 from splitserve.frontend.engine_proc import add_engine_arguments
+from splitserve.frontend.limits import RequestLimitsMiddleware, add_limit_arguments, check_limit_args
+from splitserve.frontend.security import (ApiKeyMiddleware, add_api_key_arguments, add_engine_link_arguments,
+                                          api_keys_from_args, engine_link_from_args)
 from splitserve.kv_transfer import kv_config_from_args
 
 log = logging.getLogger("splitserve.serve")
@@ -40,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where engines connect (ZeroMQ endpoint; default: loopback, ephemeral port)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for engines")
     p.add_argument("--log-level", default="info")
+    add_api_key_arguments(p)
+    add_limit_arguments(p)
+    add_engine_link_arguments(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -103,6 +109,8 @@ def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus:
         cmd += ["--threads-per-instance", str(args.threads_per_instance)]
     if cpus:
         cmd += ["--cpus", cpus]
+    if args.engine_secret_file is not None:
+        cmd += ["--engine-secret-file", str(args.engine_secret_file)]
     if role != "colocated":
         cmd += kv_flags(args)
     return cmd
@@ -144,8 +152,9 @@ async def serve(args: argparse.Namespace) -> int:
         args.threads_per_instance = max(1, len(os.sched_getaffinity(0)) // len(roles))
     cpus = core_sets(len(roles), args.threads_per_instance or 1) if args.pin_cores else [None] * len(roles)
     metrics, router = FrontendMetrics(), Router()
+    link = engine_link_from_args(args, args.engine_address, "--engine-address")
     client = EngineClient(None, router, metrics, bind=args.engine_address,
-                          max_queued_requests=args.max_queued_requests)
+                          max_queued_requests=args.max_queued_requests, link=link)
     engine_ids = [engine_id for engine_id, _ in roles]
     processes = []
     try:
@@ -157,7 +166,21 @@ async def serve(args: argparse.Namespace) -> int:
         # The tokenizer loads here while the engines load the model in their processes.
         client.renderer = await asyncio.to_thread(load_renderer, args.model)
         await client.wait_ready(engine_ids, args.startup_timeout)
-        app = build_app(client, client.renderer, metrics)
+        counters: dict[str, int] = {}
+
+        def spawn_engine(role: str) -> str:  # POST /admin/instances
+            counters[role] = counters.get(role, 0) + 1
+            engine_id = f"{role}-added-{counters[role]}"
+            proc = subprocess.Popen(engine_command(args, engine_id, client.address, None, role))
+            processes.append(proc)
+            client.attach_process(engine_id, proc)
+            return engine_id
+
+        app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine),
+                                      args.max_request_bytes)
+        api_keys = api_keys_from_args(args)
+        if api_keys:
+            app = ApiKeyMiddleware(app, api_keys)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
@@ -183,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         check_args(args)
+        check_limit_args(args)
+        api_keys_from_args(args)  # an unreadable key file or a bad key fails here, before any engine starts
+        engine_link_from_args(args, args.engine_address, "--engine-address")
         if args.prefill:
             kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:

@@ -1,0 +1,85 @@
+"""Bounds on what one HTTP request may send: body size and content type.
+
+An ASGI middleware in front of the API: a body larger than `--max-request-bytes` gets a 413
+JSON error without being read past the limit (the declared Content-Length is checked first,
+then the bytes actually received, for chunked uploads), and a POST whose declared content
+type is not JSON gets 415. The body is read here and replayed to the app; after it, the app
+sees the client's real receive channel, so a disconnect is still noticed mid-answer.
+"""
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest accepted HTTP request body; more gets 413 (default: "
+                        f"{DEFAULT_MAX_REQUEST_BYTES // (1024 * 1024)} MiB)")
+
+
+def check_limit_args(args: argparse.Namespace) -> None:
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+async def _send_error(send, status: int, message: str, code: str) -> None:
+    body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error",
+                                          "param": None, "code": code}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestLimitsMiddleware:
+    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app, self.max_request_bytes = app, max_request_bytes
+
+    def _too_large(self) -> str:
+        return (f"the request body is larger than this server's limit of {self.max_request_bytes} bytes; "
+                f"send a smaller request (or start the server with a larger --max-request-bytes)")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        content_type = headers.get(b"content-type")
+        if content_type is not None and not _is_json(content_type):
+            return await _send_error(send, 415, f"content type {content_type.decode('latin-1')!r} is not "
+                                                f"supported; send JSON with 'Content-Type: application/json'",
+                                     "unsupported_media_type")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            return await _send_error(send, 400, "the Content-Length header is not a number", "bad_request")
+        if declared > self.max_request_bytes:
+            return await _send_error(send, 413, self._too_large(), "request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return await _send_error(send, 413, self._too_large(), "request_too_large")
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)

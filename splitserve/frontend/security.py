@@ -1,0 +1,187 @@
+"""Who may talk to splitserve: API keys on HTTP, a shared secret on off-host engine links.
+
+HTTP (`--api-key KEY` / `--api-key-file FILE`, as in vLLM): every route needs
+`Authorization: Bearer KEY` except the ones monitoring scrapes without credentials,
+`GET /health` and `GET /metrics` (they reveal liveness and counters, never text). A missing or
+wrong key gets OpenAI's 401 JSON error. Keys are compared in constant time.
+
+Engine links (`--engine-secret-file FILE`): the frontend's ROUTER socket becomes a CurveZMQ
+server and engines CurveZMQ clients. Both key pairs are derived from the shared secret, so a
+peer that does not hold it cannot even complete the handshake (it does not know the server's
+public key), and the ZAP handler additionally admits only the secret's client key. An engine
+address reachable from other machines without a secret is refused at startup, on both sides:
+otherwise anyone there could submit work, read answers, or shut engines down.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.auth.thread
+
+from splitserve.kv_transfer.config import is_loopback
+
+log = logging.getLogger("splitserve.security")
+
+OPEN_ROUTES = frozenset({("GET", "/health"), ("GET", "/metrics")})
+MIN_SECRET_BYTES = 16
+
+
+# ---- HTTP: API keys ----------------------------------------------------------------------
+
+def add_api_key_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but GET /health and "
+                        "GET /metrics (repeatable: several keys)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="like --api-key, one key per line, kept out of `ps`")
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """Raises ValueError naming the flag when a key is unusable."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        try:
+            text = Path(args.api_key_file).read_text()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip()]
+        if not keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key; write one key per line")
+    for key in keys:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("--api-key: a key must be non-empty and contain no whitespace")
+    return keys
+
+
+def _unauthorized(message: str) -> tuple[dict, bytes]:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_api_key"}}
+    headers = {"content-type": "application/json", "www-authenticate": 'Bearer realm="splitserve"'}
+    return headers, msgspec.json.encode(body)
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 unless the request carries one of the keys (open routes excepted)."""
+
+    def __init__(self, app, keys: list[str]) -> None:
+        if not keys:
+            raise ValueError("ApiKeyMiddleware needs at least one key")
+        self.app = app
+        self._keys = [k.encode() for k in keys]
+
+    def _authorized(self, header: bytes | None) -> bool:
+        if header is None:
+            return False
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # check every key (no early exit) so the time taken says nothing about which one matched
+        return sum(hmac.compare_digest(token, k) for k in self._keys) > 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization")
+        if self._authorized(header):
+            return await self.app(scope, receive, send)
+        why = "no API key given" if header is None else "the API key is not valid"
+        headers, body = _unauthorized(f"{why}: send 'Authorization: Bearer <key>' with the key the "
+                                      "server was started with (--api-key)")
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ---- engine links: CurveZMQ keys from a shared secret ----------------------------------------
+
+def add_engine_link_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-secret-file", type=Path, default=None,
+                   help="shared secret of the frontend<->engine link (CurveZMQ); required when the "
+                        "engine address is not loopback. Create one with `openssl rand -hex 32 > FILE`")
+
+
+def endpoint_host(address: str) -> str | None:
+    """The host of a ZeroMQ tcp:// endpoint; None for local-only transports (ipc://, inproc://)."""
+    parts = urlsplit(address)
+    if parts.scheme != "tcp":
+        return None
+    host = parts.netloc.rsplit(":", 1)[0].strip("[]")
+    return host
+
+
+def engine_address_is_local(address: str) -> bool:
+    host = endpoint_host(address)
+    return host is None or is_loopback(host)
+
+
+class EngineLinkSecurity:
+    """CurveZMQ for the frontend<->engine sockets; one shared secret yields both key pairs."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"--engine-secret-file: the secret has {len(secret)} bytes; use at least "
+                             f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > FILE`)")
+        if not zmq.has("curve"):
+            raise ValueError("--engine-secret-file: this libzmq has no CURVE support")
+        self.server_secret, self.server_public = self._key_pair(secret, b"server")
+        self.client_secret, self.client_public = self._key_pair(secret, b"client")
+        self._authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+
+    @staticmethod
+    def _key_pair(secret: bytes, who: bytes) -> tuple[bytes, bytes]:
+        raw = hmac.new(secret, b"splitserve engine link " + who, hashlib.sha256).digest()  # 32 bytes
+        secret_z85 = zmq.utils.z85.encode(raw)
+        return secret_z85, zmq.curve_public(secret_z85)
+
+    def secure_server(self, socket: zmq.Socket, context: zmq.Context) -> None:
+        """Before bind: only peers holding the secret's client key get through."""
+        # A shadow shares the underlying context (and so its ZAP endpoint) even when `context`
+        # is an asyncio context, whose sockets the authenticator thread could not use.
+        auth = zmq.auth.thread.ThreadAuthenticator(zmq.Context.shadow(context.underlying))
+        auth.start()
+        auth.configure_curve_callback(domain="*", credentials_provider=self)
+        self._authenticator = auth
+        socket.curve_server = True
+        socket.curve_secretkey = self.server_secret
+        socket.curve_publickey = self.server_public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """ZAP credentials provider (called by the authenticator thread)."""
+        ok = hmac.compare_digest(client_key, self.client_public)  # both z85
+        if not ok:
+            log.warning("refused an engine connection with an unknown CURVE key")
+        return ok
+
+    def secure_client(self, socket: zmq.Socket) -> None:
+        """Before connect."""
+        socket.curve_serverkey = self.server_public
+        socket.curve_secretkey = self.client_secret
+        socket.curve_publickey = self.client_public
+
+    def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+
+def engine_link_from_args(args: argparse.Namespace, address: str, flag: str) -> EngineLinkSecurity | None:
+    """The link security for `address` (given as `flag`); ValueError when off-host without a secret."""
+    if args.engine_secret_file is None:
+        if not engine_address_is_local(address):
+            raise ValueError(f"{flag} {address} is reachable from other machines: without a shared secret "
+                             "anyone there could submit requests, read answers or stop engines; give "
+                             "--engine-secret-file FILE (same file on every side) or use a 127.0.0.1 address")
+        return None
+    try:
+        secret = Path(args.engine_secret_file).read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"--engine-secret-file: cannot read {args.engine_secret_file}: {e.strerror}") from None
+    return EngineLinkSecurity(secret)
