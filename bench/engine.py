@@ -128,7 +128,8 @@ def _repeats(args, num_tokens: int) -> int:
 
 def _describe(row: dict) -> str:
     size = f"{row['num_tokens']} tokens" if row["kind"] == "prefill" else f"batch {row['batch_size']}"
-    return f"{row['kind']} {size} at {row['threads']} thread(s): {row['tokens_per_s']:.1f} tok/s"
+    return (f"{row['kind']} {size} at {row['threads']} thread(s): {row['tokens_per_s']:.1f} tok/s "
+            f"(quiet {row['quiet_tokens_per_s']:.1f})")
 
 
 def _progress(result) -> None:

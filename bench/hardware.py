@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from records import quiet
+
 GIB = 1 << 30
 
 # Shapes the bundled SmolLM2-135M runs in a 2,048-token prefill (hidden 576,
@@ -34,8 +36,10 @@ class MatmulResult:
     m: int
     k: int
     n: int
-    seconds: float  # best of the repeats
+    seconds: float  # best of the repeats, wall time
+    cpu_seconds: float  # best of the repeats, process CPU time (see records.quiet)
     gflops: float
+    quiet_gflops: float
 
 
 @dataclass(slots=True)
@@ -43,8 +47,10 @@ class BandwidthResult:
     threads: int
     kind: str  # "read" (sum over a tensor) or "copy" (clone: bytes copied, traffic is 2x)
     num_bytes: int
-    seconds: float  # best of the repeats
+    seconds: float  # best of the repeats, wall time
+    cpu_seconds: float
     gb_per_s: float  # decimal GB (1e9 bytes) per second
+    quiet_gb_per_s: float
 
 
 def matmul_gflops(m: int, k: int, n: int, threads: int, min_seconds: float = 0.5,
@@ -55,16 +61,24 @@ def matmul_gflops(m: int, k: int, n: int, threads: int, min_seconds: float = 0.5
     b = torch.randn(k, n)  # b: [k, n]
     out = torch.empty(m, n)  # out: [m, n], preallocated so allocation is not timed
     torch.matmul(a, b, out=out)  # warm-up: BLAS picks kernels and touches pages
-    best = float("inf")
+    best, best_cpu = _best_of(lambda: torch.matmul(a, b, out=out), max_repeats, min_seconds)
+    flops = 2.0 * m * k * n
+    return MatmulResult(threads, m, k, n, best, best_cpu, flops / best / 1e9,
+                        flops / quiet(best, best_cpu, threads) / 1e9)
+
+
+def _best_of(fn, max_repeats: int, min_seconds: float = 0.0) -> tuple[float, float]:
+    """Best wall and best CPU time of fn over up to max_repeats calls (stop after min_seconds)."""
+    best = best_cpu = float("inf")
     spent = 0.0
     for _ in range(max_repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-        if spent >= min_seconds:
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        best, best_cpu, spent = min(best, dt), min(best_cpu, dc), spent + dt
+        if min_seconds and spent >= min_seconds:
             break
-    return MatmulResult(threads, m, k, n, best, 2.0 * m * k * n / best / 1e9)
+    return best, best_cpu
 
 
 def read_bandwidth(threads: int, num_bytes: int = GIB, repeats: int = 5) -> BandwidthResult:
@@ -76,12 +90,9 @@ def read_bandwidth(threads: int, num_bytes: int = GIB, repeats: int = 5) -> Band
     torch.set_num_threads(threads)
     x = torch.ones(num_bytes // 4)  # x: [num_bytes / 4] fp32, pages touched by the fill
     x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return BandwidthResult(threads, "read", num_bytes, best, num_bytes / best / 1e9)
+    best, best_cpu = _best_of(x.sum, repeats)
+    return BandwidthResult(threads, "read", num_bytes, best, best_cpu, num_bytes / best / 1e9,
+                           num_bytes / quiet(best, best_cpu, threads) / 1e9)
 
 
 def copy_bandwidth(threads: int, num_bytes: int = GIB // 2, repeats: int = 5) -> BandwidthResult:
@@ -94,12 +105,9 @@ def copy_bandwidth(threads: int, num_bytes: int = GIB // 2, repeats: int = 5) ->
     src = torch.ones(num_bytes // 4)  # src: [num_bytes / 4] fp32
     dst = torch.zeros_like(src)
     dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return BandwidthResult(threads, "copy", num_bytes, best, num_bytes / best / 1e9)
+    best, best_cpu = _best_of(lambda: dst.copy_(src), repeats)
+    return BandwidthResult(threads, "copy", num_bytes, best, best_cpu, num_bytes / best / 1e9,
+                           num_bytes / quiet(best, best_cpu, threads) / 1e9)
 
 
 def measure(threads_list: list[int], quick: bool = False) -> dict:
@@ -115,7 +123,7 @@ def measure(threads_list: list[int], quick: bool = False) -> dict:
     return out
 
 
-def model_shape_gflops(results: dict, threads: int) -> float:
+def model_shape_gflops(results: dict, threads: int, quiet_figures: bool = True) -> float:
     """The matmul rate on the model's own prefill shapes: the ceiling a 2k prefill is held to.
 
     Total FLOPs / total time over the model-shaped products (not the big square one).
@@ -123,26 +131,28 @@ def model_shape_gflops(results: dict, threads: int) -> float:
     rows = [r for r in results["matmul"]
             if r["threads"] == threads and (r["m"], r["k"], r["n"]) in MODEL_SHAPES]
     flops = sum(2.0 * r["m"] * r["k"] * r["n"] for r in rows)
-    return flops / sum(r["seconds"] for r in rows) / 1e9
+    seconds = sum(quiet(r["seconds"], r["cpu_seconds"], threads) if quiet_figures else r["seconds"]
+                  for r in rows)
+    return flops / seconds / 1e9
 
 
-def bandwidth(results: dict, threads: int, kind: str = "read") -> float:
+def bandwidth(results: dict, threads: int, kind: str = "read", quiet_figures: bool = True) -> float:
     """GB/s of the given kind at the given thread count."""
     for r in results["bandwidth"]:
         if r["threads"] == threads and r["kind"] == kind:
-            return r["gb_per_s"]
+            return r["quiet_gb_per_s"] if quiet_figures else r["gb_per_s"]
     raise KeyError(f"no {kind} bandwidth measured at {threads} threads")
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'matmul fp32 [m,k]x[k,n]':<28}{'threads':>8}{'GFLOP/s':>10}"]
+    lines = [f"{'matmul fp32 [m,k]x[k,n]':<28}{'threads':>8}{'GFLOP/s':>10}{'quiet':>8}"]
     for r in results["matmul"]:
         lines.append(f"{'[%d,%d]x[%d,%d]' % (r['m'], r['k'], r['k'], r['n']):<28}"
-                     f"{r['threads']:>8}{r['gflops']:>10.1f}")
-    lines.append(f"{'memory':<28}{'threads':>8}{'GB/s':>10}")
+                     f"{r['threads']:>8}{r['gflops']:>10.1f}{r['quiet_gflops']:>8.1f}")
+    lines.append(f"{'memory':<28}{'threads':>8}{'GB/s':>10}{'quiet':>8}")
     for r in results["bandwidth"]:
         label = f"{r['kind']} {r['num_bytes'] / GIB:.2f} GiB"
-        lines.append(f"{label:<28}{r['threads']:>8}{r['gb_per_s']:>10.1f}")
+        lines.append(f"{label:<28}{r['threads']:>8}{r['gb_per_s']:>10.1f}{r['quiet_gb_per_s']:>8.1f}")
     return "\n".join(lines)
 
 

@@ -56,7 +56,7 @@ def hf_prefill(model, num_tokens: int, threads: int, repeats: int,
         cache = _new_cache(model)
         with timer:
             _forward_next_tokens(model, prompt, cache)
-    return PrefillResult(SYSTEM, threads, num_tokens, timer.best, repeats)
+    return PrefillResult(SYSTEM, threads, num_tokens, timer.best, timer.best_cpu, repeats)
 
 
 def hf_decode(model, batch_sizes: list[int], prompt_len: int, num_steps: int,
@@ -84,5 +84,5 @@ def hf_decode(model, batch_sizes: list[int], prompt_len: int, num_steps: int,
                     next_ids = _forward_next_tokens(model, next_ids, cache)
             context_len = context_start + num_steps // 2
             results.append(DecodeResult(SYSTEM, threads, batch_size, context_len, num_steps,
-                                        timer.best, timer.median))
+                                        timer.best, timer.median, timer.best_cpu))
     return results

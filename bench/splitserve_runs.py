@@ -73,7 +73,7 @@ def engine_prefill(engine, num_tokens: int, threads: int, repeats: int,
         if num_steps != 1:
             raise RuntimeError(f"a {num_tokens}-token prefill took {num_steps} steps; the "
                                "benchmark needs max_num_batched_tokens >= the prompt length")
-    return PrefillResult(SYSTEM, threads, num_tokens, timer.best, repeats)
+    return PrefillResult(SYSTEM, threads, num_tokens, timer.best, timer.best_cpu, repeats)
 
 
 def engine_decode(engine, batch_sizes: list[int], prompt_len: int, num_steps: int,
@@ -102,7 +102,7 @@ def engine_decode(engine, batch_sizes: list[int], prompt_len: int, num_steps: in
                 with timer:
                     _decode_step(engine, batch_size)
             results.append(DecodeResult(SYSTEM, threads, batch_size, context_len + num_steps // 2,
-                                        num_steps, timer.best, timer.median))
+                                        num_steps, timer.best, timer.median, timer.best_cpu))
             context_len += num_steps
     for request_id in request_ids:
         engine.abort_request(request_id)
