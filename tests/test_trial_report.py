@@ -53,6 +53,14 @@ def test_verdict_says_colocated_when_separation_only_delays_first_tokens():
     assert "colocated-whole met the most deadlines" in doc["verdict"]
 
 
+def test_equal_attainment_and_goodput_is_no_verdict_for_separation():
+    smooth = [stream(i, float(i), [0.1, 0.1, 0.1]) for i in range(4)]
+    results = [ArrangementResult("colocated-whole", [run_of(smooth)]), ArrangementResult("1P1D", [run_of(smooth)])]
+    doc = results_document(SPEC, None, results, sweep=False)
+    assert "met about as many deadlines" in doc["verdict"]
+    assert "Separate prefill: not at this load" in doc["verdict"]
+
+
 def test_reports_render_from_the_document(tmp_path):
     doc = document(stalls_colocated=True)
     write_json(doc, tmp_path / "results.json")
