@@ -158,7 +158,8 @@ def scrape_counters(base_url: str, prefixes=("splitserve_kv", "kv_transfer", "sp
     out = {}
     for line in resp.text.splitlines():
         m = _SAMPLE.match(line)
-        if m and any(p in m.group(1) for p in prefixes):
+        # histogram buckets repeat what _sum and _count say, one line per bound: skip them
+        if m and any(p in m.group(1) for p in prefixes) and not m.group(1).endswith("_bucket"):
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
 
