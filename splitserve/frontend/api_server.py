@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.frontend.admin import SpawnEngine, add_admin_routes
 from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -45,9 +46,11 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
 
 
-def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics) -> FastAPI:
+def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
+              spawn_engine: SpawnEngine | None = None) -> FastAPI:
     app = FastAPI(title="splitserve", version="0.1.0")
     serving = OpenAIServing(client, renderer)
+    add_admin_routes(app, client, spawn_engine)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):

@@ -102,8 +102,13 @@ class Router:
         try:
             colocated = self._open("colocated")
         except NoInstanceAvailable:
-            if not self.is_disaggregated():
+            live_roles = {x.role for x in self.instances.values() if x.alive and not x.draining}
+            if not live_roles & {"prefill", "decode"}:
                 raise
+            missing = {"prefill", "decode"} - live_roles
+            if missing:
+                raise NoInstanceAvailable(f"no {missing.pop()} engine instance is alive (a prefill and a "
+                                          f"decode instance are both needed)", retry_after_s=5) from None
         else:
             best = min(colocated, key=lambda x: (x.outstanding_tokens, x.num_requests))
             return RoutePlan(best.instance_id)

@@ -1,0 +1,67 @@
+"""Changing the set of engine instances while the server runs.
+
+    GET    /admin/instances        every instance: role, alive, draining, router load; and the
+                                   address engines connect to
+    POST   /admin/instances        {"role": "prefill"|"decode"|"colocated"} starts one more local
+                                   engine (202; it takes traffic once its model is loaded)
+    DELETE /admin/instances/{id}   drains one: no new requests; once its requests (and, for a
+                                   prefill instance, the KV it still holds) are gone it is told
+                                   to shut down
+
+An engine on another host joins without any call: `splitserve engine --role decode --connect
+<engine_address> ...` says hello and the router starts using it. Instances that die or go
+silent are taken out by the engine client's watchdog. Like the rest of the API these routes
+have no authentication: keep --host on loopback (the default) or behind a proxy that guards
+/admin.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
+
+from splitserve.config import ROLES
+from splitserve.frontend.engine_client import EngineClient
+from splitserve.frontend.openai_schema import ApiError
+
+SpawnEngine = Callable[[str], str]  # role -> the new engine's id
+
+
+class AddInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+
+
+def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | None) -> None:
+    @app.get("/admin/instances")
+    async def list_instances():
+        rows = []
+        for engine_id, inst in client.instances.items():
+            load = client.router.instances.get(engine_id)
+            rows.append({"id": engine_id, "role": inst.hello.role, "alive": inst.alive, "pid": inst.hello.pid,
+                         "draining": bool(load and load.draining),
+                         "num_requests": load.num_requests if load else 0,
+                         "outstanding_tokens": load.outstanding_tokens if load else 0})
+        return {"engine_address": client.address, "instances": rows}
+
+    @app.post("/admin/instances", status_code=202)
+    async def add_instance(body: AddInstance):
+        if body.role not in ROLES:
+            raise ApiError(400, f"role must be one of {', '.join(ROLES)}, got {body.role!r}", param="role")
+        if spawn is None:
+            raise ApiError(400, "this server cannot start engines itself; start one with `splitserve engine "
+                                f"--role {body.role} --connect {client.address}`", param="role")
+        engine_id = spawn(body.role)
+        return {"id": engine_id, "role": body.role, "status": "starting", "engine_address": client.address}
+
+    @app.delete("/admin/instances/{engine_id}", status_code=202)
+    async def drain_instance(engine_id: str):
+        inst = client.instances.get(engine_id)
+        if inst is None:
+            raise ApiError(404, f"no engine instance {engine_id!r}; see GET /admin/instances",
+                           "not_found_error", param="engine_id")
+        if not inst.alive:
+            raise ApiError(409, f"engine instance {engine_id!r} is not alive", param="engine_id")
+        client.drain(engine_id)
+        return {"id": engine_id, "status": "draining"}
