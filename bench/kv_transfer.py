@@ -7,8 +7,10 @@ same bytes measured in the same run.
 
 A transfer's time is what the decode side's connector records: connect + handshake +
 Begin + copy + Confirm, i.e. everything between "blocks allocated" and "blocks usable".
-The engine-level parts of issue 4 (TTFT added by disaggregation, stalls of running
-streams when a long prompt arrives) need the engine and will be added here.
+Then, unless --skip-engine, the engine-level parts (bench/kv_transfer_engine.py): real
+servers with the bundled model at 2 cores in total, colocated-whole, colocated-chunked and
+1 prefill + 1 decode; TTFT of a 2k-token prompt, the gap to its second token (where the
+transfer sits), and the longest pause of 8 decoding streams when it arrives.
 """
 from __future__ import annotations
 
@@ -156,6 +158,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     parser.add_argument("--skip-prefill", action="store_true",
                         help="do not time the bundled model's prefill of the same prompt")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="skip the end-to-end part (three servers, a few minutes)")
+    parser.add_argument("--engine-log-dir", default="/tmp", help="server logs of the end-to-end part")
     parser.add_argument("--serve", choices=("shm", "tcp"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.num_blocks = -(-args.tokens // BLOCK_SIZE)
@@ -199,10 +204,20 @@ def main() -> None:
               + ", ".join(f"{name} {statistics.median(rows[name][0]) / prefill_s:.1%}"
                           for name in rows if name != "memcpy")
               + " of it (to the second token: the first is streamed by the prefill instance)")
+    engine = None
+    if not args.skip_engine:
+        from kv_transfer_engine import ARRANGEMENTS, run_all
+
+        engine_args = argparse.Namespace(arrangements=",".join(ARRANGEMENTS), streams=8, long_tokens=args.tokens,
+                                         stream_tokens=2000, warmup_tokens=12, model=None,
+                                         log_dir=args.engine_log_dir)
+        print(f"end to end, 2 cores in total, load average {os.getloadavg()[0]:.1f}")
+        engine = run_all(engine_args)
+        print(f"load average {os.getloadavg()[0]:.1f} at end")
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "layout": args.layout,
                                          "threads": args.threads, "prefill_s": prefill_s,
-                                         "results": results}, indent=2))
+                                         "results": results, "engine": engine}, indent=2))
 
 
 if __name__ == "__main__":
