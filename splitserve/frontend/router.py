@@ -84,10 +84,6 @@ class Router:
             raise NoInstanceAvailable(f"every {role} engine instance's queue is full; retry later")
         return open_
 
-    def is_disaggregated(self) -> bool:
-        roles = {x.role for x in self.instances.values() if x.alive and not x.draining}
-        return "prefill" in roles and "decode" in roles
-
     def mark_dead(self, instance_id: str) -> list[str]:
         """Takes an instance out of rotation; returns the requests it held."""
         load = self.instances[instance_id]

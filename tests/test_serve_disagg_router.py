@@ -1,0 +1,99 @@
+"""Disaggregated routing, the per-request transfer report and the wire, without processes."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.frontend.engine_client import trial_report
+from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.kv_transfer import SourceInfo, TransferDescriptor
+from splitserve.protocol import (Codec, EngineStats, GenerateRequest, KVStats, KVTransferReport, StepOutputs,
+                                 TokenOutput, WireSamplingParams)
+
+
+def disagg_router(num_prefill: int = 2, num_decode: int = 2) -> Router:
+    router = Router()
+    for i in range(num_prefill):
+        router.add_instance(f"p{i}", "prefill", max_requests=4)
+    for i in range(num_decode):
+        router.add_instance(f"d{i}", "decode", max_requests=4)
+    return router
+
+
+def start(router: Router, rid: str, prompt: int, answer: int):
+    request = RoutableRequest(rid, prompt, answer)
+    plan = router.pick(request)
+    router.on_start(plan, request)
+    return plan
+
+
+def test_prefill_goes_to_least_queued_prompt_tokens_and_decode_to_least_running_tokens():
+    router = disagg_router()
+    first = start(router, "a", prompt=1000, answer=10)
+    assert (first.prefill_instance_id, first.instance_id) == ("p0", "d0")
+    second = start(router, "b", prompt=10, answer=500)
+    # p0 holds 1000 prompt tokens, d0 only 10 answer tokens: b goes to p1 and d1
+    assert (second.prefill_instance_id, second.instance_id) == ("p1", "d1")
+    third = start(router, "c", prompt=10, answer=10)
+    assert (third.prefill_instance_id, third.instance_id) == ("p1", "d0")
+    assert router.instances["p0"].outstanding_tokens == 1000  # prompts only on prefill instances
+    assert router.instances["d1"].outstanding_tokens == 500  # answers only on decode instances
+
+
+def test_decode_ties_go_to_the_instance_with_more_free_blocks():
+    router = disagg_router(1, 2)
+    router.set_free_blocks("d0", 10)
+    router.set_free_blocks("d1", 900)
+    assert start(router, "a", 5, 0).instance_id == "d1"
+
+
+def test_finish_releases_both_instances_and_drained_ones_take_nothing():
+    router = disagg_router()
+    plan = start(router, "a", 100, 20)
+    for instance_id in (plan.prefill_instance_id, plan.instance_id):
+        router.on_finish(instance_id, "a")
+    assert all(x.outstanding_tokens == 0 and not x.requests for x in router.instances.values())
+    router.drain("p0")
+    router.drain("d0")
+    for i in range(3):
+        plan = start(router, f"r{i}", 10, 10)
+        assert (plan.prefill_instance_id, plan.instance_id) == ("p1", "d1")
+
+
+def test_a_missing_role_is_named_and_full_queues_are_refused():
+    router = disagg_router(1, 1)
+    router.mark_dead("d0")
+    with pytest.raises(NoInstanceAvailable, match="no decode engine instance is alive"):
+        router.pick(RoutableRequest("x", 1, 1))
+    router = disagg_router(1, 1)
+    for i in range(4):
+        start(router, f"r{i}", 1, 1)
+    with pytest.raises(NoInstanceAvailable, match="queue is full"):
+        router.pick(RoutableRequest("x", 1, 1))
+
+
+def test_colocated_instances_are_preferred_and_need_no_pair():
+    router = Router()
+    router.add_instance("c0")
+    assert start(router, "a", 10, 10).prefill_instance_id is None
+
+
+@pytest.mark.parametrize("outcome,finish,expected", [("done", "length", "ok"), ("failed", "length", "recomputed"),
+                                                     ("failed", "error", "failed")])
+def test_transfer_report_has_the_trial_outcome(outcome, finish, expected):
+    report = trial_report(KVTransferReport(outcome, "p0", "shm", 4096, 0.002, 0.0, "boom", "injected"), finish)
+    assert report["outcome"] == expected and report["bytes"] == 4096 and report["retries"] == 0
+    assert ("error_kind" in report) == (outcome != "done")
+
+
+def test_descriptor_first_token_and_report_cross_the_wire_intact():
+    codec = Codec()
+    descriptor = TransferDescriptor(SourceInfo("p0", "tcp", (2, 2, 1, 8, 16, 4), "float32", "127.0.0.1", 4242),
+                                    "r1", num_tokens=17, num_blocks=2)
+    request = GenerateRequest("r1", [1, 2, 3], WireSamplingParams(max_tokens=4), descriptor, [7])
+    assert codec.to_engine.decode(codec.encode(request)) == request
+    out = StepOutputs("d0", [TokenOutput("r1", [9], True, "length",
+                                         kv_transfer=KVTransferReport("done", "p0", "tcp", 99, 0.01)),
+                             TokenOutput("r2", [5], True, "prefill_done", kv_descriptor=descriptor)])
+    assert codec.from_engine.decode(codec.encode(out)) == out
+    stats = EngineStats("p0", "prefill", 0, 0, 10, 10, kv=KVStats(num_lease_expiries=3))
+    assert codec.from_engine.decode(codec.encode(stats)).kv.num_lease_expiries == 3
