@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.render import OutputText, Renderer
-from splitserve.frontend.router import RoutableRequest, Router
+from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.frontend.security import EngineLinkSecurity
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
                                  KVTransferReport, PROTOCOL_VERSION, Shutdown, StepOutputs, ToEngine,
@@ -82,6 +82,7 @@ class RequestState:
     num_completion_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
+    num_retries: int = 0  # times it was sent again because its engine died before its first token
     # disaggregated: instance_id is P until the handover, then D
     decode_instance_id: str | None = None
     prefill_instance_id: str | None = None
@@ -131,8 +132,10 @@ class RequestStream:
 class EngineClient:
     def __init__(self, renderer: Renderer, router: Router, metrics: FrontendMetrics,
                  bind: str = "tcp://127.0.0.1:0", max_queued_requests: int = 256,
-                 heartbeat_timeout_s: float = 5.0, link: EngineLinkSecurity | None = None) -> None:
+                 heartbeat_timeout_s: float = 5.0, link: EngineLinkSecurity | None = None,
+                 retry_on_engine_failure: int = 1) -> None:
         self.renderer, self.router, self.metrics = renderer, router, metrics
+        self.retry_on_engine_failure = retry_on_engine_failure
         self.max_queued_requests = max_queued_requests
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.instances: dict[str, Instance] = {}
@@ -219,7 +222,7 @@ class EngineClient:
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
         if plan.prefill_instance_id is not None:
             state.prefill_instance_id, state.decode_instance_id = plan.prefill_instance_id, plan.instance_id
-            state.prompt_token_ids, state.wire_params = list(prompt_token_ids), wire
+        state.prompt_token_ids, state.wire_params = list(prompt_token_ids), wire  # kept for a handover or a retry
         self.requests[request_id] = state
         self._send(state.instance_id, GenerateRequest(request_id, list(prompt_token_ids), wire))
         return RequestStream(self, state)
@@ -302,6 +305,9 @@ class EngineClient:
                       hello.protocol_version, PROTOCOL_VERSION)
             return
         process = self._processes.get(hello.engine_id)
+        if process is not None and process.poll() is not None:  # an engine restarted by hand under this id
+            del self._processes[hello.engine_id]
+            process = None
         self.instances[hello.engine_id] = Instance(hello, time.monotonic(), process=process)
         self.router.add_instance(hello.engine_id, hello.role, hello.max_num_seqs + self.max_queued_requests)
         self.metrics.set_alive(hello.engine_id, hello.role, True)
@@ -387,15 +393,39 @@ class EngineClient:
                            else f"sent nothing for {self.heartbeat_timeout_s:.0f} s")
                     self.mark_dead(engine_id, why)
 
+    def _retry(self, state: RequestState, dead_id: str) -> bool:
+        """Sends a request whose engine died again, to another instance, if no token of it has
+        reached the client yet (so the client cannot tell) and it has retries left."""
+        if state.num_completion_tokens or state.num_retries >= self.retry_on_engine_failure:
+            return False
+        routable = RoutableRequest(state.request_id, state.num_prompt_tokens, state.wire_params.max_tokens)
+        try:
+            plan = self.router.pick(routable)
+        except NoInstanceAvailable:
+            return False
+        self._release(state)  # a decode instance waiting for it forgets it
+        self.router.on_start(plan, routable)
+        state.num_retries += 1
+        state.instance_id = plan.prefill_instance_id or plan.instance_id
+        if plan.prefill_instance_id is not None:
+            state.prefill_instance_id, state.decode_instance_id = plan.prefill_instance_id, plan.instance_id
+        else:
+            state.prefill_instance_id = state.decode_instance_id = None
+        self._send(state.instance_id, GenerateRequest(state.request_id, state.prompt_token_ids, state.wire_params))
+        log.warning("request %s: engine %s died before its first token; retry %d on %s", state.request_id,
+                    dead_id, state.num_retries, state.instance_id)
+        return True
+
     def mark_dead(self, engine_id: str, why: str) -> None:
         inst = self.instances[engine_id]
         inst.alive = False
         log.error("engine %s is dead (%s); failing its requests", engine_id, why)
         self.metrics.set_alive(engine_id, inst.hello.role, False)
         for request_id in self.router.mark_dead(engine_id):
-            state = self.requests.pop(request_id, None)
-            if state is None:
+            state = self.requests.get(request_id)
+            if state is None or self._retry(state, engine_id):
                 continue
+            self.requests.pop(request_id)
             self._release(state)  # the request's other instance frees it too
             self.metrics.requests.labels("error").inc()
             state.queue.put_nowait(GenerationEvent(

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where engines connect (ZeroMQ endpoint; default: loopback, ephemeral port)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for engines")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--retry-on-engine-failure", type=int, default=1,
+                   help="times a request is sent to another instance when its engine dies before any "
+                        "token reached the client (0: fail it at once)")
     add_api_key_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
@@ -63,6 +66,8 @@ def check_args(args: argparse.Namespace) -> None:
         args.instances = 0 if disaggregated else 1
     if args.instances < 1 and not disaggregated:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    if args.retry_on_engine_failure < 0:
+        raise ValueError(f"--retry-on-engine-failure must be >= 0, got {args.retry_on_engine_failure}")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.threads_per_instance is not None and args.threads_per_instance < 1:
@@ -154,7 +159,8 @@ async def serve(args: argparse.Namespace) -> int:
     metrics, router = FrontendMetrics(), Router()
     link = engine_link_from_args(args, args.engine_address, "--engine-address")
     client = EngineClient(None, router, metrics, bind=args.engine_address,
-                          max_queued_requests=args.max_queued_requests, link=link)
+                          max_queued_requests=args.max_queued_requests, link=link,
+                          retry_on_engine_failure=args.retry_on_engine_failure)
     engine_ids = [engine_id for engine_id, _ in roles]
     processes = []
     try:

@@ -1,0 +1,126 @@
+"""An engine killed under load: requests that already streamed tokens end with a clear error,
+a request that had no token yet is retried once on the survivor and completes, the router
+stops using the dead instance within 2 s, and an engine restarted by hand under the same id
+(`splitserve engine --connect ...`) rejoins and takes traffic.
+
+One server per module: 2 colocated engines that each run one request at a time and queue
+the rest, so a queued request is a request in flight with no token sent yet.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_support import REPO, ServerProcess, all_blocks_free, metric_samples, wait_until
+from tiny_models import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stage-failure")
+    model = write_tiny_checkpoint(root / "tiny", arch="llama")
+    srv = ServerProcess(str(model), "--max-num-seqs", "1", "--max-queued-requests", "4", "--kv-cache-memory", "8MiB",
+                        instances=2, log_path=root / "server.log").wait_ready()
+    srv.model_path = model
+    yield srv
+    srv.stop()
+
+
+def outstanding(server) -> dict[str, float]:
+    samples = metric_samples(server.base_url, "splitserve_instance_outstanding_tokens")
+    return {re.search(r'instance="([^"]+)"', k).group(1): v for k, v in samples.items()}
+
+
+def engine_pids(server) -> dict[str, int]:
+    return {i["id"]: i["pid"] for i in server.health()["instances"]}
+
+
+def open_stream(client, model, prompt: str, max_tokens: int):
+    stream = iter(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    next(stream)  # its first token arrived: it is running, not queued
+    return stream
+
+
+def drain(stream) -> str:
+    try:
+        chunks = list(stream)
+        return f"finished:{chunks[-1].choices[0].finish_reason if chunks else None}"
+    except openai.APIError as e:
+        return f"error:{e.message}"
+
+
+def test_queued_request_is_retried_on_the_survivor_and_the_dead_engine_leaves_within_2s(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    running = [open_stream(client, model, "hello world", 480) for _ in range(2)]  # one per engine
+    queued: dict = {}
+
+    def queued_request():
+        queued["answer"] = client.completions.create(model=model, prompt="the answer", max_tokens=40,
+                                                     temperature=0, extra_body={"ignore_eos": True})
+
+    waiter = threading.Thread(target=queued_request)
+    waiter.start()
+    # The engine holding the queued request carries its 40+ tokens on top of its running stream.
+    assert wait_until(lambda: max(outstanding(server).values()) - min(outstanding(server).values()) > 30)
+    load = outstanding(server)
+    victim = max(load, key=load.get)
+    survivor = min(load, key=load.get)
+    killed_at = time.monotonic()
+    os.kill(engine_pids(server)[victim], signal.SIGKILL)
+    assert wait_until(lambda: not {i["id"]: i["alive"] for i in server.health()["instances"]}[victim],
+                      timeout_s=2.0, interval_s=0.05), "the dead engine was still in rotation after 2 s"
+    noticed_s = time.monotonic() - killed_at
+
+    outcomes = [drain(s) for s in running]
+    assert sorted(o.split(":")[0] for o in outcomes) == ["error", "finished"], outcomes
+    assert any(f"engine instance {victim} died" in o for o in outcomes)
+    waiter.join(timeout=120)
+    assert not waiter.is_alive(), "the retried request hangs"
+    assert queued["answer"].usage.completion_tokens == 40  # retried once on the survivor, complete
+    assert queued["answer"].choices[0].finish_reason == "length"
+    assert f"engine {victim} died before its first token; retry 1 on {survivor}" in server.log()
+    for _ in range(3):  # new requests go to the survivor only
+        assert client.completions.create(model=model, prompt="hi", max_tokens=3,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+    print(f"dead engine out of rotation after {noticed_s:.2f} s")
+    server.victim = victim
+
+
+def test_an_engine_restarted_by_hand_rejoins_and_takes_traffic(server, tmp_path):
+    victim = server.victim
+    address = re.search(r"engines join at (tcp://\S+)", server.log()).group(1)
+    with open(tmp_path / "engine.log", "wb") as log:
+        engine = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "engine", "--connect", address,
+                                   "--engine-id", victim, "--model", str(server.model_path), "--max-num-seqs", "1",
+                                   "--threads-per-instance", "1", "--kv-cache-memory", "8MiB"],
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: server.health()["instances_alive"] == 2, timeout_s=180), \
+            (tmp_path / "engine.log").read_text()[-2000:]
+        # the rejoined engine is not mistaken for its dead predecessor: it stays alive
+        time.sleep(1.0)
+        assert server.health()["instances_alive"] == 2
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        streams = [open_stream(client, model, "hello world", 200) for _ in range(2)]
+        load = outstanding(server)
+        assert load[victim] > 0, load  # least outstanding tokens sent one stream to the newcomer
+        assert [drain(s) for s in streams] == ["finished:length"] * 2
+        assert wait_until(lambda: all_blocks_free(server.base_url))
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
