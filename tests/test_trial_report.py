@@ -61,6 +61,14 @@ def test_equal_attainment_and_goodput_is_no_verdict_for_separation():
     assert "Separate prefill: not at this load" in doc["verdict"]
 
 
+def test_no_verdict_when_every_arrangement_drowned():
+    stalled = [stream(i, float(i), [0.1, 2.0, 0.1]) for i in range(4)]
+    results = [ArrangementResult("colocated-whole", [run_of(stalled)]), ArrangementResult("1P1D", [run_of(stalled)])]
+    doc = results_document(SPEC, None, results, sweep=False)
+    assert "no verdict from an overloaded run" in doc["verdict"]
+    assert "Warning: every arrangement met fewer than half its deadlines" in doc["verdict"]
+
+
 def test_reports_render_from_the_document(tmp_path):
     doc = document(stalls_colocated=True)
     write_json(doc, tmp_path / "results.json")

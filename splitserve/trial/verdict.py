@@ -101,7 +101,11 @@ def verdict(doc: dict) -> str:
         facts += (f" {sep['name']} moved {kv['bytes'] / 1e6:.1f} MB of KV cache in {kv['seconds']:.2f} s "
                   f"({sep_s['failures']['kv_transfer_failed']} failed transfers).")
     winner = _clear_winner(sep_s, col_s)
-    if winner == "separated":
+    if all(s["attainment"] < 0.5 for _, s in ran):
+        head = (f"No arrangement met half its deadlines at this load; the most was {best['name']} "
+                f"({best_s['attainment']:.0%} good).")
+        answer = " Separate prefill: no verdict from an overloaded run."
+    elif winner == "separated":
         answer = (f" Separate prefill: yes. Decode steps on {sep['name']} never wait behind a long prompt's "
                   f"prefill, so answers keep streaming while documents arrive; that outweighs giving each "
                   f"phase only part of the cores (goodput {sep_s['goodput_rps']:.2f} vs {col_s['goodput_rps']:.2f} "
