@@ -1,7 +1,8 @@
 """The trial against the project's own `splitserve serve` on a tiny random-weight model.
 
-One server is started separately (an external endpoint, reached by URL) and the trial
-launches a second arrangement itself; both get the same 20 requests.
+One colocated server is started separately (an external endpoint, reached by URL) and the
+trial launches a 1P1D arrangement itself; both get the same 20 requests, and the separated
+one's per-request KV-transfer reports must reach the results.
 """
 import json
 
@@ -29,7 +30,7 @@ def own_server(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_trial_of_twenty_requests_on_a_launched_and_an_external_splitserve(tiny_model, own_server, tmp_path):
+def test_trial_of_twenty_requests_on_an_external_colocated_and_a_launched_1p1d_splitserve(tiny_model, own_server, tmp_path):
     spec = {
         "name": "tiny-real", "seed": 5, "model": str(tiny_model), "warmup_requests": 1,
         "max_context_tokens": 512,
@@ -41,8 +42,7 @@ def test_trial_of_twenty_requests_on_a_launched_and_an_external_splitserve(tiny_
         "slo": {"ttft_s": 10.0, "gap_s": 2.0, "max_pause_s": 5.0, "e2e_s": 30.0},
         "arrangements": [
             {"name": "own-server-whole", "url": own_server.base_url},
-            {"name": "colocated-chunked", "serve": ["--prefill-policy", "chunked", "--max-num-batched-tokens",
-                                                    "64", *SERVE_ARGS]}],
+            {"name": "1P1D", "serve": ["--prefill", "1", "--decode", "1", "--kv-transport", "shm", *SERVE_ARGS]}],
     }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -60,4 +60,9 @@ def test_trial_of_twenty_requests_on_a_launched_and_an_external_splitserve(tiny_
         assert [r["num_tokens"] for r in arr["runs"][0]["requests"]] == [8] * 20
         assert summary["num_complete"] == 20 and sum(summary["failures"].values()) == 0
         assert summary["attainment"] > 0.5
-    assert doc["arrangements"][0]["kind"] == "external"
+    external, separated = doc["arrangements"]
+    assert (external["kind"], separated["kind"]) == ("external", "separated")
+    # the server's per-request KV report reaches the trial: one transfer per request, none failed
+    kv = separated["runs"][0]["summary"]["kv_transfer"]
+    assert kv["num_reports"] == 20 and kv["bytes"] > 0
+    assert separated["runs"][0]["summary"]["failures"]["kv_transfer_failed"] == 0
