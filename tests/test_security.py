@@ -141,7 +141,8 @@ def engine_address(server) -> str:
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions/render"),
-    ("GET", "/openapi.json")])
+    ("GET", "/openapi.json"), ("GET", "/admin/instances"), ("POST", "/admin/instances"),
+    ("DELETE", "/admin/instances/engine-0")])
 def test_every_route_but_health_and_metrics_needs_the_key(secured, method, path):
     body = {"prompt": "hi", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tokens": [1]}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
