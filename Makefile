@@ -23,7 +23,7 @@ test: setup
 # The main job: replay a doc-heavy, bursty workload against combined and separated arrangements
 # of the bundled model at equal cores; prints the side-by-side table and the HTML report's path.
 demo: setup
-	$(VENV)/bin/splitserve trial examples/doc_heavy_bursty.yaml
+	$(VENV)/bin/splitserve trial examples/doc_heavy_bursty.yaml --out trial-results/demo
 
 # One chat answer streamed from the engine, in-process (a quick check that the model runs).
 chat: setup

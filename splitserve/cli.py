@@ -20,11 +20,11 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, allow_abbrev=False)
         # Only the chosen subcommand's module is imported: `splitserve trial` must not pay
         # for importing torch, and one broken module must not take the others down.
         if argv and argv[0] == name:
