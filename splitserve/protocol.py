@@ -11,6 +11,12 @@ Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)
     frontend -> GenerateRequest | AbortRequests | Shutdown  (to /in)
     engine -> StepOutputs | EngineStats | Heartbeat         (from /out)
+
+Disaggregated prefill/decode: a prefill instance's last TokenOutput of a request has
+finish_reason "prefill_done", the first token and a `TransferDescriptor` (kv_transfer's own
+struct, reused here: where the KV waits, under a lease); the frontend forwards it with the
+first token in the decode instance's GenerateRequest; the decode instance's final TokenOutput
+carries a `KVTransferReport`. EngineStats of both roles carry `KVStats`.
 """
 from __future__ import annotations
 

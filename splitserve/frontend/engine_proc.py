@@ -5,8 +5,10 @@
     output thread: outbox --encode--> DEALER <id>/out   (and a heartbeat when idle)
 
 A long forward pass never blocks receiving: aborts queue up in the inbox and are applied
-before the next step. `splitserve serve` starts these; `splitserve engine --connect ADDR`
-starts one by hand (issue 4/6: engines that join a running frontend).
+before the next step. `splitserve serve` starts these; `splitserve engine --role R --connect ADDR`
+starts one by hand (it joins a running frontend with its hello). Prefill and decode roles take
+the `--kv-*` flags; their KV threads live inside the core (engine/kv_handover.py), and while
+only transfers are in flight the loop waits briefly on the inbox instead of spinning.
 """
 from __future__ import annotations
 
