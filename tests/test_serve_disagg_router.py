@@ -97,3 +97,40 @@ def test_descriptor_first_token_and_report_cross_the_wire_intact():
     assert codec.from_engine.decode(codec.encode(out)) == out
     stats = EngineStats("p0", "prefill", 0, 0, 10, 10, kv=KVStats(num_lease_expiries=3))
     assert codec.from_engine.decode(codec.encode(stats)).kv.num_lease_expiries == 3
+
+
+def serve_args(*argv: str):
+    import argparse
+
+    from splitserve.frontend import launch
+
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    return launch, parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--instances", "2", "--prefill", "1", "--decode", "1"), "cannot be mixed"),
+    (("--prefill", "1"), "--decode"),
+    (("--prefill", "2", "--decode", "1", "--kv-port", "7000"), "--kv-port"),
+])
+def test_serve_refuses_arrangements_that_cannot_work(argv, message):
+    launch, args = serve_args(*argv)
+    with pytest.raises(ValueError, match=message):
+        launch.check_args(args)
+
+
+def test_serve_starts_engines_with_their_roles_and_kv_flags():
+    launch, args = serve_args("--prefill", "2", "--decode", "1", "--kv-transport", "tcp", "--kv-fault-rate", "0.2",
+                              "--kv-failure-policy", "fail")
+    launch.check_args(args)
+    roles = launch.engine_roles(args)
+    assert roles == [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
+    cmd = launch.engine_command(args, "prefill-1", "tcp://127.0.0.1:1", None, "prefill")
+    for flag, value in (("--role", "prefill"), ("--engine-id", "prefill-1"), ("--kv-transport", "tcp"),
+                        ("--kv-fault-rate", "0.2"), ("--kv-failure-policy", "fail"), ("--kv-port", "0")):
+        assert cmd[cmd.index(flag) + 1] == value
+    launch, args = serve_args()
+    launch.check_args(args)
+    assert launch.engine_roles(args) == [("engine-0", "colocated")]
+    assert "--kv-transport" not in launch.engine_command(args, "engine-0", "tcp://127.0.0.1:1", None)
