@@ -134,3 +134,28 @@ def test_serve_starts_engines_with_their_roles_and_kv_flags():
     launch.check_args(args)
     assert launch.engine_roles(args) == [("engine-0", "colocated")]
     assert "--kv-transport" not in launch.engine_command(args, "engine-0", "tcp://127.0.0.1:1", None)
+
+
+def test_prefix_affinity_sends_a_shared_prefix_back_to_its_prefill_instance():
+    from splitserve.frontend.router import AFFINITY_SLACK_TOKENS, prefix_key
+
+    shared = list(range(100, 164))
+    key = prefix_key(shared + [1, 2, 3])
+    assert key == prefix_key(shared + [9]) and prefix_key(shared[:10]) is None
+    for affinity, expected in ((True, "p0"), (False, "p1")):
+        router = Router(prefix_affinity=affinity)
+        for i in range(2):
+            router.add_instance(f"p{i}", "prefill")
+            router.add_instance(f"d{i}", "decode")
+        for rid in ("a", "b"):
+            request = RoutableRequest(rid, 500, 10, key)
+            plan = router.pick(request)
+            router.on_start(plan, request)
+        assert plan.prefill_instance_id == expected  # p0 is 500 tokens busier: affinity outweighs that
+    request = RoutableRequest("c", AFFINITY_SLACK_TOKENS + 1, 10, key)
+    router = Router(prefix_affinity=True)
+    router.add_instance("p0", "prefill")
+    router.add_instance("p1", "prefill")
+    router.add_instance("d0", "decode")
+    router.on_start(router.pick(request), request)  # p0 now holds more than the slack
+    assert router.pick(RoutableRequest("d", 10, 10, key)).prefill_instance_id == "p1"

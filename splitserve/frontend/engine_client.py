@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.render import OutputText, Renderer
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router, prefix_key
 from splitserve.frontend.security import EngineLinkSecurity
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
                                  KVTransferReport, PROTOCOL_VERSION, Shutdown, StepOutputs, ToEngine,
@@ -211,7 +211,7 @@ class EngineClient:
         """Routes and sends one request. Raises NoInstanceAvailable when all queues are full."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight; send a unique X-Request-Id")
-        routable = RoutableRequest(request_id, len(prompt_token_ids), params.max_tokens)
+        routable = RoutableRequest(request_id, len(prompt_token_ids), params.max_tokens, prefix_key(prompt_token_ids))
         plan = self.router.pick(routable)
         self.router.on_start(plan, routable)
         state = RequestState(request_id, plan.prefill_instance_id or plan.instance_id,

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="colocated engine processes (data parallel; default 1)")
     p.add_argument("--prefill", type=int, default=0, help="prefill engine processes (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode engine processes (disaggregated; needs --prefill)")
+    p.add_argument("--prefix-affinity", action="store_true",
+                   help="send prompts sharing their first 64 tokens to the instance that prefilled them before")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="per engine, beyond --max-num-seqs; more gets 429 with Retry-After")
     p.add_argument("--pin-cores", action="store_true",
@@ -156,7 +158,7 @@ async def serve(args: argparse.Namespace) -> int:
         # them; split the cores this process may use evenly instead.
         args.threads_per_instance = max(1, len(os.sched_getaffinity(0)) // len(roles))
     cpus = core_sets(len(roles), args.threads_per_instance or 1) if args.pin_cores else [None] * len(roles)
-    metrics, router = FrontendMetrics(), Router()
+    metrics, router = FrontendMetrics(), Router(prefix_affinity=args.prefix_affinity)
     link = engine_link_from_args(args, args.engine_address, "--engine-address")
     client = EngineClient(None, router, metrics, bind=args.engine_address,
                           max_queued_requests=args.max_queued_requests, link=link,

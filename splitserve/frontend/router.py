@@ -8,13 +8,27 @@ without asking the engines.
 Disaggregated (prefill and decode instances live): `pick` names two instances. The prefill
 instance is the one with the fewest queued prompt tokens (its outstanding tokens count only
 prompts); the decode instance the one with the fewest running tokens (its outstanding tokens
-count only answers), ties broken by free KV blocks as the engines last reported them. A
+count only answers), ties broken by free KV blocks as the engines last reported them.
+With prefix affinity on (`serve --prefix-affinity`), a prompt whose first AFFINITY_TOKENS
+tokens were seen before goes back to the instance that prefilled them (its prefix cache holds
+them) unless that one is AFFINITY_SLACK_TOKENS busier than the least loaded. A
 request is registered on both at once, so admission limits hold on both sides. A drained
 instance takes no new requests; a dead one is out of rotation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+AFFINITY_TOKENS = 64  # a prompt's first tokens name its prefix (a shared system prompt, a document)
+AFFINITY_SLACK_TOKENS = 2048  # follow the prefix unless its instance is this much busier than the least
+MAX_AFFINITY_ENTRIES = 4096  # oldest prefixes are forgotten first
+
+
+def prefix_key(prompt_token_ids: list[int]) -> int | None:
+    """What prefix affinity routes on; None for prompts too short to share a useful prefix."""
+    if len(prompt_token_ids) < AFFINITY_TOKENS:
+        return None
+    return hash(tuple(prompt_token_ids[:AFFINITY_TOKENS]))
 
 
 class NoInstanceAvailable(RuntimeError):
@@ -30,6 +44,7 @@ class RoutableRequest:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
+    prefix_key: int | None = None  # prefix_key(prompt): for prefix affinity
 
 
 @dataclass(slots=True)
@@ -58,8 +73,10 @@ class RoutePlan:
 class Router:
     """Least-outstanding-tokens over live instances with room left."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_affinity: bool = False) -> None:
         self.instances: dict[str, InstanceLoad] = {}
+        self.prefix_affinity = prefix_affinity
+        self.affinity: dict[int, str] = {}  # prefix_key -> instance that prefilled it last (insertion = age)
 
     def add_instance(self, instance_id: str, role: str = "colocated", max_requests: int = 1 << 30) -> None:
         self.instances[instance_id] = InstanceLoad(instance_id, role, True, max_requests)
@@ -106,12 +123,25 @@ class Router:
                 raise NoInstanceAvailable(f"no {missing.pop()} engine instance is alive (a prefill and a "
                                           f"decode instance are both needed)", retry_after_s=5) from None
         else:
-            best = min(colocated, key=lambda x: (x.outstanding_tokens, x.num_requests))
-            return RoutePlan(best.instance_id)
-        prefill = min(self._open("prefill"), key=lambda x: (x.outstanding_tokens, x.num_requests))
+            return RoutePlan(self._prefill_target(colocated, request.prefix_key).instance_id)
+        prefill = self._prefill_target(self._open("prefill"), request.prefix_key)
         decode = min(self._open("decode"), key=lambda x: (x.outstanding_tokens, -x.num_free_blocks,
                                                            x.num_requests))
         return RoutePlan(decode.instance_id, prefill.instance_id)
+
+    def _prefill_target(self, open_: list[InstanceLoad], key: int | None) -> InstanceLoad:
+        """Least outstanding tokens, or the prefix's previous instance when affinity says so."""
+        best = min(open_, key=lambda x: (x.outstanding_tokens, x.num_requests))
+        if not self.prefix_affinity or key is None:
+            return best
+        previous = next((x for x in open_ if x.instance_id == self.affinity.get(key)), None)
+        if previous is not None and previous.outstanding_tokens <= best.outstanding_tokens + AFFINITY_SLACK_TOKENS:
+            best = previous
+        self.affinity.pop(key, None)
+        self.affinity[key] = best.instance_id
+        if len(self.affinity) > MAX_AFFINITY_ENTRIES:
+            self.affinity.pop(next(iter(self.affinity)))
+        return best
 
     def on_start(self, plan: RoutePlan, request: RoutableRequest) -> None:
         if plan.prefill_instance_id is None:
