@@ -159,3 +159,35 @@ def test_prefix_affinity_sends_a_shared_prefix_back_to_its_prefill_instance():
     router.add_instance("d0", "decode")
     router.on_start(router.pick(request), request)  # p0 now holds more than the slack
     assert router.pick(RoutableRequest("d", 10, 10, key)).prefill_instance_id == "p1"
+
+
+def test_topology_file_names_local_and_remote_instances(tmp_path):
+    from splitserve.frontend.topology import hand_start_command, parse_topology
+
+    path = tmp_path / "topo.yaml"
+    path.write_text("instances:\n  - {id: p0, role: prefill}\n  - {id: d0, role: decode}\n"
+                    "  - {id: d-far, role: decode, host: 10.0.0.7}\n")
+    launch, args = serve_args("--topology", str(path))
+    launch.check_args(args)
+    assert launch.engine_roles(args) == [("p0", "prefill"), ("d0", "decode")]
+    far = args.topology_spec.remote
+    assert [i.id for i in far] == ["d-far"]
+    assert "--role decode --engine-id d-far --connect tcp://h:1" in hand_start_command(far[0], "tcp://h:1", None)
+    launch, args = serve_args("--topology", str(path), "--prefill", "1", "--decode", "1")
+    with pytest.raises(ValueError, match="--topology names every instance"):
+        launch.check_args(args)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"instances": []}, "non-empty 'instances'"),
+    ({"instances": [{"id": "a", "role": "teacher"}]}, r"instances\[0\].role"),
+    ({"instances": [{"id": "a", "role": "prefill"}]}, "add a decode instance"),
+    ({"instances": [{"id": "a", "role": "colocated"}, {"id": "a", "role": "colocated"}]}, "appears twice"),
+    ({"instances": [{"id": "a b", "role": "colocated"}]}, r"instances\[0\].id"),
+    ({"instances": [{"id": "a", "role": "colocated"}], "engine_adress": "x"}, "unknown field"),
+])
+def test_topology_mistakes_are_named(data, message):
+    from splitserve.frontend.topology import parse_topology
+
+    with pytest.raises(ValueError, match=message):
+        parse_topology(data)

@@ -22,6 +22,7 @@ from splitserve.frontend.engine_proc import add_engine_arguments
 from splitserve.frontend.limits import RequestLimitsMiddleware, add_limit_arguments, check_limit_args
 from splitserve.frontend.security import (ApiKeyMiddleware, add_api_key_arguments, add_engine_link_arguments,
                                           api_keys_from_args, engine_link_from_args)
+from splitserve.frontend.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
 
 log = logging.getLogger("splitserve.serve")
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="colocated engine processes (data parallel; default 1)")
     p.add_argument("--prefill", type=int, default=0, help="prefill engine processes (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode engine processes (disaggregated; needs --prefill)")
+    p.add_argument("--topology", default=None,
+                   help="YAML file naming the instances (id, role, host); see splitserve/frontend/topology.py")
     p.add_argument("--prefix-affinity", action="store_true",
                    help="send prompts sharing their first 64 tokens to the instance that prefilled them before")
     p.add_argument("--max-queued-requests", type=int, default=256,
@@ -55,6 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     disaggregated = args.prefill or args.decode
+    args.topology_spec = None
+    if args.topology is not None:
+        if disaggregated or args.instances is not None:
+            raise ValueError("--topology names every instance; leave out --instances, --prefill and --decode")
+        args.topology_spec = load_topology(args.topology)
+        if args.topology_spec.engine_address:
+            args.engine_address = args.topology_spec.engine_address
+        args.instances = 0
+        if sum(i.role == "prefill" for i in args.topology_spec.local) > 1 and args.kv_port != 0:
+            raise ValueError("--kv-port cannot be shared by several local prefill instances; leave it at 0")
+        return check_common(args)
     if disaggregated and args.instances is not None:
         raise ValueError("--instances (colocated engines) cannot be mixed with --prefill/--decode; "
                          "use either --instances N or --prefill N --decode M")
@@ -68,6 +82,10 @@ def check_args(args: argparse.Namespace) -> None:
         args.instances = 0 if disaggregated else 1
     if args.instances < 1 and not disaggregated:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    check_common(args)
+
+
+def check_common(args: argparse.Namespace) -> None:
     if args.retry_on_engine_failure < 0:
         raise ValueError(f"--retry-on-engine-failure must be >= 0, got {args.retry_on_engine_failure}")
     if args.max_queued_requests < 0:
@@ -86,6 +104,8 @@ def core_sets(instances: int, threads: int) -> list[str]:
 
 def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(engine_id, role) of every engine `serve` starts."""
+    if getattr(args, "topology_spec", None) is not None:
+        return [(i.id, i.role) for i in args.topology_spec.local]
     if args.prefill or args.decode:
         return ([(f"prefill-{i}", "prefill") for i in range(args.prefill)]
                 + [(f"decode-{i}", "decode") for i in range(args.decode)])
@@ -153,7 +173,8 @@ async def serve(args: argparse.Namespace) -> int:
     from splitserve.frontend.router import Router
 
     roles = engine_roles(args)
-    if args.threads_per_instance is None:
+    remote = args.topology_spec.remote if args.topology_spec is not None else []
+    if args.threads_per_instance is None and roles:
         # Unset, every engine would start one torch thread per core and they would fight over
         # them; split the cores this process may use evenly instead.
         args.threads_per_instance = max(1, len(os.sched_getaffinity(0)) // len(roles))
@@ -163,7 +184,10 @@ async def serve(args: argparse.Namespace) -> int:
     client = EngineClient(None, router, metrics, bind=args.engine_address,
                           max_queued_requests=args.max_queued_requests, link=link,
                           retry_on_engine_failure=args.retry_on_engine_failure)
-    engine_ids = [engine_id for engine_id, _ in roles]
+    engine_ids = [engine_id for engine_id, _ in roles] + [i.id for i in remote]
+    for instance in remote:
+        print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "
+              f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
     try:
         for (engine_id, role), cores in zip(roles, cpus):
