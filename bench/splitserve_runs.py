@@ -18,12 +18,14 @@ SYSTEM = "splitserve"
 BLOCK_SIZE = 16
 
 
-def build_engine(max_prompt_tokens: int, max_batch: int, kv_cache_memory: str = "1536MiB"):
-    """An engine sized for the benchmark; raises ImportError while the engine is not there."""
+def build_engine(max_prompt_tokens: int, max_batch: int, kv_cache_memory: str = "1536MiB",
+                 model: str | None = None):
+    """An engine sized for the benchmark (None: the bundled model); ImportError if none is built."""
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.engine.core import EngineCore
 
     config = EngineConfig(
+        model=model,
         cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=False),  # random prompts: no hits to gain, none to fake
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_prompt_tokens,
