@@ -3,14 +3,16 @@
 An ASGI middleware in front of the API: a body larger than `--max-request-bytes` gets a 413
 JSON error without being read past the limit (the declared Content-Length is checked first,
 then the bytes actually received, for chunked uploads), and a POST whose declared content
-type is not JSON gets 415. The body is read here and replayed to the app; after it, the app
-sees the client's real receive channel, so a disconnect is still noticed mid-answer.
+type is not JSON gets 415. The body is not buffered here: the app reads it through a counting
+receive channel (buffering and replaying it once broke the noticing of a client that leaves
+mid-stream).
 """
 from __future__ import annotations
 
 import argparse
 
 import msgspec
+from fastapi import HTTPException
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -62,24 +64,17 @@ class RequestLimitsMiddleware:
             return await _send_error(send, 400, "the Content-Length header is not a number", "bad_request")
         if declared > self.max_request_bytes:
             return await _send_error(send, 413, self._too_large(), "request_too_large")
-        chunks, size = [], 0
-        while True:
+        size = 0
+
+        async def counting_receive():
+            # The body passes through untouched; only its size is counted. A raised HTTPException
+            # reaches the app's handler (FastAPI re-raises it from body parsing) as a JSON 413.
+            nonlocal size
             message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_request_bytes:
-                return await _send_error(send, 413, self._too_large(), "request_too_large")
-            if not message.get("more_body", False):
-                break
-        replayed = False
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_request_bytes:
+                    raise HTTPException(413, self._too_large())
+            return message
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, counting_receive, send)
