@@ -7,7 +7,10 @@ import pytest
 from splitserve.trial.analyze import analyze, read_requests
 from splitserve.trial.traces import TraceError, detect_format, read_trace
 
-AZURE_TRACE = pathlib.Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+# ../shared beside the checkout (as in CI), or where the development machines keep it
+AZURE_TRACE = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared/traces/AzureLLMInferenceTrace_conv.csv",
+                                pathlib.Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")) if p.exists()),
+                   pathlib.Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv"))
 
 
 @pytest.fixture
