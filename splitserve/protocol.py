@@ -5,7 +5,7 @@ sockets to it, identities `<engine_id>/in` (requests and aborts in, hello out) a
 `<engine_id>/out` (outputs, stats and heartbeats out), so each socket has exactly one owning
 thread on the engine side. Every frame is one msgpack-encoded, tagged msgspec struct; both
 sides decode with one `Decoder` over the union below and drop (and log) anything else.
-No pickle, eval or exec on any input path.
+Only msgspec structs cross a socket; nothing on an input path evaluates code.
 
 Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)

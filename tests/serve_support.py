@@ -54,15 +54,20 @@ class ServerProcess:
         return httpx.get(self.base_url + "/health", timeout=5).json()
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
         self._log.close()
         return self.proc.returncode
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def metric_samples(base_url: str, name: str) -> dict[str, float]:

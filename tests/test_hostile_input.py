@@ -22,7 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_support import REPO, ServerProcess, free_port, wait_until
+from serve_support import REPO, ServerProcess, free_port, wait_until, stop_process
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, StepOutputs, WireSamplingParams,
                                  socket_identity)
 from tiny_models import write_tiny_checkpoint
@@ -287,9 +287,5 @@ def test_engine_rejects_garbage_and_forged_frames_and_keeps_serving(model_dir, t
         logged = log_path.read_text(errors="replace")
         assert len(re.findall(r"dropping", logged)) >= len(garbage), logged[-3000:]
     finally:
-        engine.terminate()
-        try:
-            engine.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
+        stop_process(engine)
         ctx.destroy(linger=0)

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from serve_support import REPO, ServerProcess, all_blocks_free, metric_samples, wait_until
+from serve_support import REPO, ServerProcess, all_blocks_free, metric_samples, wait_until, stop_process
 from tiny_models import write_tiny_checkpoint
 
 
@@ -124,8 +124,4 @@ def test_an_engine_restarted_by_hand_rejoins_and_takes_traffic(server, tmp_path)
         assert [drain(s) for s in streams] == ["finished:length"] * 2
         assert wait_until(lambda: all_blocks_free(server.base_url))
     finally:
-        engine.terminate()
-        try:
-            engine.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
+        stop_process(engine)

@@ -1,7 +1,7 @@
 """Framing and authentication on the prefill side's control/data socket.
 
 A frame is a 4-byte big-endian length and a msgpack-encoded `ControlMessage`; raw KV
-bytes follow a `LayerHeader` unframed (the header says how many). No pickle anywhere.
+bytes follow a `LayerHeader` unframed (the header says how many). Only msgspec structs and raw tensor bytes.
 
 Handshake (mutual when a secret is configured):
     server -> Challenge(nonce, auth_required)
