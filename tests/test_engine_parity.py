@@ -55,3 +55,36 @@ def test_greedy_tokens_match_transformers(checkpoint, policy, budget):
     assert engine.stats().prefix_cache_hits - hits_before >= 16 * 8
     assert [again[f"again-{i}"] for i in range(len(ps))] == expected
     assert engine.stats().num_free_blocks == engine.stats().num_blocks_total
+
+
+def test_decode_groups_split_by_length():
+    from splitserve.engine.model_runner import group_by_length
+    assert group_by_length([]) == []
+    assert group_by_length([5, 9, 40], slack=128) == [(0, 3)]
+    # a 2k context among short chats gets its own group; lengths stay in order
+    assert group_by_length([30, 33, 40, 2049], slack=128) == [(0, 3), (3, 1)]
+    assert group_by_length([1, 2, 3, 7, 15], slack=0) == [(0, 2), (2, 1), (3, 1), (4, 1)]
+
+
+def test_greedy_tokens_match_transformers_with_many_decode_groups(checkpoint, monkeypatch):
+    """Zero slack splits the tiny prompts' decodes into several attention groups (one per
+    doubling of context length); the tokens must not change."""
+    from splitserve.engine import model_runner
+    monkeypatch.setattr(model_runner, "DECODE_GROUP_SLACK", 0)
+    path, ps, expected = checkpoint
+    engine = make_engine(path, policy="chunked", budget=32)
+    seen = []
+    original = model_runner.ModelRunner.build_batch
+
+    def spy(self, batch):
+        forward_batch, samplers = original(self, batch)
+        seen.append(len(forward_batch.decode_groups))
+        return forward_batch, samplers
+
+    monkeypatch.setattr(model_runner.ModelRunner, "build_batch", spy)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, params)
+    got = run_to_end(engine)
+    assert max(seen) >= 3
+    assert [got[str(i)] for i in range(len(ps))] == expected

@@ -7,7 +7,25 @@ from splitserve.config import CacheConfig, ModelConfig
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import ScheduledBatch
-from splitserve.models.llama import ForwardBatch, LlamaModel, PrefillChunk
+from splitserve.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillChunk
+
+
+DECODE_GROUP_SLACK = 128  # tokens of padding a decode group tolerates beyond twice its shortest
+
+
+def group_by_length(lens: list[int], slack: int | None = None) -> list[tuple[int, int]]:
+    """Split ascending context lengths into runs [(start, count)] whose longest is at most
+    twice the shortest plus `slack` tokens. Decode attention pads each run to its longest member,
+    so one 2k-token sequence among short chats would otherwise make every chat attend over 2k
+    padded positions (measured: a 170 ms step became 370-530 ms at 8 chats + one 2k context)."""
+    slack = DECODE_GROUP_SLACK if slack is None else slack
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or lens[i] > 2 * lens[start] + slack:
+            groups.append((start, i - start))
+            start = i
+    return groups
 
 
 class ModelRunner:
@@ -34,20 +52,24 @@ class ModelRunner:
     def build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
         bs = self.block_size
         input_ids, positions, slots, samplers, sample_indices = [], [], [], [], []
-        for request in batch.decodes:
+        # Decodes in ascending context length, so similar lengths share one padded attention.
+        decodes = sorted(batch.decodes, key=lambda r: r.num_computed_tokens)
+        for request in decodes:
             pos = request.num_computed_tokens
             input_ids.append(request.token_id(pos))
             positions.append(pos)
             slots.append(request.block_table[pos // bs] * bs + pos % bs)
             sample_indices.append(len(input_ids) - 1)
             samplers.append(request)
-        decode_tables = decode_lens = None
-        if batch.decodes:
-            lens = [r.num_computed_tokens + 1 for r in batch.decodes]
-            width = -(-max(lens) // bs)
-            decode_tables = self._tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width]))
-                                          for r in batch.decodes])
-            decode_lens = self._tensor(lens)
+        decode_groups = []
+        lens = [r.num_computed_tokens + 1 for r in decodes]
+        for start, count in group_by_length(lens):
+            members, group_lens = decodes[start:start + count], lens[start:start + count]
+            width = -(-group_lens[-1] // bs)
+            decode_groups.append(DecodeGroup(
+                start=start, count=count, context_lens=self._tensor(group_lens),
+                block_tables=self._tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width]))
+                                           for r in members])))
         chunks = []
         for request, num_new in batch.prefills:
             start_pos = request.num_computed_tokens
@@ -65,8 +87,7 @@ class ModelRunner:
                 samplers.append(request)
         forward_batch = ForwardBatch(
             input_ids=self._tensor(input_ids), positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots), num_decode_tokens=len(batch.decodes),
-            decode_block_tables=decode_tables, decode_context_lens=decode_lens,
+            slot_mapping=self._tensor(slots), num_decode_tokens=len(decodes), decode_groups=decode_groups,
             prefills=chunks, sample_indices=self._tensor(sample_indices))
         return forward_batch, samplers
 

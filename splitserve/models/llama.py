@@ -25,6 +25,16 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended together; each is padded to the group's longest."""
+
+    start: int  # index of the group's first decode token
+    count: int
+    block_tables: torch.Tensor  # [count, max_blocks] (padded with block 0)
+    context_lens: torch.Tensor  # [count] tokens each decode attends to
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """Everything one step's forward pass needs; built by the model runner, read-only here."""
 
@@ -32,8 +42,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot (block_id * block_size + offset)
     num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] (padded with block 0)
-    decode_context_lens: torch.Tensor | None  # [num_decode] tokens each decode attends to
+    decode_groups: list[DecodeGroup]  # cover the decode tokens in order
     prefills: list[PrefillChunk]
     sample_indices: torch.Tensor  # [num_samples] token indices whose logits are wanted
 
@@ -126,13 +135,13 @@ class LlamaModel:
         x = self.embed[batch.input_ids]  # [n, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
-        nd = batch.num_decode_tokens
-        decode_bias = None
-        if nd:  # 0 where a decode may look, -inf past its context: built once, added per layer
-            lens = batch.decode_context_lens
-            width = batch.decode_block_tables.shape[1] * self.block_size
-            pad = torch.arange(width, device=x.device).unsqueeze(0) >= lens.unsqueeze(1)
-            decode_bias = torch.zeros(pad.shape, dtype=x.dtype, device=x.device).masked_fill_(pad, float("-inf"))
+        # Per decode group: 0 where a decode may look, -inf past its context; built once, added per layer.
+        decode_biases = []
+        for group in batch.decode_groups:
+            width = group.block_tables.shape[1] * self.block_size
+            pad = torch.arange(width, device=x.device).unsqueeze(0) >= group.context_lens.unsqueeze(1)
+            decode_biases.append(torch.zeros(pad.shape, dtype=x.dtype, device=x.device)
+                                 .masked_fill_(pad, float("-inf")))
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
@@ -150,8 +159,9 @@ class LlamaModel:
             kv_layer[0].flatten(1, 2).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             kv_layer[1].flatten(1, 2).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
-            if nd:
-                attn[:nd] = self._decode_attention(q[:nd], kv_layer, batch.decode_block_tables, decode_bias)
+            for group, bias in zip(batch.decode_groups, decode_biases):
+                s = slice(group.start, group.start + group.count)
+                attn[s] = self._decode_attention(q[s], kv_layer, group.block_tables, bias)
             for chunk in batch.prefills:
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
                 attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
