@@ -93,7 +93,13 @@ def test_queued_request_is_retried_on_the_survivor_and_the_dead_engine_leaves_wi
     # queued request may then already run on the survivor: the retry only happens when it
     # was still queued on the victim. The log says which; both end with a complete answer.
     retried = f"engine {victim} died before its first token; retry 1 on {survivor}" in server.log()
-    if not retried:
+    retries_metric = sum(metric_samples(server.base_url, "splitserve_request_retries_total").values())
+    report = (queued["answer"].model_extra or {}).get("splitserve")
+    if retried:  # the client and /metrics can both count it
+        assert report == {"retries": 1}, report
+        assert retries_metric == 1
+    else:
+        assert report is None and retries_metric == 0, (report, retries_metric)
         print("the queued request was not on the killed engine this time; retry not exercised")
     for _ in range(3):  # new requests go to the survivor only
         assert client.completions.create(model=model, prompt="hi", max_tokens=3,
@@ -123,5 +129,14 @@ def test_an_engine_restarted_by_hand_rejoins_and_takes_traffic(server, tmp_path)
         assert load[victim] > 0, load  # least outstanding tokens sent one stream to the newcomer
         assert [drain(s) for s in streams] == ["finished:length"] * 2
         assert wait_until(lambda: all_blocks_free(server.base_url))
+        # The frontend holds no process handle for an engine started by hand: only its silence
+        # (heartbeats every 0.25 s) tells. It must still leave the rotation within 2 s.
+        killed_at = time.monotonic()
+        engine.kill()
+        assert wait_until(lambda: not {i["id"]: i["alive"] for i in server.health()["instances"]}[victim],
+                          timeout_s=2.0, interval_s=0.05), "a silent hand-started engine stayed in rotation"
+        print(f"hand-started engine out of rotation {time.monotonic() - killed_at:.2f} s after SIGKILL")
+        assert client.completions.create(model=model, prompt="hi", max_tokens=3,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 3
     finally:
         stop_process(engine)

@@ -56,6 +56,7 @@ class GenerationEvent:
     error: str | None = None
     rejected: bool = False  # the engine refused it at admission: the user's request was bad
     kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
+    num_retries: int = 0  # times the request was sent again after its engine died
 
 
 def trial_report(report: KVTransferReport, finish_reason: str | None) -> dict:
@@ -132,7 +133,7 @@ class RequestStream:
 class EngineClient:
     def __init__(self, renderer: Renderer, router: Router, metrics: FrontendMetrics,
                  bind: str = "tcp://127.0.0.1:0", max_queued_requests: int = 256,
-                 heartbeat_timeout_s: float = 5.0, link: EngineLinkSecurity | None = None,
+                 heartbeat_timeout_s: float = 1.5, link: EngineLinkSecurity | None = None,
                  retry_on_engine_failure: int = 1) -> None:
         self.renderer, self.router, self.metrics = renderer, router, metrics
         self.retry_on_engine_failure = retry_on_engine_failure
@@ -343,7 +344,7 @@ class EngineClient:
                 self.metrics.observe_transfer(out.kv_transfer, kv_report["outcome"])
             event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens,
                                     state.num_completion_tokens, finished, reason if finished else None,
-                                    out.error, out.rejected, kv_report)
+                                    out.error, out.rejected, kv_report, state.num_retries)
             if finished:
                 # an engine error (a refused handover, a failed transfer) may leave P holding blocks
                 self._finish(state, "rejected" if out.rejected else reason,
@@ -390,7 +391,7 @@ class EngineClient:
                 silent = now - inst.last_seen > self.heartbeat_timeout_s
                 if exited or silent:
                     why = (f"exited with code {inst.process.returncode}" if exited
-                           else f"sent nothing for {self.heartbeat_timeout_s:.0f} s")
+                           else f"sent nothing for {self.heartbeat_timeout_s:g} s")
                     self.mark_dead(engine_id, why)
 
     def _retry(self, state: RequestState, dead_id: str) -> bool:
@@ -406,6 +407,7 @@ class EngineClient:
         self._release(state)  # a decode instance waiting for it forgets it
         self.router.on_start(plan, routable)
         state.num_retries += 1
+        self.metrics.retries.inc()
         state.instance_id = plan.prefill_instance_id or plan.instance_id
         if plan.prefill_instance_id is not None:
             state.prefill_instance_id, state.decode_instance_id = plan.prefill_instance_id, plan.instance_id
@@ -430,4 +432,5 @@ class EngineClient:
             self.metrics.requests.labels("error").inc()
             state.queue.put_nowait(GenerationEvent(
                 "", 0, state.num_prompt_tokens, state.num_completion_tokens, True, "error",
-                f"engine instance {engine_id} died ({why}) while serving this request"))
+                f"engine instance {engine_id} died ({why}) while serving this request",
+                num_retries=state.num_retries))

@@ -34,7 +34,7 @@ from splitserve.sampling import SamplingParams
 log = logging.getLogger("splitserve.engine")
 
 STATS_INTERVAL_S = 0.25
-HEARTBEAT_INTERVAL_S = 1.0  # the frontend declares an engine dead after 5 s of silence
+HEARTBEAT_INTERVAL_S = 0.25  # the frontend declares an engine dead after --engine-silence-timeout (1.5 s)
 PARENT_CHECK_INTERVAL_S = 1.0
 TRANSFER_POLL_S = 0.001
 

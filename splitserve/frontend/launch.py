@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-on-engine-failure", type=int, default=1,
                    help="times a request is sent to another instance when its engine dies before any "
                         "token reached the client (0: fail it at once)")
+    p.add_argument("--engine-silence-timeout", type=float, default=1.5,
+                   help="seconds without a message (engines send one every 0.25 s) before an engine is "
+                        "declared dead and its requests are retried or failed")
     add_api_key_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
@@ -86,6 +89,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
+    if not args.engine_silence_timeout > 0.5:
+        raise ValueError(f"--engine-silence-timeout must be above 0.5 s (engines send a heartbeat every "
+                         f"0.25 s), got {args.engine_silence_timeout}")
     if args.retry_on_engine_failure < 0:
         raise ValueError(f"--retry-on-engine-failure must be >= 0, got {args.retry_on_engine_failure}")
     if args.max_queued_requests < 0:
@@ -183,7 +189,8 @@ async def serve(args: argparse.Namespace) -> int:
     link = engine_link_from_args(args, args.engine_address, "--engine-address")
     client = EngineClient(None, router, metrics, bind=args.engine_address,
                           max_queued_requests=args.max_queued_requests, link=link,
-                          retry_on_engine_failure=args.retry_on_engine_failure)
+                          retry_on_engine_failure=args.retry_on_engine_failure,
+                          heartbeat_timeout_s=args.engine_silence_timeout)
     engine_ids = [engine_id for engine_id, _ in roles] + [i.id for i in remote]
     for instance in remote:
         print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "

@@ -24,6 +24,8 @@ class FrontendMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.retries = Counter("splitserve_request_retries", "Requests sent again to another instance because "
+                               "theirs died before their first token", registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token",

@@ -174,10 +174,14 @@ def error_for(event: GenerationEvent) -> ApiError:
 
 
 def splitserve_report(event: GenerationEvent) -> dict | None:
-    """The per-request report of docs/internals.md "Trial <-> server" (disaggregated only)."""
-    if event.kv_transfer is None:
+    """The per-request report of docs/internals.md "Trial <-> server": present when the request
+    moved KV between instances or was retried on another instance after its engine died."""
+    if event.kv_transfer is None and not event.num_retries:
         return None
-    return {"kv_transfer": event.kv_transfer, "retries": 0}
+    report = {"retries": event.num_retries}
+    if event.kv_transfer is not None:
+        report["kv_transfer"] = event.kv_transfer
+    return report
 
 
 def with_report(payload: dict, event: GenerationEvent) -> dict:
