@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
         if args.url:
+            if spec.faults:
+                raise SpecError("faults: --url points at an external endpoint; the trial can only kill "
+                                "engines of servers it launches itself")
             spec.arrangements = [Arrangement(name="external", url=args.url.rstrip("/"))]
         if args.only:
             unknown = set(args.only) - {a.name for a in spec.arrangements}

@@ -14,7 +14,7 @@ import asyncio
 import json
 import re
 import time
-from typing import Callable
+from typing import Awaitable, Callable, Sequence
 
 import httpx
 
@@ -112,9 +112,10 @@ def _read_report(report: object, rec: RequestRecord) -> None:
 
 
 async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,
-                   model: str | None = None, on_done: Callable[[RequestRecord], None] | None = None
-                   ) -> list[RequestRecord]:
-    """Send every request at its scheduled second; return records in request order."""
+                   model: str | None = None, on_done: Callable[[RequestRecord], None] | None = None,
+                   side_tasks: Sequence[Callable[[float], Awaitable[object]]] = ()) -> list[RequestRecord]:
+    """Send every request at its scheduled second; return records in request order.
+    side_tasks (e.g. scheduled faults) are started with the same zero time t0 and awaited too."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -126,7 +127,8 @@ async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: flo
                 on_done(rec)
             return rec
 
-        return list(await asyncio.gather(*(one(r) for r in requests)))
+        results = await asyncio.gather(*(one(r) for r in requests), *(task(t0) for task in side_tasks))
+        return list(results[:len(requests)])
 
 
 def http_tokenizer(base_url: str) -> Callable[[str], list[int]]:

@@ -31,11 +31,26 @@ ROWS = [
     ("time stalled (total)", lambda s: f"{s['stalled_s_total']:.1f} s"),
     ("failures", lambda s: ", ".join(f"{k} {v}" for k, v in s["failures"].items() if v) or "none"),
     ("retries", lambda s: str(s["retries"])),
+    ("faults: lost / failed after / recovery", lambda s: fault_cell(s.get("faults"))),
     ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s"
                            if s["kv_transfer"]["num_reports"] else "-"),
     ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
                                        f"{fmt_seconds(s['client_lag_s']['max'])}"),
 ]
+
+def fault_cell(faults: list[dict] | None) -> str:
+    """One line per scheduled fault: requests lost in flight, failed after the kill, time to recover."""
+    if not faults:
+        return "-"
+    parts = []
+    for f in faults:
+        if f.get("killed_s") is None:
+            parts.append(f"not injected ({f.get('error')})")
+            continue
+        recovery = "not recovered" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
+        parts.append(f"{f['kill']} {f['instance']}: {f['lost_in_flight']} / {f['failed_after']} / {recovery}")
+    return "; ".join(parts)
+
 
 PLOT_TITLES = {
     "ttft_cdf": "Time to first token (CDF)",

@@ -17,6 +17,7 @@ from typing import Callable
 from splitserve.trial.arrangements import Endpoint, LaunchError, launched
 from splitserve.trial.arrivals import Arrival, generate_arrivals
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
+from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.metrics import RequestRecord, summarize
 from splitserve.trial.spec import Arrangement, TrialSpec
 from splitserve.trial.workload import PlannedRequest, PromptSource, plan_requests, workload_streams
@@ -107,10 +108,20 @@ class Trial:
         timed = [dataclasses.replace(r, send_at_s=r.send_at_s / multiplier) for r in plan]
         on_done = self.progress(label, len(timed)) if self.progress else None
         before = scrape_counters(endpoint.base_url)
+        fault_events: list[dict] = []
+
+        def scheduled(fault):
+            async def run(t0: float) -> None:
+                fault_events.append(await inject_fault(endpoint.base_url, fault, t0, multiplier))
+            return run
+
         records = asyncio.run(run_load(endpoint.base_url, timed, self.spec.request_timeout_s,
-                                       endpoint.model, on_done))
+                                       endpoint.model, on_done, [scheduled(f) for f in self.spec.faults]))
         counters = counter_deltas(before, scrape_counters(endpoint.base_url))
         summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s)
+        if self.spec.faults:
+            fault_events.sort(key=lambda e: e["at_s"])
+            summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s)
         summary["rate_multiplier"] = multiplier
         summary["offered_rate_rps"] = (len(timed) - 1) / timed[-1].send_at_s if timed[-1].send_at_s > 0 else None
         return RunResult(multiplier, summary, records, counters)

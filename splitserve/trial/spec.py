@@ -82,6 +82,16 @@ class Arrangement:
 
 
 @dataclass(slots=True)
+class FaultSpec:
+    """Kill one engine process (SIGKILL) of the running arrangement `at_s` seconds into the
+    replay; optionally start a replacement `restart_after_s` later through POST /admin/instances."""
+
+    at_s: float
+    kill: str                              # prefill | decode | any (colocated instances do both)
+    restart_after_s: float | None = None
+
+
+@dataclass(slots=True)
 class SweepSpec:
     rate_multipliers: list[float]
     target_attainment: float = 0.9
@@ -102,6 +112,7 @@ class TrialSpec:
     request_timeout_s: float = 300.0
     tokenizer: str = "server"
     sweep: SweepSpec | None = None
+    faults: list[FaultSpec] = field(default_factory=list)
     source: pathlib.Path | None = None
 
 
@@ -135,9 +146,19 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
         request_timeout_s=top.float("request_timeout_s", default=300.0, positive=True),
         tokenizer=top.choice("tokenizer", TOKENIZER_SOURCES, default="server"),
         sweep=_read_sweep(top.section("sweep", required=False)),
+        faults=_read_faults(top.list("faults")),
         source=source)
     max_context = top.int("max_context_tokens", default=None, minimum=1)
     top.finish()
+    for i, arr in enumerate(spec.arrangements):
+        if spec.faults and arr.url is not None:
+            raise SpecError(f"faults: arrangements[{i}] ({arr.name}) is an external URL; the trial can only "
+                            "kill engines of servers it launches itself (serve or command)")
+    last_arrival = spec.arrivals.duration_s
+    for i, fault in enumerate(spec.faults):
+        if last_arrival is not None and fault.at_s >= last_arrival:
+            raise SpecError(f"faults[{i}].at_s: {fault.at_s} s is not before the arrivals end "
+                            f"({last_arrival} s); the fault would hit an idle server")
     if max_context is not None:
         for cls in spec.classes.values():
             longest = cls.prompt_tokens.max_value() + cls.answer_tokens.max_value()
@@ -287,6 +308,22 @@ def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrang
         raise SpecError(f"arrangements[].cores: arrangements must use equal total cores to be compared, "
                         f"got {cores}; fix the cores or set allow_unequal_cores: true")
     return out
+
+
+FAULT_TARGETS = ("prefill", "decode", "any")
+
+
+def _read_faults(raw_list: list) -> list[FaultSpec]:
+    faults = []
+    for i, raw in enumerate(raw_list or []):
+        sec = Section(raw, f"faults[{i}]")
+        faults.append(FaultSpec(at_s=sec.float("at_s", positive=True), kill=sec.choice("kill", FAULT_TARGETS),
+                                restart_after_s=sec.float("restart_after_s", default=None, minimum=0.0)))
+        sec.finish()
+    times = [f.at_s for f in faults]
+    if times != sorted(times):
+        raise SpecError(f"faults: list them in time order (at_s ascending), got {times}")
+    return faults
 
 
 def _read_sweep(sec: Section) -> SweepSpec | None:

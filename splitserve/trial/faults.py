@@ -1,0 +1,128 @@
+"""Scheduled stage failures during a replay, and what they cost.
+
+A fault (spec `faults:`) SIGKILLs one engine process of the arrangement under test at a fixed
+second of the replay (scaled with the rate in a sweep, like the arrivals), found through the
+server's `GET /admin/instances` (role and pid). With `restart_after_s` it then asks the server
+for a replacement of the same role (`POST /admin/instances`), as an operator restarting the
+node would. The injector only records when things happened; `fault_outcomes` judges them
+against the request records:
+
+- lost in flight: requests sent before the kill that ended in failure after it;
+- failed after: requests sent at or after the kill that failed (no instance for their stage,
+  a retry that found none, ...);
+- time to recover: from the kill until the first request sent after the last such failure
+  (0 if none failed: the router routed around the dead instance or retried in time); None if
+  requests still failed at the end of the run.
+A colocated arrangement has no separate stages: `kill: prefill` or `decode` hits its
+colocated instance there, which does both.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Callable
+
+import httpx
+
+from splitserve.trial.metrics import RequestRecord, request_metrics
+from splitserve.trial.spec import SLO, FaultSpec
+
+ADMIN_POLL_S = 0.05
+REJOIN_TIMEOUT_S = 300.0
+
+
+def pick_victim(instances: list[dict], kill: str) -> dict | None:
+    """The first alive instance serving the stage: its own role first, else a colocated one."""
+    alive = [i for i in instances if i.get("alive")]
+    if kill == "any":
+        return alive[0] if alive else None
+    for role in (kill, "colocated"):
+        for inst in alive:
+            if inst.get("role") == role:
+                return inst
+    return None
+
+
+async def inject_fault(base_url: str, fault: FaultSpec, t0: float, multiplier: float = 1.0,
+                       clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Wait until the fault's second, kill, watch the instance leave, optionally restart one.
+    Returns the event timeline in seconds after t0 (the replay's zero)."""
+    event: dict = {"at_s": fault.at_s / multiplier, "kill": fault.kill, "instance": None, "pid": None,
+                   "killed_s": None, "out_of_rotation_s": None, "restart_requested_s": None,
+                   "replacement": None, "rejoined_s": None, "error": None}
+    await asyncio.sleep(max(0.0, t0 + event["at_s"] - clock()))
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        try:
+            victim = pick_victim((await _instances(http, base_url))["instances"], fault.kill)
+            if victim is None:
+                event["error"] = f"no alive instance serves {fault.kill!r}"
+                return event
+            event["instance"], event["pid"] = victim["id"], victim["pid"]
+            os.kill(int(victim["pid"]), signal.SIGKILL)
+            event["killed_s"] = clock() - t0
+            while not await _is_out(http, base_url, victim["id"]):
+                await asyncio.sleep(ADMIN_POLL_S)
+            event["out_of_rotation_s"] = clock() - t0
+            if fault.restart_after_s is None:
+                return event
+            await asyncio.sleep(max(0.0, t0 + event["killed_s"] + fault.restart_after_s / multiplier - clock()))
+            event["restart_requested_s"] = clock() - t0
+            resp = await http.post(f"{base_url}/admin/instances", json={"role": victim["role"]})
+            if resp.status_code != 202:
+                event["error"] = f"restart refused: HTTP {resp.status_code}: {resp.text[:200]}"
+                return event
+            event["replacement"] = resp.json()["id"]
+            deadline = clock() + REJOIN_TIMEOUT_S
+            while clock() < deadline:
+                rows = {i["id"]: i for i in (await _instances(http, base_url))["instances"]}
+                if rows.get(event["replacement"], {}).get("alive"):
+                    event["rejoined_s"] = clock() - t0
+                    break
+                await asyncio.sleep(ADMIN_POLL_S * 4)
+            else:
+                event["error"] = f"the replacement did not join within {REJOIN_TIMEOUT_S:.0f} s"
+        except (httpx.HTTPError, OSError, KeyError, ValueError) as exc:
+            event["error"] = f"{type(exc).__name__}: {exc}"
+    return event
+
+
+async def _instances(http: httpx.AsyncClient, base_url: str) -> dict:
+    resp = await http.get(f"{base_url}/admin/instances")
+    resp.raise_for_status()
+    return resp.json()
+
+
+async def _is_out(http: httpx.AsyncClient, base_url: str, instance_id: str) -> bool:
+    rows = {i["id"]: i for i in (await _instances(http, base_url))["instances"]}
+    return not rows.get(instance_id, {}).get("alive", False)
+
+
+def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
+                   pause_threshold_s: float) -> list[dict]:
+    """Per fault: requests lost and time to recover (see the module docstring). A fault's
+    window runs from its kill to the next fault's kill."""
+    failed = {r.index: request_metrics(r, slo, pause_threshold_s).failure is not None for r in records}
+    kills = [e.get("killed_s") for e in events]
+    out = []
+    for n, event in enumerate(events):
+        start = kills[n]
+        row = {**event, "lost_in_flight": 0, "failed_after": 0, "recovery_s": None}
+        if start is None:
+            out.append(row)
+            continue
+        end = next((k for k in kills[n + 1:] if k is not None), float("inf"))
+        sent = sorted((r for r in records if r.sent_s is not None), key=lambda r: r.sent_s)
+        row["lost_in_flight"] = sum(1 for r in sent if r.sent_s < start and failed[r.index]
+                                    and (r.finished_s is None or r.finished_s >= start))
+        after = [r for r in sent if start <= r.sent_s < end]
+        bad = [r for r in after if failed[r.index]]
+        row["failed_after"] = len(bad)
+        if not bad:
+            row["recovery_s"] = 0.0
+        else:
+            later = [r for r in after if r.sent_s > bad[-1].sent_s]
+            row["recovery_s"] = later[0].sent_s - start if later else None
+        out.append(row)
+    return out
