@@ -91,3 +91,22 @@ def test_cpu_budget_arguments():
     assert core_sets(1, 1) == [str(min(os.sched_getaffinity(0)))]
     with pytest.raises(ValueError, match="--pin-cores"):
         core_sets(cores + 1, 1)
+
+
+def test_engines_sleep_between_parallel_regions_when_their_threads_fill_the_cores(monkeypatch):
+    import argparse
+
+    from splitserve.frontend.launch import engine_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cores = len(os.sched_getaffinity(0))
+
+    def env(policy, threads, engines):
+        args = argparse.Namespace(omp_wait_policy=policy, threads_per_instance=threads)
+        return engine_env(args, engines).get("OMP_WAIT_POLICY")
+
+    assert env("auto", cores, 1) == ("PASSIVE" if cores > 1 else None)  # one engine on every core
+    assert env("auto", 1, cores) is None  # single-threaded engines have no OpenMP team to park
+    assert env("active", 2, 1) == "ACTIVE" and env("passive", 1, 1) == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own setting wins
+    assert env("passive", 2, 1) == "ACTIVE"
