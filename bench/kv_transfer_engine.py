@@ -14,7 +14,9 @@ the bundled model:
    gap to its second token, which is where the KV transfer and the handover sit.
 3. The longest pause of any of the 8 streams from the arrival until 1 s after the long request
    finished is the headline: target for 1P+1D, <= 2x its no-load decode step.
-Everything goes through HTTP/SSE, as a client sees it; one chunk is counted as one token.
+Everything goes through HTTP/SSE, as a client sees it. Tokens are timed by the ids each chunk
+names (`return_token_ids`); the longest pause between chunks that carry text is printed too
+(a token whose text is an incomplete character is held back and sent with the next one).
 """
 from __future__ import annotations
 
@@ -84,9 +86,12 @@ class Server:
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
-                 times: list[float], report: dict | None = None) -> None:
-    """Appends the arrival time of each content chunk to `times`."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+                 times: list[float], report: dict | None = None, text_times: list[float] | None = None) -> None:
+    """Appends the arrival time of each token to `times` (the server names them with
+    return_token_ids, so a token whose text the detokenizer holds back still counts), and of
+    each chunk with text to `text_times`."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -97,14 +102,18 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tok
                 report.update(chunk["splitserve"])
             if chunk.get("error"):
                 raise RuntimeError(chunk["error"])
-            if any(c.get("text") for c in chunk.get("choices") or []):
-                times.append(time.perf_counter())
+            now = time.perf_counter()
+            for c in chunk.get("choices") or []:
+                times.extend([now] * len(c.get("token_ids") or []))
+                if text_times is not None and c.get("text"):
+                    text_times.append(now)
 
 
-def longest_gap(times: list[float], start: float, end: float) -> float:
+def longest_gap(times: list[float], start: float, end: float) -> tuple[float, float]:
+    """(length, start time) of the longest gap between tokens within [start, end]."""
     inside = [t for t in times if start <= t <= end]
     points = [start] + inside + ([end] if not inside or inside[-1] < end else [])
-    return max(b - a for a, b in zip(points, points[1:]))
+    return max((b - a, a) for a, b in zip(points, points[1:]))
 
 
 async def measure(url: str, args) -> dict:
@@ -117,8 +126,10 @@ async def measure(url: str, args) -> dict:
         await stream(client, url, [rng.choice(vocab) for _ in range(args.long_tokens)], 2, lone)
         lone_ttft = lone[0] - t0
         streams = [[] for _ in range(args.streams)]
+        text_streams = [[] for _ in range(args.streams)]
         tasks = [asyncio.create_task(stream(client, url, [rng.choice(vocab) for _ in range(32)],
-                                            args.stream_tokens, times)) for times in streams]
+                                            args.stream_tokens, times, text_times=text_times))
+                 for times, text_times in zip(streams, text_streams)]
         while min(len(t) for t in streams) < args.warmup_tokens:
             await asyncio.sleep(0.01)
             if any(t.done() for t in tasks):
@@ -132,11 +143,17 @@ async def measure(url: str, args) -> dict:
         while time.perf_counter() < end:
             await asyncio.sleep(0.05)
         pauses = [longest_gap(times, arrival, end) for times in streams]
+        worst, worst_at = max(pauses)
+        text_worst = max(longest_gap(times, arrival, end)[0] for times in text_streams)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     step = statistics.median(gaps)
-    return {"no_load_step_s": step, "longest_pause_s": max(pauses), "pause_over_step": max(pauses) / step,
+    # where the worst pause began, against the long request's first and last token (all from its arrival)
+    timing = {"worst_pause_began_s": worst_at - arrival, "long_first_token_s": long_times[0] - arrival,
+              "long_last_token_s": long_times[-1] - arrival}
+    return {"no_load_step_s": step, "longest_pause_s": worst, "pause_over_step": worst / step, **timing,
+            "longest_text_pause_s": text_worst,
             "long_ttft_s": long_times[0] - arrival, "long_second_token_gap_s": long_times[1] - long_times[0],
             "lone_long_ttft_s": lone_ttft, "kv_transfer": report.get("kv_transfer")}
 
@@ -154,6 +171,10 @@ def run_all(args) -> dict:
         print(f"{name:18} step {r['no_load_step_s'] * 1e3:6.1f} ms  longest pause {r['longest_pause_s']:6.2f} s "
               f"({r['pause_over_step']:5.1f}x step)  2k TTFT {r['long_ttft_s']:5.2f} s (alone {r['lone_long_ttft_s']:5.2f}"
               f" s)  1st->2nd token {r['long_second_token_gap_s'] * 1e3:6.0f} ms  kv {r['kv_transfer']}", flush=True)
+        print(f"{'':18} longest pause between chunks with text {r['longest_text_pause_s']:5.2f} s (the "
+              f"detokenizer holds back incomplete characters: random prompts make many)", flush=True)
+        print(f"{'':18} worst pause began {r['worst_pause_began_s']:5.2f} s after the arrival; the long request's "
+              f"first token at {r['long_first_token_s']:5.2f} s, last at {r['long_last_token_s']:5.2f} s", flush=True)
     return results
 
 

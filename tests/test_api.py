@@ -91,6 +91,28 @@ def test_completions_stream_non_stream_and_token_prompt_agree(server, client, mo
     assert full.usage.completion_tokens == 16 and full.usage.prompt_tokens == len(ids)
 
 
+def test_return_token_ids_names_every_token_in_both_modes(server, client, model):
+    """vLLM's return_token_ids: the streamed ids are the non-streamed ones, every step gets a chunk
+    (text held back by the detokenizer or not), and their text is the answer's text."""
+    args = dict(model=model, prompt="the answer is", temperature=0, max_tokens=20,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = client.completions.create(**args)
+    ids = full.choices[0].model_extra["token_ids"]
+    assert len(ids) == 20
+    chunks = list(client.completions.create(**args, stream=True))
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+    assert len(chunks) == 20  # one per engine step of one token
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    detok = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert detok == full.choices[0].text
+    chat = list(greedy_chat(client, model, max_tokens=20, stream=True,
+                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    streamed = [t for c in chat for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert len(streamed) == 20
+    assert "token_ids" not in client.completions.create(**{**args, "extra_body": {"ignore_eos": True}}
+                                                        ).choices[0].model_extra
+
+
 def test_stop_string_trims_the_answer_in_both_modes(client, model):
     text = greedy_chat(client, model, max_tokens=40).choices[0].message.content
     start = next(i for i in range(len(text) // 3, len(text) - 2) if "\ufffd" not in text[i:i + 2])

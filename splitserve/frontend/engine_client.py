@@ -57,6 +57,7 @@ class GenerationEvent:
     rejected: bool = False  # the engine refused it at admission: the user's request was bad
     kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
     num_retries: int = 0  # times the request was sent again after its engine died
+    token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
 
 
 def trial_report(report: KVTransferReport, finish_reason: str | None) -> dict:
@@ -344,7 +345,8 @@ class EngineClient:
                 self.metrics.observe_transfer(out.kv_transfer, kv_report["outcome"])
             event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens,
                                     state.num_completion_tokens, finished, reason if finished else None,
-                                    out.error, out.rejected, kv_report, state.num_retries)
+                                    out.error, out.rejected, kv_report, state.num_retries,
+                                    list(out.new_token_ids))
             if finished:
                 # an engine error (a refused handover, a failed transfer) may leave P holding blocks
                 self._finish(state, "rejected" if out.rejected else reason,

@@ -68,6 +68,9 @@ class _GenerationFields(_Body):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     logprobs: bool | int | None = None
+    # as in vLLM: each choice also carries the generated token ids; a stream then sends a chunk
+    # for every engine step, even one whose text the detokenizer still holds back
+    return_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

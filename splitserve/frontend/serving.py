@@ -116,7 +116,8 @@ class OpenAIServing:
         _, token_ids = self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
-        answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage)
+        answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
+                        body.return_token_ids)
         if body.stream:
             return self._streaming(answer.chat_chunks(stream), request_id)
         return await self._full(answer, stream, request_id, receive)
@@ -128,7 +129,8 @@ class OpenAIServing:
         token_ids = self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
-        answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage)
+        answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
+                        body.return_token_ids)
         if body.stream:
             return self._streaming(answer.text_chunks(stream), request_id)
         return await self._full(answer, stream, request_id, receive)
@@ -140,17 +142,18 @@ class OpenAIServing:
 
     async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
         watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
-        texts, last = [], None
+        texts, token_ids, last = [], [], None
         try:
             async for event in stream:
                 texts.append(event.text)
+                token_ids.extend(event.token_ids)
                 last = event
         finally:
             watcher.cancel()
             stream.close()  # a cancelled handler aborts the request too
         if last.error:
             raise error_for(last)
-        return JSONResponse(answer.full("".join(texts), last), headers={"X-Request-Id": request_id})
+        return JSONResponse(answer.full("".join(texts), last, token_ids), headers={"X-Request-Id": request_id})
 
 
 async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
@@ -197,14 +200,16 @@ def usage(event: GenerationEvent) -> dict:
 class Answer:
     """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`."""
 
-    def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool,
+                 return_token_ids: bool = False) -> None:
         self.kind, self.id, self.model, self.include_usage = kind, answer_id, model, include_usage
+        self.return_token_ids = return_token_ids
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, last: GenerationEvent) -> dict:
+    def full(self, text: str, last: GenerationEvent, token_ids: list[int] | None = None) -> dict:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": last.finish_reason}
@@ -212,7 +217,15 @@ class Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
             head = self._head("text_completion")
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids or [])
         return with_report({**head, "choices": [choice], "usage": usage(last)}, last)
+
+    def _ids(self, choice: dict, event: GenerationEvent, carries: bool = True) -> dict:
+        """With return_token_ids, the chunk that delivers an event's tokens names them."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(event.token_ids) if carries else []
+        return choice
 
     def _chunk(self, obj: str, choice: dict, last: GenerationEvent | None = None) -> bytes:
         chunk = {**self._head(obj), "choices": [choice]}
@@ -243,12 +256,13 @@ class Answer:
             if event.error:
                 yield sse(error_for(event).body())
                 break
-            if event.text:
-                yield self._chunk(obj, {"index": 0, "delta": {"content": event.text},
-                                        "logprobs": None, "finish_reason": None})
+            if event.text or (self.return_token_ids and event.token_ids and not event.finished):
+                yield self._chunk(obj, self._ids({"index": 0, "delta": {"content": event.text},
+                                                  "logprobs": None, "finish_reason": None}, event))
             if event.finished:
-                yield self._chunk(obj, {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": event.finish_reason}, event)
+                yield self._chunk(obj, self._ids({"index": 0, "delta": {}, "logprobs": None,
+                                                  "finish_reason": event.finish_reason}, event,
+                                                 not event.text), event)
                 for chunk in self._tail(obj, event):
                     yield chunk
                 return
@@ -260,9 +274,10 @@ class Answer:
             if event.error:
                 yield sse(error_for(event).body())
                 break
-            if event.text or event.finished:
-                yield self._chunk(obj, {"index": 0, "text": event.text, "logprobs": None,
-                                        "finish_reason": event.finish_reason if event.finished else None},
+            if event.text or event.finished or (self.return_token_ids and event.token_ids):
+                yield self._chunk(obj, self._ids({"index": 0, "text": event.text, "logprobs": None,
+                                                  "finish_reason": event.finish_reason if event.finished else None},
+                                                 event),
                                   event if event.finished else None)
             if event.finished:
                 for chunk in self._tail(obj, event):
