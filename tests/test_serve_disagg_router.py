@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.frontend.engine_client import trial_report
+from splitserve.frontend.request_state import trial_report
 from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.kv_transfer import SourceInfo, TransferDescriptor
 from splitserve.protocol import (Codec, EngineStats, GenerateRequest, KVStats, KVTransferReport, StepOutputs,

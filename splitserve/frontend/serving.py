@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from splitserve.frontend.engine_client import EngineClient, GenerationEvent, RequestStream
+from splitserve.frontend.engine_client import EngineClient
+from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
 from splitserve.frontend.router import NoInstanceAvailable
