@@ -80,3 +80,30 @@ def test_top_k_one_is_greedy_and_min_tokens_hold_back_stops(engine):
                                                         stop_token_ids=[first[0]]))
     out = run_to_end(engine)["min"]
     assert len(out) >= 3 and first[0] not in out[:2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("short-first") / "m")
+
+
+def test_a_short_prompt_does_not_wait_behind_a_long_prompts_chunks(tiny):
+    """Chunked prefill, budget 64: a 300-token prompt needs 5 steps. A 10-token prompt that
+    arrives after its first chunk is prefilled whole in the next step (first token out), and the
+    long prompt still gets the rest of that step's budget."""
+    engine = make_engine(tiny, policy="chunked", budget=64)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("long", [5 + i % 50 for i in range(300)], params)
+    engine.step()
+    long = engine.requests["long"]
+    assert long.num_computed_tokens == 64
+    engine.add_request("short", list(range(20, 30)), params)
+    outputs = {out.request_id for out in engine.step()}
+    assert "short" in outputs  # its first token, one step after it arrived
+    assert long.num_computed_tokens == 64 + 54
+    # a prompt longer than half the budget waits its turn behind the long one, as before
+    engine.add_request("medium", list(range(40, 80)), params)
+    engine.step()
+    assert engine.requests["medium"].num_computed_tokens == 0
+    run_to_end(engine)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks_total

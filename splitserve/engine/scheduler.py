@@ -3,10 +3,15 @@
 A request's path:
   add() puts it in `waiting`. Each schedule() call
     chunked policy: (1) every running decode gets its one token, preempting the newest
-      running requests if blocks run out; (2) running, partly prefilled requests get a chunk;
-      (3) waiting requests are admitted (blocks for the whole sequence) while the step's
-      token budget and max_num_seqs allow, their first chunk capped by the budget.
-      Decodes never wait behind a prompt: that is stall-free batching (Sarathi-Serve).
+      running requests if blocks run out; (2) short waiting prompts (at most half the step's
+      token budget, together at most half of it) are admitted and prefilled whole; (3) running,
+      partly prefilled requests get a chunk; (4) other waiting requests are admitted (blocks
+      for the whole sequence) while the step's token budget and max_num_seqs allow, their
+      first chunk capped by the budget.
+      Decodes never wait behind a prompt: that is stall-free batching (Sarathi-Serve). Short
+      prompts never wait behind a long one's remaining chunks either (like vLLM's
+      long_prefill_token_threshold): a chat arriving during a document's prefill gets its
+      first token the next step, while the document keeps at least half of every step.
     whole policy: if a waiting prompt fits, the step prefills whole prompts only (the first
       one even if it alone exceeds the budget); otherwise the step decodes every running
       request. A long prompt therefore stalls every running stream for its whole prefill.
@@ -106,7 +111,7 @@ class Scheduler:
             return False
         if not self.blocks.can_allocate(request, request.num_tokens):
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         self.blocks.allocate(request, request.num_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -115,10 +120,24 @@ class Scheduler:
     def _schedule_chunked(self) -> ScheduledBatch:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
         budget = self.config.max_num_batched_tokens - len(batch.decodes)
+        short_budget = min(budget, self.config.max_num_batched_tokens // 2)
+        jumped = set()
+        for request in list(self.waiting):
+            if short_budget <= 0:
+                break
+            if request.num_tokens - request.num_computed_tokens > short_budget:
+                continue
+            if not self._admit(request):
+                break
+            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            batch.prefills.append((request, chunk))
+            jumped.add(request.request_id)
+            budget -= chunk
+            short_budget -= chunk
         for request in self.running:
             if budget <= 0:
                 break
-            if request.is_prefilling:
+            if request.is_prefilling and request.request_id not in jumped:
                 chunk = min(request.num_tokens - request.num_computed_tokens, budget)
                 batch.prefills.append((request, chunk))
                 budget -= chunk
