@@ -126,3 +126,35 @@ def test_a_server_that_dies_at_start_is_reported_not_fatal(tmp_path):
     assert "exited with code 3" in broken["error"] and broken["runs"] == []
     assert ok["runs"][0]["summary"]["num_requests"] == 20
     assert "broken" in doc["verdict"]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_trial_stops_the_server_it_launched(tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    spec = spec_dict([{"name": "fake", "command": fake(), "cores": 2}])
+    spec["arrivals"] = {"pattern": "constant", "rate": 1.0, "num_requests": 600}  # ten minutes
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    trial = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "trial", str(path), "--out",
+                              str(tmp_path / "out")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        parent = psutil.Process(trial.pid)
+        deadline = time.monotonic() + 60
+        servers = []
+        while not servers and time.monotonic() < deadline:
+            servers = [p for p in parent.children(recursive=True) if FAKE in " ".join(p.cmdline())]
+            time.sleep(0.2)
+        assert servers, "the trial never launched its server"
+        time.sleep(3)  # replaying by now
+        os.kill(trial.pid, signal.SIGTERM)
+        trial.wait(timeout=30)
+        gone, alive = psutil.wait_procs(servers, timeout=15)
+        assert not alive, f"launched server still running after SIGTERM to the trial: {alive}"
+    finally:
+        if trial.poll() is None:
+            trial.kill()

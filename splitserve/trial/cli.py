@@ -49,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve trial: {exc}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so every launched server is torn down
+    # by its `launched` context instead of being left running.
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     console.print(f"trial {spec.name}: {len(trial.arrivals)} requests over "
                   f"{trial.arrivals[-1].time_s:.0f} s, arrangements {[a.name for a in spec.arrangements]}")
     results = trial.run(sweep=args.sweep)
