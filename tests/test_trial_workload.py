@@ -78,3 +78,22 @@ def test_trace_arrivals_keep_their_own_lengths():
     requests = plan_requests(SPEC, [Arrival(0.0, "long", 1234, 9)], PromptSource(word_tokens),
                              np.random.default_rng(0))
     assert (requests[0].num_prompt_tokens, requests[0].max_tokens, requests[0].class_name) == (1234, 9, "long")
+
+
+def test_a_recut_plan_keeps_every_length_and_time_but_not_the_text():
+    """Sweep replays and the warm-up get fresh prompt text (a server's prefix cache would
+    otherwise skip their prefill), the same for every arrangement."""
+    from splitserve.trial.workload import content_stream, recut
+
+    base = plan(3)
+    source = PromptSource(word_tokens)
+    again = recut(base, SPEC, source, content_stream(3, 1))
+    assert recut(base, SPEC, source, content_stream(3, 1)) == again  # every arrangement: the same
+    assert [(r.index, r.class_name, r.send_at_s, r.num_prompt_tokens, r.max_tokens) for r in again] == \
+           [(r.index, r.class_name, r.send_at_s, r.num_prompt_tokens, r.max_tokens) for r in base]
+    differ = [a.prompt_token_ids != b.prompt_token_ids for a, b in zip(base, again)]
+    assert np.mean(differ) > 0.9
+    question = word_tokens("What is this about?")
+    assert all(r.prompt_token_ids[-len(question):] == question for r in again if r.class_name == "document")
+    warmup = recut(base, SPEC, source, content_stream(3, -1))
+    assert np.mean([a.prompt_token_ids != b.prompt_token_ids for a, b in zip(warmup, again)]) > 0.9

@@ -20,7 +20,8 @@ from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, sc
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.metrics import RequestRecord, summarize
 from splitserve.trial.spec import Arrangement, TrialSpec
-from splitserve.trial.workload import PlannedRequest, PromptSource, plan_requests, workload_streams
+from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
+                                      workload_streams)
 
 Progress = Callable[[str, int], Callable[[RequestRecord], None]]  # (label, total) -> per-request callback
 
@@ -65,13 +66,26 @@ class Trial:
         if not self.arrivals:
             raise ValueError("the arrivals section produced no requests; lengthen duration_s or raise rate")
         self.plan: list[PlannedRequest] | None = None
+        self.source: PromptSource | None = None
+        self._recuts: dict[int, list[PlannedRequest]] = {}
 
     def _ensure_plan(self, endpoint: Endpoint) -> list[PlannedRequest]:
         if self.plan is None:
             tokenize = (http_tokenizer(endpoint.base_url) if self.spec.tokenizer == "server"
                         else local_tokenizer(self.spec.model))
-            self.plan = plan_requests(self.spec, self.arrivals, PromptSource(tokenize), self.content_rng)
+            self.source = PromptSource(tokenize)
+            self.plan = plan_requests(self.spec, self.arrivals, self.source, self.content_rng)
         return self.plan
+
+    def plan_for_run(self, run: int) -> list[PlannedRequest]:
+        """Replay `run` of each arrangement: run 0 is the plan itself; later runs of a sweep (and
+        the warm-up, run -1) get the same requests with fresh prompt text, so no replay finds
+        the previous one's prompts in the server's prefix cache. Every arrangement gets the same."""
+        if run == 0:
+            return self.plan
+        if run not in self._recuts:
+            self._recuts[run] = recut(self.plan, self.spec, self.source, content_stream(self.spec.seed, run))
+        return self._recuts[run]
 
     def run(self, sweep: bool = False) -> list[ArrangementResult]:
         multipliers = [1.0]
@@ -87,10 +101,10 @@ class Trial:
         target = self.spec.sweep.target_attainment if self.spec.sweep else 0.9
         try:
             with launched(arr, self.spec.model, self.out_dir / "logs") as endpoint:
-                plan = self._ensure_plan(endpoint)
-                self._warm_up(endpoint, plan)
-                for multiplier in multipliers:
-                    run = self._replay(endpoint, plan, multiplier, f"{arr.name} x{multiplier:g}")
+                self._ensure_plan(endpoint)
+                self._warm_up(endpoint, self.plan_for_run(-1))
+                for i, multiplier in enumerate(multipliers):
+                    run = self._replay(endpoint, self.plan_for_run(i), multiplier, f"{arr.name} x{multiplier:g}")
                     result.runs.append(run)
                     if sweep and run.summary["attainment"] < target:
                         break  # higher rates only do worse; the last passing rate is the answer
@@ -99,7 +113,8 @@ class Trial:
         return result
 
     def _warm_up(self, endpoint: Endpoint, plan: list[PlannedRequest]) -> None:
-        """Same warm-up for every arrangement: the first few planned requests, one at a time."""
+        """Same warm-up for every arrangement: the first few planned requests, one at a time
+        (with their own prompt text, so the measured run does not start on cached prompts)."""
         for req in plan[: self.spec.warmup_requests]:
             warm = dataclasses.replace(req, send_at_s=0.0, max_tokens=min(req.max_tokens, 8))
             asyncio.run(run_load(endpoint.base_url, [warm], self.spec.request_timeout_s, endpoint.model))

@@ -92,6 +92,25 @@ def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource
     return planned
 
 
+def recut(plan: list[PlannedRequest], spec: TrialSpec, source: PromptSource,
+          rng: np.random.Generator) -> list[PlannedRequest]:
+    """The same requests (class, send time, prompt and answer lengths) with their prompts cut
+    from other places of the text. A server keeps a prefix cache: replaying the very same
+    prompts (a sweep's next rate, or a warm-up) would find them cached and skip their prefill."""
+    out = []
+    for req in plan:
+        cls = spec.classes.get(req.class_name)
+        question = cls.question if cls is not None else None
+        out.append(PlannedRequest(req.index, req.class_name, req.send_at_s,
+                                  source.prompt(req.num_prompt_tokens, rng, question), req.max_tokens))
+    return out
+
+
+def content_stream(seed: int, run: int) -> np.random.Generator:
+    """Prompt contents for replay `run` (-1: the warm-up); the same for every arrangement."""
+    return np.random.default_rng(np.random.SeedSequence([seed, 1_000_000 + run + 1]))
+
+
 def workload_streams(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
     """Independent streams for arrivals and contents: changing the mix never moves arrival times."""
     arrival_seq, content_seq = np.random.SeedSequence(seed).spawn(2)
