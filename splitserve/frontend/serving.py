@@ -16,9 +16,9 @@ import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
 
