@@ -4,6 +4,7 @@
     open_loop(...)          sends requests at a fixed rate for a while, never more than a cap in flight
     one_request(...)        one completion (stream or not), optionally abandoned mid-way
     latency_probe(...)      sequential requests: the latency of an idle server
+    serve_and_report(...)   a server in a temporary folder, one measurement, the report as JSON
 
 All traffic goes to the base URL it is given (loopback in every script here); every loop is
 bounded by a duration and a cap on requests in flight.
@@ -11,12 +12,15 @@ bounded by a duration and a cap on requests in flight.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import statistics
 import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
@@ -233,3 +237,19 @@ def random_completion(rng: random.Random, max_prompt_words: int = 40, max_tokens
     stream = rng.random() < stream_share
     return {"prompt": words, "max_tokens": rng.randint(*max_tokens), "ignore_eos": True, "temperature": 0,
             "stream": stream}
+
+
+def serve_and_report(start, measure, json_path: Path | None) -> dict:
+    """start(folder) -> a ready server; measure(server) -> a coroutine returning the report.
+    The server always stops; the report is printed (and written to json_path) as JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = start(Path(tmp))
+        try:
+            report = asyncio.run(measure(srv))
+        finally:
+            srv.stop()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        json_path.write_text(text + "\n")
+    return report

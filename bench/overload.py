@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +23,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from load import ProcessWatch, closed_loop_rate, latency_probe, one_request, open_loop  # noqa: E402
+from load import (ProcessWatch, closed_loop_rate, latency_probe, one_request, open_loop,  # noqa: E402
+                  serve_and_report)
 from serve_support import ServerProcess, all_blocks_free, wait_until  # noqa: E402
 
 PROBE = {"prompt": "hello world the answer", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -96,16 +95,8 @@ def main() -> int:
     p.add_argument("--max-in-flight", type=int, default=400, help="client-side cap on open requests")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = start_server(Path(tmp), args.max_num_seqs, args.max_queued, args.instances)
-        try:
-            report = asyncio.run(measure(srv, args))
-        finally:
-            srv.stop()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report = serve_and_report(lambda root: start_server(root, args.max_num_seqs, args.max_queued, args.instances),
+                              lambda srv: measure(srv, args), args.json)
     bad = report["outcomes"].get("server_error", 0) + report["outcomes"].get("timeout", 0)
     return 1 if bad or report["rejected_without_retry_after"] or not report["all_blocks_free_after"] else 0
 

@@ -11,11 +11,8 @@ all KV blocks free, and fds/threads/RSS are compared with the baseline.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from load import ProcessWatch, open_loop, random_completion, sample_tree  # noqa: E402
+from load import ProcessWatch, open_loop, random_completion, sample_tree, serve_and_report  # noqa: E402
 from serve_support import ServerProcess, all_blocks_free, wait_until  # noqa: E402
 
 
@@ -80,16 +77,9 @@ def main() -> int:
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        srv = start_server(Path(tmp), args.instances)
-        try:
-            report = asyncio.run(soak(srv, args.seconds, args.rate, args.abort_share, args.warmup_seconds))
-        finally:
-            srv.stop()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report = serve_and_report(lambda root: start_server(root, args.instances),
+                              lambda srv: soak(srv, args.seconds, args.rate, args.abort_share, args.warmup_seconds),
+                              args.json)
     leaked = report["fd_growth"] > 0 or report["thread_growth"] > 0 or not report["all_blocks_free_after"]
     return 1 if leaked or report["outcomes"].get("server_error") else 0
 

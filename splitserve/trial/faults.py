@@ -105,6 +105,7 @@ def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
     window runs from its kill to the next fault's kill."""
     failed = {r.index: request_metrics(r, slo, pause_threshold_s).failure is not None for r in records}
     kills = [e.get("killed_s") for e in events]
+    sent = sorted((r for r in records if r.sent_s is not None), key=lambda r: r.sent_s)
     out = []
     for n, event in enumerate(events):
         start = kills[n]
@@ -113,7 +114,6 @@ def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
             out.append(row)
             continue
         end = next((k for k in kills[n + 1:] if k is not None), float("inf"))
-        sent = sorted((r for r in records if r.sent_s is not None), key=lambda r: r.sent_s)
         row["lost_in_flight"] = sum(1 for r in sent if r.sent_s < start and failed[r.index]
                                     and (r.finished_s is None or r.finished_s >= start))
         after = [r for r in sent if start <= r.sent_s < end]
