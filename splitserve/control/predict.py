@@ -130,6 +130,7 @@ def _pcts(values, qs=(50, 90, 99)) -> dict:
 
 def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
     ttft, gap_pct, longest, e2e, good, all_gaps = [], [], [], [], [], []
+    misses = {"TTFT": 0, "inter-token gap": 0, "longest pause": 0, "end-to-end time": 0}
     for r in requests:
         gaps = sorted(r.gaps)
         all_gaps.extend(r.gaps)
@@ -140,7 +141,10 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
         gap_pct.append(g)
         longest.append(m)
         e2e.append(e)
-        good.append(t <= slo.ttft_s and g <= slo.gap_s and m <= slo.max_pause_s and e <= slo.e2e_s)
+        ok = (t <= slo.ttft_s, g <= slo.gap_s, m <= slo.max_pause_s, e <= slo.e2e_s)
+        for name, passed in zip(misses, ok):
+            misses[name] += not passed
+        good.append(all(ok))
     duration = max(r.finished_s for r in requests)
     by_class = {}
     for name in sorted({r.class_name for r in requests}):
@@ -152,7 +156,9 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
             "ttft_s": _pcts(ttft), "gap_s": _pcts(all_gaps, (50, 90, 99)), "e2e_s": _pcts(e2e),
             "longest_pause_s": {**_pcts(longest), "max": max(longest)}, "by_class": by_class,
             "utilization": {i.name: round(i.busy_s / duration, 3) if duration > 0 else 0.0 for i in instances},
-            "num_preemptions": sum(i.num_preemptions for i in instances)}
+            "num_preemptions": sum(i.num_preemptions for i in instances),
+            "missed": {k: v / len(requests) for k, v in misses.items()},
+            "worst_slo": max(misses, key=misses.get) if any(misses.values()) else None}
 
 
 def predict(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
