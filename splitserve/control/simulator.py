@@ -116,16 +116,19 @@ class Instance:
             self.short_waiting.appendleft(req)
 
     def _reserve_decodes(self) -> list[SimRequest]:
-        decodes = []
+        """A slot for every running decode's next token, preempting the newest when blocks run out."""
+        decodes, bs = [], self.block_size
         preempted = False
         for req in list(self.running):
             if req.computed < req.prompt_tokens + req.outputs - 1 or (preempted and req not in self.running):
                 continue
+            if req.computed < req.blocks * bs:  # room left in its last block: the common case
+                decodes.append(req)
+                continue
             while True:
-                extra = self._need(req.computed + 1) - req.blocks
-                if extra <= self.free_blocks:
-                    self.free_blocks -= max(extra, 0)
-                    req.blocks += max(extra, 0)
+                if self.free_blocks >= 1:
+                    self.free_blocks -= 1
+                    req.blocks += 1
                     decodes.append(req)
                     break
                 victim = self.running[-1]
@@ -232,6 +235,7 @@ class Simulation:
         self.events: list = []
         self._seq = 0
         self.now = 0.0
+        self._pending: dict[Instance, None] = {}  # instances with new work, started once this instant is done
 
     def _push(self, time_s: float, kind: int, obj) -> None:
         self._seq += 1
@@ -294,25 +298,32 @@ class Simulation:
             req.computed += chunk
             if req.computed >= req.num_tokens:
                 self._emit(inst, req)
-        self._kick(inst)
+        self._pending[inst] = None
 
     def _transfer_end(self, source: Instance, req: SimRequest) -> None:
         source.free_blocks += req.blocks
         req.blocks = 0
-        self._kick(source)
+        self._pending[source] = None
         target = req.decode_instance
         target.prefilled.append(req)
-        self._kick(target)
+        self._pending[target] = None
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for req in requests:
             self._push(req.arrival_s, 0, req)
-        while self.events:
+        while self.events or self._pending:
+            if self._pending and (not self.events or self.events[0][0] > self.now):
+                # everything due at this instant has landed: now idle instances start a step, so
+                # requests arriving together are scheduled together, as an engine's intake does
+                pending, self._pending = self._pending, {}
+                for inst in pending:
+                    self._kick(inst)
+                continue
             self.now, _, kind, obj = heapq.heappop(self.events)
             if kind == 0:
                 inst = self._route(obj)
                 inst.add(obj)
-                self._kick(inst)
+                self._pending[inst] = None
             elif kind == 1:
                 self._step_end(*obj)
             else:
