@@ -1,0 +1,131 @@
+"""Predicted beside measured: re-simulate what a trial ran, and put the two side by side.
+
+Given a trial's results.json and a profile (or a plan.json, which embeds its profile), each
+arrangement the trial launched with `serve` arguments is rebuilt (predict.arrangement_from_serve_args)
+and simulated on the trial's exact plan (send times, lengths) at every rate it ran. Errors:
+attainment in points (predicted - measured), times relative ((predicted - measured) / measured),
+capacity relative when the trial swept. The ranking check compares the top two by attainment
+at the spec's rate (by capacity when the trial swept).
+
+    python -m splitserve.control.compare plan.json trial-results/x/results.json [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from splitserve.control.predict import (arrangement_from_serve_args, capacity, offered_rate, predict,
+                                        requests_from_results)
+from splitserve.control.profile_file import Profile, ProfileError, parse_profile
+from splitserve.trial.spec import SLO
+
+METRICS = (("attainment", lambda s: s["attainment"]),
+           ("TTFT p50", lambda s: s["ttft_s"]["p50"]),
+           ("TTFT p99", lambda s: s["ttft_s"]["p99"]),
+           ("gap p99", lambda s: s["gap_s"]["p99"]),
+           ("longest pause p99", lambda s: s["longest_pause_s"]["p99"]))
+
+
+def profile_of(doc: dict, source: str = "plan") -> Profile:
+    """A plan.json carries its profile; a profile.json is one."""
+    return parse_profile(doc["profile"] if "profile" in doc and "arrangements" in doc else doc, source)
+
+
+def _error(name: str, predicted, measured):
+    if predicted is None or measured is None:
+        return None
+    if name == "attainment":
+        return predicted - measured
+    return (predicted - measured) / measured if measured else None
+
+
+def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True) -> dict:
+    slo_doc = results["slo"]
+    slo = SLO(slo_doc["ttft_s"], slo_doc["gap_s"], slo_doc["e2e_s"], slo_doc["max_pause_s"],
+              slo_doc.get("gap_percentile", 99.0))
+    requests = requests_from_results(results)
+    if not requests:
+        raise ValueError("results.json has an empty plan: nothing to simulate")
+    base = offered_rate(requests)
+    rows, skipped, ranking = [], [], []
+    for arr_doc in results["arrangements"]:
+        launch = arr_doc.get("launch") or {}
+        if not launch.get("serve") or not arr_doc["runs"]:
+            skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
+            continue
+        arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        for run in arr_doc["runs"]:
+            measured = run["summary"]
+            predicted = predict(arr, profile, requests, slo, run["rate_multiplier"])
+            for name, get in METRICS:
+                p, m = get(predicted), get(measured)
+                rows.append({"arrangement": arr.name, "rate_multiplier": run["rate_multiplier"], "metric": name,
+                             "predicted": p, "measured": m, "error": _error(name, p, m)})
+            if run["rate_multiplier"] == 1.0:
+                ranking.append((arr.name, predicted["attainment"], measured["attainment"]))
+        if results.get("sweep") and with_capacity:
+            cap = capacity(arr, profile, requests, slo, target)
+            p, m = (cap * base if cap else None), arr_doc.get("sweep_capacity_rps")
+            rows.append({"arrangement": arr.name, "rate_multiplier": None, "metric": f"capacity at {target:.0%}",
+                         "predicted": p, "measured": m, "error": _error("capacity", p, m)})
+    if results.get("sweep") and with_capacity:
+        caps = {r["arrangement"]: (r["predicted"] or 0, r["measured"] or 0) for r in rows
+                if r["metric"].startswith("capacity")}
+        ranking = [(name, p, m) for name, (p, m) in caps.items()]
+    top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -x[1])[:2]]
+    top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -x[2])[:2]]
+    return {"trial": results.get("trial"), "rows": rows, "skipped": skipped,
+            "ranking": {"by": "capacity" if results.get("sweep") and with_capacity else "attainment at x1",
+                        "predicted_top_two": top_pred, "measured_top_two": top_meas,
+                        "same_top_two": top_pred == top_meas}}
+
+
+def _cell(metric: str, value) -> str:
+    if value is None:
+        return "n/a"
+    if metric == "attainment":
+        return f"{value:.0%}"
+    if metric.startswith("capacity"):
+        return f"{value:.2f}/s"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def render(doc: dict) -> str:
+    lines = [f"predicted vs measured: {doc['trial']}",
+             f"{'arrangement':26} {'rate':>5} {'metric':22} {'predicted':>10} {'measured':>10} {'error':>8}"]
+    for r in doc["rows"]:
+        err = r["error"]
+        err_text = "n/a" if err is None else (f"{err * 100:+.0f} pt" if r["metric"] == "attainment" else f"{err:+.0%}")
+        rate = "" if r["rate_multiplier"] is None else f"x{r['rate_multiplier']:g}"
+        lines.append(f"{r['arrangement']:26} {rate:>5} {r['metric']:22} {_cell(r['metric'], r['predicted']):>10} "
+                     f"{_cell(r['metric'], r['measured']):>10} {err_text:>8}")
+    rk = doc["ranking"]
+    lines.append(f"top two by {rk['by']}: predicted {rk['predicted_top_two']}, measured {rk['measured_top_two']}"
+                 f" ({'same' if rk['same_top_two'] else 'DIFFERENT'})")
+    lines += [f"skipped {s}" for s in doc["skipped"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="predicted (from a plan or profile) vs measured (a trial)")
+    parser.add_argument("plan", help="plan.json or profile.json")
+    parser.add_argument("results", help="a trial's results.json")
+    parser.add_argument("--target", type=float, default=0.9, help="attainment target for capacity")
+    parser.add_argument("--json", default=None, help="also write the comparison here")
+    args = parser.parse_args(argv)
+    try:
+        profile = profile_of(json.loads(pathlib.Path(args.plan).read_text()), args.plan)
+        doc = compare_results(profile, json.loads(pathlib.Path(args.results).read_text()), args.target)
+    except (OSError, json.JSONDecodeError, ProfileError, ValueError, KeyError) as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    print(render(doc))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
