@@ -50,7 +50,7 @@ def format_table(doc: dict, top: int) -> str:
 
     for i, a in enumerate(doc["arrangements"][:top], 1):
         p = a["predicted"]
-        cap = f"{a['capacity_rps']:.2f}/s" if a["capacity_rps"] else "-"
+        cap = (">=" if a["capacity_is_floor"] else "") + f"{a['capacity_rps']:.2f}/s" if a["capacity_rps"] else "-"
         lines.append(f"{i:3d} {a['name']:28} {a['cores']:5d} {p['attainment']:7.0%} {cap:>9} "
                      f"{s(p['ttft_s']['p50']):>9} {s(p['ttft_s']['p99']):>9} {s(p['gap_s']['p99']):>8} "
                      f"{s(p['longest_pause_s']['p99']):>9} {p['worst_slo'] or '-':>16}")

@@ -20,6 +20,7 @@ from splitserve.trial.spec import SLO
 
 DEFAULT_BUDGETS = (128, 256, 512, 1024)
 MAX_INSTANCES = 64
+MAX_CAPACITY_MULTIPLIER = 16.0  # capacity searches stop here (see predict.capacity)
 
 
 def thread_options(cores: int) -> list[int]:
@@ -71,7 +72,8 @@ def evaluate(arrangements: list[Arrangement], profile: Profile, requests: list[S
     for arr in arrangements:
         cand = Candidate(arr, predict(arr, profile, requests, slo, rate_multiplier))
         if with_capacity:
-            cand.capacity_multiplier = capacity(arr, profile, requests, slo, target, first=rate_multiplier)
+            cand.capacity_multiplier = capacity(arr, profile, requests, slo, target, first=rate_multiplier,
+                                                max_multiplier=max(MAX_CAPACITY_MULTIPLIER, rate_multiplier))
         out.append(cand)
     return rank(out, target)
 
@@ -79,9 +81,13 @@ def evaluate(arrangements: list[Arrangement], profile: Profile, requests: list[S
 def rank(candidates: list[Candidate], target: float) -> list[Candidate]:
     def key(c: Candidate):
         passes = c.attainment >= target
-        return (passes, (c.capacity_multiplier or 0.0) if passes else c.attainment, c.attainment,
-                -c.arrangement.cores, -len(c.arrangement.instances))
+        return (passes, round((c.capacity_multiplier or 0.0) if passes else c.attainment, 6), c.attainment,
+                -c.predicted["slo_usage_p99"], -c.arrangement.cores, -len(c.arrangement.instances))
     return sorted(candidates, key=key, reverse=True)
+
+
+def _is_floor(c: Candidate, rate_multiplier: float) -> bool:
+    return c.capacity_multiplier is not None and c.capacity_multiplier >= max(MAX_CAPACITY_MULTIPLIER, rate_multiplier)
 
 
 def _best(candidates: list[Candidate], kind: str) -> Candidate | None:
@@ -103,7 +109,8 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
         cap = best.capacity_multiplier
         parts.append(f"meets every deadline for {best.attainment:.0%} of requests at {rate:.2f} req/s "
                      f"(target {target:.0%})"
-                     + (f" and keeps meeting the target up to about {cap * base_rate:.2f} req/s "
+                     + (f" and keeps meeting the target up to {'at least' if _is_floor(best, rate_multiplier) else 'about'}"
+                        f" {cap * base_rate:.2f} req/s "
                         f"({cap / rate_multiplier:.1f}x this rate)" if cap else ""))
     else:
         parts.append(f"comes closest but misses the target: {best.attainment:.0%} of requests meet every "
@@ -117,7 +124,8 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
         why = (f"The best {other.arrangement.kind} arrangement, {other.arrangement.name}, predicts "
                f"{other.attainment:.0%} (TTFT p99 {_fmt_s(o['ttft_s']['p99'])}, longest pause p99 "
                f"{_fmt_s(o['longest_pause_s']['p99'])}, capacity "
-               f"{(other.capacity_multiplier or 0) * base_rate:.2f} req/s) against "
+               f"{'>= ' if _is_floor(other, rate_multiplier) else ''}{(other.capacity_multiplier or 0) * base_rate:.2f}"
+               " req/s) against "
                f"TTFT p99 {_fmt_s(p['ttft_s']['p99'])} and longest pause p99 {_fmt_s(p['longest_pause_s']['p99'])}")
         if o.get("worst_slo"):
             why += f"; it misses mostly on {o['worst_slo']}"
@@ -139,7 +147,8 @@ def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimR
                 "max_pause_s": slo.max_pause_s, "e2e_s": slo.e2e_s},
         "arrangements": [{**c.arrangement.describe(), "predicted": c.predicted,
                           "capacity_multiplier": c.capacity_multiplier,
-                          "capacity_rps": c.capacity_multiplier * base if c.capacity_multiplier else None}
+                          "capacity_rps": c.capacity_multiplier * base if c.capacity_multiplier else None,
+                          "capacity_is_floor": _is_floor(c, rate_multiplier)}
                          for c in ranked],
         "recommendation": recommendation(ranked, target, base, rate_multiplier),
         "profile": profile.raw,

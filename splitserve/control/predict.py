@@ -158,6 +158,10 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
             "utilization": {i.name: round(i.busy_s / duration, 3) if duration > 0 else 0.0 for i in instances},
             "num_preemptions": sum(i.num_preemptions for i in instances),
             "missed": {k: v / len(requests) for k, v in misses.items()},
+            # how close the p99 request comes to its deadlines (1.0 = at the limit): the tie-breaker
+            "slo_usage_p99": max(float(np.percentile(ttft, 99)) / slo.ttft_s,
+                                 float(np.percentile(gap_pct, 99)) / slo.gap_s,
+                                 float(np.percentile(longest, 99)) / slo.max_pause_s),
             "worst_slo": max(misses, key=misses.get) if any(misses.values()) else None}
 
 
@@ -168,8 +172,10 @@ def predict(arrangement: Arrangement, profile: Profile, requests: list[SimReques
 
 
 def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
-             target: float, first: float = 1.0, steps: int = 6, max_multiplier: float = 256.0) -> float | None:
-    """The highest rate multiplier whose attainment meets `target` (bracket by doubling, then bisect)."""
+             target: float, first: float = 1.0, steps: int = 6, max_multiplier: float = 16.0) -> float | None:
+    """The highest rate multiplier whose attainment meets `target` (bracket by doubling, then bisect).
+    Like the trial's sweep, it compresses the same finite workload: a handful of requests can be
+    absorbed at any rate, so the search stops at `max_multiplier` (a result equal to it is a floor)."""
     ok = lambda m: predict(arrangement, profile, requests, slo, m)["attainment"] >= target  # noqa: E731
     lo, hi = (first, None) if ok(first) else (None, first)
     while lo is None:
@@ -182,7 +188,7 @@ def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimReque
         while ok(hi):
             lo, hi = hi, hi * 2
             if hi > max_multiplier:
-                return lo
+                return max_multiplier if ok(max_multiplier) else lo
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
