@@ -25,10 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rate.add_argument("--rate-multiplier", type=float, default=None, help="plan at the spec's rate times this")
     parser.add_argument("--target", type=float, default=None,
                         help="attainment target for capacity (default: the spec's sweep target, else 0.9)")
-    parser.add_argument("--budgets", default="128,256,512,1024", help="chunk budgets to try for colocated engines")
+    parser.add_argument("--budgets", default="64,128,256,512,1024", help="chunk budgets to try for colocated engines")
     parser.add_argument("--transport", default="shm", help="KV transport of separated arrangements (default shm)")
     parser.add_argument("--max-instances", type=int, default=64, help="most engine instances in one arrangement")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per instance (serve's default 1GiB)")
+    parser.add_argument("--min-requests", type=int, default=400,
+                        help="repeat the spec's workload back to back until it has this many requests (default 400)")
     parser.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     parser.add_argument("--no-capacity", action="store_true", help="skip the capacity search (faster)")
     parser.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
@@ -42,8 +44,10 @@ def _positive(value, flag: str) -> None:
 def format_table(doc: dict, top: int) -> str:
     head = (f"{'#':>3} {'arrangement':28} {'cores':>5} {'attain':>7} {'capacity':>9} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'gap p99':>8} {'pause p99':>9} {'worst SLO':>16}")
+    repeated = (f": the spec's {doc['spec_num_requests']} repeated" if doc["num_requests"] > doc["spec_num_requests"]
+                else "")
     lines = [f"plan for {doc['spec']}: {doc['cores']} cores, {doc['rate_rps']:.2f} req/s "
-             f"({doc['num_requests']} requests), target {doc['target_attainment']:.0%}", head]
+             f"({doc['num_requests']} requests{repeated}), target {doc['target_attainment']:.0%}", head]
 
     def s(x):
         return "n/a" if x is None else (f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s")
@@ -63,13 +67,14 @@ def format_table(doc: dict, top: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from splitserve.config import parse_size
     from splitserve.control.planner import enumerate_arrangements, evaluate, plan_document
-    from splitserve.control.predict import offered_rate, requests_from_spec
+    from splitserve.control.predict import offered_rate, requests_from_spec, tile
     from splitserve.control.profile_file import ProfileError, load_profile
     from splitserve.trial.spec import SpecError, load_spec
 
     try:
         for value, flag in ((args.rate, "--rate"), (args.rate_multiplier, "--rate-multiplier"),
-                            (args.cores, "--cores"), (args.max_instances, "--max-instances")):
+                            (args.cores, "--cores"), (args.max_instances, "--max-instances"),
+                            (args.min_requests, "--min-requests")):
             _positive(value, flag)
         if args.target is not None and not 0 < args.target <= 1:
             raise ValueError(f"--target: an attainment fraction in (0, 1], got {args.target}")
@@ -80,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
         profile.transfer_s(args.transport, 1)  # fails now, naming the field, if the profile lacks it
         spec = load_spec(args.spec)
-        requests = requests_from_spec(spec)
+        spec_requests = requests_from_spec(spec)
+        requests = tile(spec_requests, args.min_requests)
         cores = args.cores or next((a.cores for a in spec.arrangements if a.cores), 2)
         target = args.target or (spec.sweep.target_attainment if spec.sweep else 0.9)
         multiplier = args.rate_multiplier or (args.rate / offered_rate(requests) if args.rate else 1.0)
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         doc = plan_document(ranked, profile, requests, spec.slo, target, multiplier, cores, spec.name,
                             str(spec.source) if spec.source else None)
         doc["seconds_to_plan"] = time.perf_counter() - start
+        doc["spec_num_requests"] = len(spec_requests)
     except (SpecError, ProfileError, ValueError, OSError) as exc:
         print(f"splitserve plan: {exc}", file=sys.stderr)
         return 2

@@ -18,9 +18,9 @@ from splitserve.control.profile_file import Profile
 from splitserve.control.simulator import InstanceSpec, SimRequest
 from splitserve.trial.spec import SLO
 
-DEFAULT_BUDGETS = (128, 256, 512, 1024)
+DEFAULT_BUDGETS = (64, 128, 256, 512, 1024)
 MAX_INSTANCES = 64
-MAX_CAPACITY_MULTIPLIER = 16.0  # capacity searches stop here (see predict.capacity)
+CAPACITY_HEADROOM = 8.0  # capacity searches stop at this many times the planned rate (see predict.capacity)
 
 
 def thread_options(cores: int) -> list[int]:
@@ -73,7 +73,7 @@ def evaluate(arrangements: list[Arrangement], profile: Profile, requests: list[S
         cand = Candidate(arr, predict(arr, profile, requests, slo, rate_multiplier))
         if with_capacity:
             cand.capacity_multiplier = capacity(arr, profile, requests, slo, target, first=rate_multiplier,
-                                                max_multiplier=max(MAX_CAPACITY_MULTIPLIER, rate_multiplier))
+                                                steps=5, max_multiplier=CAPACITY_HEADROOM * rate_multiplier)
         out.append(cand)
     return rank(out, target)
 
@@ -87,7 +87,7 @@ def rank(candidates: list[Candidate], target: float) -> list[Candidate]:
 
 
 def _is_floor(c: Candidate, rate_multiplier: float) -> bool:
-    return c.capacity_multiplier is not None and c.capacity_multiplier >= max(MAX_CAPACITY_MULTIPLIER, rate_multiplier)
+    return c.capacity_multiplier is not None and c.capacity_multiplier >= CAPACITY_HEADROOM * rate_multiplier
 
 
 def _best(candidates: list[Candidate], kind: str) -> Candidate | None:
@@ -117,6 +117,10 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
                      f"deadline at {rate:.2f} req/s (target {target:.0%}); no arrangement of these cores "
                      "meets it at this rate")
     reason = [f"Recommended: {parts[0]}: it {parts[1]}."]
+    if not best.arrangement.launchable_with_serve:
+        reason.append("Its prefill and decode instances use different thread counts, which `splitserve serve` "
+                      "cannot launch alone (one --threads-per-instance): start the engines with `splitserve "
+                      "engine --threads-per-instance N` and a --topology file.")
     colo, sep = _best(ranked, "colocated"), _best(ranked, "separated")
     other = sep if best.arrangement.kind == "colocated" else colo
     if other is not None:

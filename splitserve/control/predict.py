@@ -36,6 +36,10 @@ class Arrangement:
     def kind(self) -> str:
         return "separated" if any(i.role != "colocated" for i in self.instances) else "colocated"
 
+    @property
+    def launchable_with_serve(self) -> bool:
+        return len({i.threads for i in self.instances}) == 1
+
     def serve_args(self) -> list[str]:
         """The `splitserve serve` arguments that launch it (equal threads per instance only)."""
         first = self.instances[0]
@@ -51,7 +55,7 @@ class Arrangement:
         return {"name": self.name, "kind": self.kind, "cores": self.cores, "transport": self.transport,
                 "instances": [{"role": i.role, "threads": i.threads, "policy": i.policy, "budget": i.budget,
                                "max_num_seqs": i.max_num_seqs} for i in self.instances],
-                "serve_args": self.serve_args()}
+                "serve_args": self.serve_args(), "launchable_with_serve": self.launchable_with_serve}
 
 
 def _flag(args: list[str], name: str, default: str | None) -> str | None:
@@ -96,6 +100,18 @@ def requests_from_results(doc: dict) -> list[SimRequest]:
     """A trial's exact plan (results.json `plan`): send times, classes and lengths."""
     return [SimRequest(p["index"], p["send_at_s"], p["num_prompt_tokens"], p["max_tokens"], p["class"])
             for p in doc["plan"]]
+
+
+def tile(requests: list[SimRequest], min_requests: int) -> list[SimRequest]:
+    """The workload repeated back to back until it holds at least `min_requests`: a spec written
+    for a 2-core box holds too few requests to reach a steady state at a 16-core rate."""
+    if len(requests) >= min_requests or len(requests) < 2:
+        return requests
+    span = max(r.arrival_s for r in requests)
+    period = span + span / (len(requests) - 1)  # one mean gap between copies
+    copies = -(-min_requests // len(requests))
+    return [SimRequest(k * len(requests) + r.index, k * period + r.arrival_s, r.prompt_tokens, r.answer_tokens,
+                       r.class_name) for k in range(copies) for r in requests]
 
 
 def offered_rate(requests: list[SimRequest]) -> float:
@@ -184,11 +200,13 @@ def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimReque
             return None
         lo = hi if ok(hi) else None
     if hi is None:
-        hi = lo * 2
-        while ok(hi):
-            lo, hi = hi, hi * 2
-            if hi > max_multiplier:
-                return max_multiplier if ok(max_multiplier) else lo
+        hi = min(lo * 2, max_multiplier)
+        while hi > lo and ok(hi):
+            if hi >= max_multiplier:
+                return max_multiplier
+            lo, hi = hi, min(hi * 2, max_multiplier)
+        if hi <= lo:
+            return lo
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
