@@ -17,6 +17,7 @@ Left out: the frontend's own latency, prefix-cache hits, admission limits (429s)
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -139,7 +140,7 @@ class Instance:
         return decodes
 
     def schedule(self) -> tuple[list[SimRequest], list[tuple[SimRequest, int]]]:
-        while self.prefilled and len(self.running) < self.spec.max_num_seqs:
+        while self.prefilled and len(self.running) < self.spec.max_num_seqs:  # KV arrived from a prefill instance
             req = self.prefilled[0]
             need = self._need(req.num_tokens)
             if need > self.free_blocks:
@@ -148,9 +149,14 @@ class Instance:
             self.free_blocks -= need
             req.blocks, req.computed = need, req.num_tokens - 1
             self.running.append(req)
-        if self.spec.policy == "whole":
+        if not self.waiting:  # the common case at low load: nothing to admit
+            decodes = self._reserve_decodes()
+            if len(decodes) == len(self.running) or self.spec.policy == "whole":
+                return decodes, []
+        elif self.spec.policy == "whole":
             return self._schedule_whole()
-        decodes = self._reserve_decodes()
+        else:
+            decodes = self._reserve_decodes()
         prefills = []
         budget = self.spec.budget - len(decodes)
         short_budget = min(budget, self.spec.budget // 2)
@@ -236,21 +242,31 @@ class Simulation:
         self._seq = 0
         self.now = 0.0
         self._pending: dict[Instance, None] = {}  # instances with new work, started once this instant is done
+        self._next_arrival_s = math.inf
 
     def _push(self, time_s: float, kind: int, obj) -> None:
         self._seq += 1
         heapq.heappush(self.events, (time_s, self._seq, kind, obj))
 
     def _kick(self, inst: Instance) -> None:
+        """Start inst's next step. With colocated instances only, nothing but an arrival can change an
+        instance's state, so steps that end before the next arrival are finished here at once instead
+        of going through the event queue: the same timeline, several times faster at low load."""
         if inst.busy or not inst.has_work():
             return
-        decodes, prefills = inst.schedule()
-        if not decodes and not prefills:
-            return
-        seconds = inst.step_seconds(decodes, prefills)
-        inst.busy = True
-        inst.busy_s += seconds
-        self._push(self.now + seconds, 1, (inst, decodes, prefills))
+        now, inline = self.now, not self.prefill
+        while True:
+            decodes, prefills = inst.schedule()
+            if not decodes and not prefills:
+                return
+            end = now + inst.step_seconds(decodes, prefills)
+            inst.busy_s += end - now
+            if not (inline and end < self._next_arrival_s):
+                inst.busy = True
+                self._push(end, 1, (inst, decodes, prefills))
+                return
+            self._finish_step(inst, decodes, prefills, end)
+            now = end
 
     def _route(self, req: SimRequest) -> Instance:
         if self.colocated:
@@ -265,9 +281,8 @@ class Simulation:
         target.num_requests += 1
         return target
 
-    def _emit(self, inst: Instance, req: SimRequest) -> None:
-        """A sampled token reaches the client now."""
-        now = self.now
+    def _emit(self, inst: Instance, req: SimRequest, now: float) -> None:
+        """A sampled token reaches the client at `now`."""
         if req.first_s is None:
             req.first_s = now
             inst.outstanding -= req.prompt_tokens
@@ -288,16 +303,19 @@ class Simulation:
             inst.num_requests -= 1
             self._push(now + self.transfer_s(req.prompt_tokens), 2, (inst, req))
 
-    def _step_end(self, inst: Instance, decodes, prefills) -> None:
-        inst.busy = False
+    def _finish_step(self, inst: Instance, decodes, prefills, now: float) -> None:
         inst.num_steps += 1
         for req in decodes:
             req.computed += 1
-            self._emit(inst, req)
+            self._emit(inst, req, now)
         for req, chunk in prefills:
             req.computed += chunk
             if req.computed >= req.num_tokens:
-                self._emit(inst, req)
+                self._emit(inst, req, now)
+
+    def _step_end(self, inst: Instance, decodes, prefills) -> None:
+        inst.busy = False
+        self._finish_step(inst, decodes, prefills, self.now)
         self._pending[inst] = None
 
     def _transfer_end(self, source: Instance, req: SimRequest) -> None:
@@ -309,23 +327,33 @@ class Simulation:
         self._pending[target] = None
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
-        for req in requests:
-            self._push(req.arrival_s, 0, req)
-        while self.events or self._pending:
-            if self._pending and (not self.events or self.events[0][0] > self.now):
+        arrivals = sorted(requests, key=lambda r: r.arrival_s)
+        arrivals.append(None)  # sentinel
+        i = 0
+        self._next_arrival_s = arrivals[0].arrival_s if arrivals[0] else math.inf
+        while True:
+            next_event_s = self.events[0][0] if self.events else math.inf
+            next_s = min(next_event_s, self._next_arrival_s)
+            if self._pending and next_s > self.now:
                 # everything due at this instant has landed: now idle instances start a step, so
                 # requests arriving together are scheduled together, as an engine's intake does
                 pending, self._pending = self._pending, {}
                 for inst in pending:
                     self._kick(inst)
                 continue
-            self.now, _, kind, obj = heapq.heappop(self.events)
-            if kind == 0:
-                inst = self._route(obj)
-                inst.add(obj)
+            if next_s == math.inf:
+                return requests
+            if self._next_arrival_s <= next_event_s:  # an arrival goes before a step ending at the same time
+                req = arrivals[i]
+                i += 1
+                self.now = req.arrival_s
+                self._next_arrival_s = arrivals[i].arrival_s if arrivals[i] else math.inf
+                inst = self._route(req)
+                inst.add(req)
                 self._pending[inst] = None
-            elif kind == 1:
+                continue
+            self.now, _, kind, obj = heapq.heappop(self.events)
+            if kind == 1:
                 self._step_end(*obj)
             else:
                 self._transfer_end(*obj)
-        return requests
