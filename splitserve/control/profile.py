@@ -12,7 +12,8 @@ abort_request) runs steps whose contents we control, each timed `repeats` times:
 Also KV transfer per transport (control/kv_profile.py), the model load and engine start
 times, and the machine. Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
-start and end is recorded next to them, and medians are used throughout.
+start and end is recorded next to them, every repeat is kept, and the fit uses each step's
+fastest repeat (load only ever adds time).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import random
 import sys
 import time
 
-from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile
+from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile, step_samples
 from splitserve.control.stepmodel import StepShape, fit_step_model, prefill_attn_ktok2
 
 FULL = {"prefill": [32, 128, 512, 1024], "chunks": [(512, 256), (1024, 256), (1024, 512)],
@@ -199,12 +200,10 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
             timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
     finally:
         core.close()
-    report = fit_step_model(*zip(*[(StepShape(s["prefill_tokens"], s["prefill_attn_ktok2"], s["decode_seqs"],
-                                              s["decode_kv_tokens"]), sorted(s["seconds"])[len(s["seconds"]) // 2])
-                                   for s in timer.samples]))
+    report = fit_step_model(*step_samples(timer.samples))
     log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
     return {"samples": timer.samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
-            "fit": {"median_abs_rel_error": report.median_abs_rel_error,
+            "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
                     "max_abs_rel_error": report.max_abs_rel_error}}
 
 
