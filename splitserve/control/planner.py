@@ -20,6 +20,7 @@ from splitserve.trial.spec import SLO
 
 DEFAULT_BUDGETS = (64, 128, 256, 512, 1024)
 MAX_INSTANCES = 64
+NEAR_TIE = 0.10  # capacities closer than this are not told apart (published simulators: 3-12% error)
 CAPACITY_HEADROOM = 8.0  # capacity searches stop at this many times the planned rate (see predict.capacity)
 
 
@@ -134,6 +135,12 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
         if o.get("worst_slo"):
             why += f"; it misses mostly on {o['worst_slo']}"
         reason.append(why + ".")
+    if len(ranked) > 1 and best.capacity_multiplier and ranked[1].capacity_multiplier:
+        runner = ranked[1]
+        gap = best.capacity_multiplier / runner.capacity_multiplier - 1
+        if gap < NEAR_TIE and runner.attainment >= target:
+            reason.append(f"The runner-up, {runner.arrangement.name}, is within {gap:.0%} on capacity: closer than "
+                          f"the model's error (about {NEAR_TIE:.0%}), so run a trial of both before choosing.")
     busiest = max(p["utilization"].items(), key=lambda kv: kv[1], default=None)
     if busiest:
         reason.append(f"Busiest instance of {best.arrangement.name}: {busiest[0]} at {busiest[1]:.0%}.")
