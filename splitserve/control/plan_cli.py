@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rate.add_argument("--rate-multiplier", type=float, default=None, help="plan at the spec's rate times this")
     parser.add_argument("--target", type=float, default=None,
                         help="attainment target for capacity (default: the spec's sweep target, else 0.9)")
+    parser.add_argument("--threads", default=None,
+                        help="per-instance thread counts to consider, e.g. 1 or 1,2 (default: divisors of --cores "
+                             "and powers of two); with a profile of one accelerator per instance, use 1")
     parser.add_argument("--budgets", default="64,128,256,512,1024", help="chunk budgets to try for colocated engines")
     parser.add_argument("--transport", default="shm", help="KV transport of separated arrangements (default shm)")
     parser.add_argument("--max-instances", type=int, default=64, help="most engine instances in one arrangement")
@@ -82,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
             budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
         except ValueError:
             raise ValueError(f"--budgets: comma-separated token counts like 128,256; got {args.budgets!r}") from None
+        try:
+            threads = [int(t) for t in args.threads.split(",") if t.strip()] if args.threads else None
+        except ValueError:
+            raise ValueError(f"--threads: comma-separated whole numbers like 1,2; got {args.threads!r}") from None
         profile = load_profile(args.profile)
         profile.transfer_s(args.transport, 1)  # fails now, naming the field, if the profile lacks it
         spec = load_spec(args.spec)
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         target = args.target or (spec.sweep.target_attainment if spec.sweep else 0.9)
         multiplier = args.rate_multiplier or (args.rate / offered_rate(requests) if args.rate else 1.0)
         arrangements = enumerate_arrangements(cores, budgets, args.transport, args.max_instances,
-                                              parse_size(args.kv_cache_memory))
+                                              parse_size(args.kv_cache_memory), threads=threads)
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
                           with_capacity=not args.no_capacity)

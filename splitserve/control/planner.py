@@ -30,20 +30,23 @@ def thread_options(cores: int) -> list[int]:
 
 def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str = "shm",
                            max_instances: int = MAX_INSTANCES, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                           prefill_budget: int = 256) -> list[Arrangement]:
+                           prefill_budget: int = 256, threads: list[int] | None = None) -> list[Arrangement]:
+    """threads: the per-instance thread counts to consider (default: divisors of `cores` and powers of two)."""
     if cores < 1:
         raise ValueError(f"--cores: must be >= 1, got {cores}")
     if not budgets or any(b < 1 for b in budgets):
         raise ValueError(f"--budgets: token budgets must be >= 1, got {list(budgets)}")
+    options = thread_options(cores) if not threads else sorted(t for t in set(threads) if 1 <= t <= cores)
+    if not options:
+        raise ValueError(f"--threads: no per-instance thread count in {threads} fits {cores} cores")
     out = []
-    for t in (t for t in thread_options(cores) if cores % t == 0):
+    for t in (t for t in options if cores % t == 0):
         k = cores // t
         if k > max_instances:
             continue
         for policy, budget in [("whole", 256)] + [("chunked", b) for b in budgets]:
             instances = (InstanceSpec("colocated", t, policy, budget),) * k
             out.append(Arrangement(name_of(instances), instances, transport, kv_cache_bytes))
-    options = thread_options(cores)
     for tp in options:
         for td in options:
             for x in range(1, cores // tp + 1):
