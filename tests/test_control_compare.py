@@ -80,3 +80,23 @@ def test_overlap_without_long_prompts_recommends_colocated():
     assert result["recommendation"].startswith("Keep colocated: no prompt reaches 1000 tokens")
     with pytest.raises(ValueError, match="long-input-tokens"):
         analyze_overlap([0.0], [10], [5], parse_profile(PROFILE), long_input_tokens=0)
+
+
+def test_repeats_are_pooled_and_a_searched_capacity_is_compared():
+    # the trial's capacity-search layout: repeated runs per rate, capacity_rps as {median, ...},
+    # the attainment target inside slo, the fixed rate chosen by calibration
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    doc["calibration"] = {"rate_multiplier": 2.0}
+    for arr in doc["arrangements"][:2]:
+        run = arr["runs"][0]
+        arr["runs"] = [{**run, "rate_multiplier": 2.0, "summary": {**run["summary"], "attainment": a}}
+                       for a in (0.5, 0.7, 0.9)]
+        arr["capacity_rps"] = {"median": 3.0, "min": 2.0, "max": 4.0}
+    out = compare_results(parse_profile(PROFILE), doc)
+    att = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "attainment")
+    assert (att["rate_multiplier"], att["num_runs"], att["measured"]) == (2.0, 3, 0.7)
+    cap = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity"))
+    assert cap["metric"] == "capacity at 80%" and cap["measured"] == 3.0
+    assert out["ranking"]["by"] == "capacity"
+    assert "x2(3)" in render(out)

@@ -4,8 +4,9 @@ Given a trial's results.json and a profile (or a plan.json, which embeds its pro
 arrangement the trial launched with `serve` arguments is rebuilt (predict.arrangement_from_serve_args)
 and simulated on the trial's exact plan (send times, lengths) at every rate it ran. Errors:
 attainment in points (predicted - measured), times relative ((predicted - measured) / measured),
-capacity relative when the trial swept. The ranking check compares the top two by attainment
-at the spec's rate (by capacity when the trial swept).
+capacity relative when the trial measured one (a sweep, or a capacity search with repeats: the
+median). Repeated runs at one rate are pooled by their median. The ranking check compares the
+top two by capacity when measured, else by attainment at the trial's own rate.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--json out.json]
 """
@@ -41,44 +42,69 @@ def _error(name: str, predicted, measured):
     return (predicted - measured) / measured if measured else None
 
 
+def _measured_capacity(arr_doc: dict) -> float | None:
+    """The trial's capacity: `sweep_capacity_rps` (a sweep), or `capacity_rps` (a capacity
+    search; with repeats a {median, min, max} mapping)."""
+    value = arr_doc.get("sweep_capacity_rps") or arr_doc.get("capacity_rps")
+    return value.get("median") if isinstance(value, dict) else value
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _main_multiplier(results: dict) -> float:
+    """The rate the trial calls its own: the calibrated fixed rate when there is one, else x1."""
+    return float((results.get("calibration") or {}).get("rate_multiplier") or 1.0)
+
+
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True) -> dict:
+    """Every run the trial made (repeats at one rate pooled by their median) beside the prediction
+    at that rate; capacity beside capacity when the trial measured one."""
     slo_doc = results["slo"]
     slo = SLO(slo_doc["ttft_s"], slo_doc["gap_s"], slo_doc["e2e_s"], slo_doc["max_pause_s"],
               slo_doc.get("gap_percentile", 99.0))
+    target = slo_doc.get("attainment", target)
     requests = requests_from_results(results)
     if not requests:
         raise ValueError("results.json has an empty plan: nothing to simulate")
-    base = offered_rate(requests)
-    rows, skipped, ranking = [], [], []
+    base, main = offered_rate(requests), _main_multiplier(results)
+    rows, skipped, at_main, capacities = [], [], [], []
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
         if not launch.get("serve") or not arr_doc["runs"]:
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
         arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        by_rate: dict[float, list[dict]] = {}
         for run in arr_doc["runs"]:
-            measured = run["summary"]
-            predicted = predict(arr, profile, requests, slo, run["rate_multiplier"])
+            by_rate.setdefault(run["rate_multiplier"], []).append(run["summary"])
+        for multiplier in sorted(by_rate):
+            summaries = by_rate[multiplier]
+            predicted = predict(arr, profile, requests, slo, multiplier)
             for name, get in METRICS:
-                p, m = get(predicted), get(measured)
-                rows.append({"arrangement": arr.name, "rate_multiplier": run["rate_multiplier"], "metric": name,
-                             "predicted": p, "measured": m, "error": _error(name, p, m)})
-            if run["rate_multiplier"] == 1.0:
-                ranking.append((arr.name, predicted["attainment"], measured["attainment"]))
-        if results.get("sweep") and with_capacity:
+                p, m = get(predicted), _median([get(x) for x in summaries])
+                rows.append({"arrangement": arr.name, "rate_multiplier": multiplier, "num_runs": len(summaries),
+                             "metric": name, "predicted": p, "measured": m, "error": _error(name, p, m)})
+                if name == "attainment" and multiplier == main:
+                    at_main.append((arr.name, p, m))
+        measured_cap = _measured_capacity(arr_doc)
+        if measured_cap is not None and with_capacity:
             cap = capacity(arr, profile, requests, slo, target)
-            p, m = (cap * base if cap else None), arr_doc.get("sweep_capacity_rps")
-            rows.append({"arrangement": arr.name, "rate_multiplier": None, "metric": f"capacity at {target:.0%}",
-                         "predicted": p, "measured": m, "error": _error("capacity", p, m)})
-    if results.get("sweep") and with_capacity:
-        caps = {r["arrangement"]: (r["predicted"] or 0, r["measured"] or 0) for r in rows
-                if r["metric"].startswith("capacity")}
-        ranking = [(name, p, m) for name, (p, m) in caps.items()]
-    top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -x[1])[:2]]
-    top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -x[2])[:2]]
+            p = cap * base if cap else None
+            rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
+                         "metric": f"capacity at {target:.0%}", "predicted": p, "measured": measured_cap,
+                         "error": _error("capacity", p, measured_cap)})
+            capacities.append((arr.name, p or 0.0, measured_cap))
+    ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
+    top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
+    top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
     return {"trial": results.get("trial"), "rows": rows, "skipped": skipped,
-            "ranking": {"by": "capacity" if results.get("sweep") and with_capacity else "attainment at x1",
-                        "predicted_top_two": top_pred, "measured_top_two": top_meas,
+            "ranking": {"by": by, "predicted_top_two": top_pred, "measured_top_two": top_meas,
                         "same_top_two": top_pred == top_meas}}
 
 
@@ -99,6 +125,8 @@ def render(doc: dict) -> str:
         err = r["error"]
         err_text = "n/a" if err is None else (f"{err * 100:+.0f} pt" if r["metric"] == "attainment" else f"{err:+.0%}")
         rate = "" if r["rate_multiplier"] is None else f"x{r['rate_multiplier']:g}"
+        if r.get("num_runs", 1) and r.get("num_runs", 1) > 1:
+            rate += f"({r['num_runs']})"
         lines.append(f"{r['arrangement']:26} {rate:>5} {r['metric']:22} {_cell(r['metric'], r['predicted']):>10} "
                      f"{_cell(r['metric'], r['measured']):>10} {err_text:>8}")
     rk = doc["ranking"]
