@@ -114,3 +114,9 @@ def test_ten_thousand_requests_simulate_well_within_the_planners_budget():
     done, _ = simulate(arrangement, parse_profile(PROFILE), requests)
     assert time.process_time() - start < 2.0
     assert all(r.outputs == 32 for r in done)
+
+
+def test_one_kv_budget_per_arrangement_is_split_between_its_instances():
+    arrangements = enumerate_arrangements(4, budgets=(256,), kv_total_bytes=4 << 30)
+    assert {len(a.instances) for a in arrangements} == {1, 2, 3, 4}
+    assert all(a.kv_cache_bytes == (4 << 30) // len(a.instances) for a in arrangements)

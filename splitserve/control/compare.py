@@ -13,6 +13,7 @@ top two by capacity when measured, else by attainment at the trial's own rate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -80,6 +81,9 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
         arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
+        if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
+            arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
         by_rate: dict[float, list[dict]] = {}
         for run in arr_doc["runs"]:
             by_rate.setdefault(run["rate_multiplier"], []).append(run["summary"])

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="64,128,256,512,1024", help="chunk budgets to try for colocated engines")
     parser.add_argument("--transport", default="shm", help="KV transport of separated arrangements (default shm)")
     parser.add_argument("--max-instances", type=int, default=64, help="most engine instances in one arrangement")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per instance (serve's default 1GiB)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV pool per instance (default: the spec's kv_cache_memory split between an "
+                             "arrangement's instances when the spec sets one, else serve's 1GiB each)")
     parser.add_argument("--min-requests", type=int, default=400,
                         help="repeat the spec's workload back to back until it has this many requests (default 400)")
     parser.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
@@ -95,10 +97,13 @@ def run(args: argparse.Namespace) -> int:
         spec_requests = requests_from_spec(spec)
         requests = tile(spec_requests, args.min_requests)
         cores = args.cores or next((a.cores for a in spec.arrangements if a.cores), 2)
-        target = args.target or (spec.sweep.target_attainment if spec.sweep else 0.9)
+        target = (args.target or getattr(spec.slo, "attainment", None)
+                  or (spec.sweep.target_attainment if spec.sweep else 0.9))
+        kv_total = getattr(spec, "kv_cache_memory", None) if args.kv_cache_memory is None else None
         multiplier = args.rate_multiplier or (args.rate / offered_rate(requests) if args.rate else 1.0)
         arrangements = enumerate_arrangements(cores, budgets, args.transport, args.max_instances,
-                                              parse_size(args.kv_cache_memory), threads=threads)
+                                              parse_size(args.kv_cache_memory or "1GiB"), threads=threads,
+                                              kv_total_bytes=parse_size(kv_total) if kv_total else None)
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
                           with_capacity=not args.no_capacity)

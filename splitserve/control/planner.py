@@ -30,8 +30,15 @@ def thread_options(cores: int) -> list[int]:
 
 def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str = "shm",
                            max_instances: int = MAX_INSTANCES, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                           prefill_budget: int = 256, threads: list[int] | None = None) -> list[Arrangement]:
-    """threads: the per-instance thread counts to consider (default: divisors of `cores` and powers of two)."""
+                           prefill_budget: int = 256, threads: list[int] | None = None,
+                           kv_total_bytes: int | None = None) -> list[Arrangement]:
+    """threads: the per-instance thread counts to consider (default: divisors of `cores` and powers of two).
+    kv_total_bytes: one KV pool per arrangement split between its instances (the trial's
+    `kv_cache_memory`), instead of kv_cache_bytes for every instance."""
+
+    def kv(instances: tuple) -> int:
+        return kv_total_bytes // len(instances) if kv_total_bytes else kv_cache_bytes
+
     if cores < 1:
         raise ValueError(f"--cores: must be >= 1, got {cores}")
     if not budgets or any(b < 1 for b in budgets):
@@ -46,7 +53,7 @@ def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str =
             continue
         for policy, budget in [("whole", 256)] + [("chunked", b) for b in budgets]:
             instances = (InstanceSpec("colocated", t, policy, budget),) * k
-            out.append(Arrangement(name_of(instances), instances, transport, kv_cache_bytes))
+            out.append(Arrangement(name_of(instances), instances, transport, kv(instances)))
     for tp in options:
         for td in options:
             for x in range(1, cores // tp + 1):
@@ -55,7 +62,7 @@ def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str =
                     continue
                 instances = ((InstanceSpec("prefill", tp, "chunked", prefill_budget),) * x
                              + (InstanceSpec("decode", td, "chunked", prefill_budget),) * (rest // td))
-                out.append(Arrangement(name_of(instances), instances, transport, kv_cache_bytes))
+                out.append(Arrangement(name_of(instances), instances, transport, kv(instances)))
     return out
 
 

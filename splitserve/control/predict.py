@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from splitserve.config import parse_size
 from splitserve.control.profile_file import Profile
 from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
 from splitserve.trial.arrivals import generate_arrivals
@@ -72,8 +73,10 @@ def arrangement_from_serve_args(name: str, args: list[str], cores: int | None) -
         ["colocated"] * int(_flag(args, "--instances", "1"))
     threads = _flag(args, "--threads-per-instance", None)
     per = int(threads) if threads else max((cores or len(roles)) // len(roles), 1)
+    kv = _flag(args, "--kv-cache-memory", None)
     return Arrangement(name, tuple(InstanceSpec(r, per, policy, budget, seqs) for r in roles),
-                       transport=_flag(args, "--kv-transport", "shm"))
+                       transport=_flag(args, "--kv-transport", "shm"),
+                       kv_cache_bytes=parse_size(kv) if kv else DEFAULT_KV_CACHE_BYTES)
 
 
 def requests_from_spec(spec: TrialSpec) -> list[SimRequest]:
