@@ -42,19 +42,23 @@ class Simulation:
         heapq.heappush(self.events, (time_s, self._seq, kind, obj))
 
     def _kick(self, inst: Instance) -> None:
-        """Start inst's next step. With colocated instances only, nothing but an arrival can change an
-        instance's state, so steps that end before the next arrival are finished here at once instead
-        of going through the event queue: the same timeline, several times faster at low load."""
+        """Start inst's next step. A step that ends before anything else can touch the instance is
+        finished here at once instead of going through the event queue (the same timeline, several
+        times faster at low load). With colocated instances only, just an arrival can touch one;
+        with separated stages, any queued event may (a prefill's step end starts a transfer)."""
         if inst.busy or not inst.has_work():
             return
-        now, inline = self.now, not self.prefill
+        now, colocated_only = self.now, not self.prefill
         while True:
             decodes, prefills = inst.schedule()
             if not decodes and not prefills:
                 return
             end = now + inst.step_seconds(decodes, prefills)
             inst.busy_s += end - now
-            if not (inline and end < self._next_arrival_s):
+            horizon = self._next_arrival_s
+            if not colocated_only and self.events:
+                horizon = min(horizon, self.events[0][0])
+            if end >= horizon:
                 inst.busy = True
                 self._push(end, 1, (inst, decodes, prefills))
                 return
