@@ -117,7 +117,9 @@ class StepTimer:
         prompt = prefix + self.prompt(n)
         self._add(prompt, 1)
         seconds, outputs = self._step()
-        assert len(outputs) == 1 and outputs[0].finished, "a lone prompt's prefill is one step at this budget"
+        if len(outputs) != 1 or not outputs[0].finished:
+            raise RuntimeError("profile: a lone prompt did not prefill in one step at a budget above its length; "
+                               "the engine's scheduler no longer behaves as profile.py assumes")
         cached = outputs[0].num_cached_tokens
         return seconds, StepShape(len(prompt) - cached, prefill_attn_ktok2(cached, len(prompt) - cached))
 
@@ -158,7 +160,9 @@ class StepTimer:
             step_s, outputs = self._step()
             seconds.append(step_s)
             got = {out.request_id for out in outputs}
-            assert set(ids) <= got and (fresh is None or fresh in got), "every running request steps once"
+            if not set(ids) <= got or (fresh is not None and fresh not in got):
+                raise RuntimeError("profile: a step did not advance every running request (and the new prompt); "
+                                   "the engine's scheduler no longer behaves as profile.py assumes")
             for r in ids:
                 lengths[r] += 1
         for r in ids:
