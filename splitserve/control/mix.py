@@ -26,6 +26,10 @@ from dataclasses import asdict, dataclass, field
 from splitserve.control.stepmodel import StepModel, StepModels
 
 ROLES = ("prefill", "decode", "colocated")
+# Without a profile (`serve --adaptive` given none): the bundled model's 2-thread fit on the
+# shared 2-core box (docs/benchmarks.md, "Planner"); measured step times correct it per instance.
+FALLBACK_STEP_MODEL = StepModel(overhead_s=0.056, per_prefill_token_s=0.0013, per_prefill_attn_s=0.00074,
+                                per_decode_seq_s=0.0034, per_decode_kv_token_s=7.2e-6)
 PREFILL_CAPABLE = ("prefill", "colocated")
 DECODE_CAPABLE = ("decode", "colocated")
 
