@@ -50,6 +50,8 @@ class Arrangement:
                  "--decode", str(sum(i.role == "decode" for i in self.instances)), "--kv-transport", self.transport])
         if len(threads) == 1:
             args += ["--threads-per-instance", str(first.threads)]
+        if self.kv_cache_bytes != DEFAULT_KV_CACHE_BYTES:
+            args += ["--kv-cache-memory", str(self.kv_cache_bytes)]
         return args + ["--prefill-policy", first.policy, "--max-num-batched-tokens", str(first.budget)]
 
     def describe(self) -> dict:
