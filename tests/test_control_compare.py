@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 
 from splitserve.control.compare import compare_results, profile_of, render
-from splitserve.control.overlap import analyze_overlap
+from splitserve.control.overlap import analyze_overlap, analyze_records
 from splitserve.control.predict import arrangement_from_serve_args, predict, requests_from_results
 from splitserve.control.profile_file import FORMAT, parse_profile
 from splitserve.trial.spec import SLO
+from splitserve.trial.traces import TraceRecord
 
 PROFILE = {
     "format": FORMAT, "model": {"name": "hand", "kv_bytes_per_token": 46080},
@@ -100,3 +101,9 @@ def test_repeats_are_pooled_and_a_searched_capacity_is_compared():
     assert cap["metric"] == "capacity at 80%" and cap["measured"] == 3.0
     assert out["ranking"]["by"] == "capacity"
     assert "x2(3)" in render(out)
+
+
+def test_overlap_reads_trace_records_in_any_order():
+    records = [TraceRecord(1.5, 10, 1), TraceRecord(1.0, 1000, 1), TraceRecord(0.0, 10, 101), TraceRecord(3.0, 10, 5)]
+    result = analyze_records(records, parse_profile(PROFILE), long_input_tokens=1000)
+    assert result["streams_hit_by_long_prefill"] == pytest.approx(1 / 2)

@@ -47,8 +47,10 @@ def files(tmp_path):
 
 def test_plan_for_two_cores_ranks_every_arrangement_and_explains_the_pick(files, capsys):
     spec, profile, out = files()
-    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "2", "--out", str(out)]) == 0
+    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "2", "--min-requests", "90",
+                 "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
+    assert plan["num_requests"] == 90 and plan["spec_num_requests"] == 30  # repeated back to back
     names = [a["name"] for a in plan["arrangements"]]
     assert "1P1D-1t/1t" in names and "colocated-chunked256-2x1t" in names and "colocated-whole-1x2t" in names
     assert all(a["cores"] == 2 for a in plan["arrangements"])
@@ -61,9 +63,9 @@ def test_plan_for_two_cores_ranks_every_arrangement_and_explains_the_pick(files,
 
 
 def test_plan_for_many_instances_at_a_high_rate_names_instance_counts(files):
-    spec, profile, out = files(num_requests=200)
-    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "32", "--rate", "20",
-                 "--no-capacity", "--out", str(out)]) == 0
+    spec, profile, out = files(num_requests=100)
+    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "32", "--rate", "20", "--budgets", "256",
+                 "--min-requests", "1", "--no-capacity", "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["rate_rps"] == pytest.approx(20)
     counts = {len(a["instances"]) for a in plan["arrangements"]}

@@ -1,6 +1,6 @@
 """The buyer's first question about a workload: do long prompts collide with other requests?
 
-For `splitserve workload analyze` (trial/analyze.py calls `analyze_overlap`). With the profile's
+For `splitserve workload analyze --profile` (trial/analyze.py calls `analyze_records`). With the profile's
 step model, each long prompt (>= long_input_tokens) occupies an instance for its prefill,
 [arrival, arrival + prefill time); each answer streams for about answer_tokens decode steps
 after its own prefill. Then:
@@ -69,6 +69,13 @@ def analyze_overlap(times_s: list[float], prompt_tokens: list[int], answer_token
             "streams_hit_by_long_prefill": streams_share,
             "recommendation": recommend(long_share, mean_long_prefill, arrivals_share, streams_share,
                                         long_input_tokens, threads)}
+
+
+def analyze_records(records, profile: Profile, long_input_tokens: int = 1000, threads: int = 1) -> dict:
+    """`analyze_overlap` over trace records (trial/traces.TraceRecord: time_s, prompt_tokens, answer_tokens)."""
+    records = sorted(records, key=lambda r: r.time_s)
+    return analyze_overlap([r.time_s for r in records], [r.prompt_tokens for r in records],
+                           [r.answer_tokens for r in records], profile, long_input_tokens, threads)
 
 
 def recommend(long_share: float, mean_prefill_s: float, arrivals_hit: float, streams_hit: float,
