@@ -34,6 +34,8 @@ class FakeBehaviour:
     kv_fail_every: int = 0         # every Nth request's KV transfer failed (then recomputed)
     cut_every: int = 0             # every Nth stream ends after 2 tokens without [DONE]
     error_every: int = 0           # every Nth stream sends an error chunk (failed KV transfer) after 1 token
+    odd_every: int = 0             # every Nth stream sends a chunk whose `choices` is not a list
+    token_ids: bool = False        # honour return_token_ids: each chunk names its token ids
 
 
 def fake_token(word: str) -> int:
@@ -98,10 +100,14 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
                                                           "retries": 2}}})
                 yield b"data: [DONE]\n\n"
                 return
+            if behaviour.odd_every and n % behaviour.odd_every == 0 and i == 1:
+                yield sse({"id": f"cmpl-{n}", "choices": "not a list"})
             last = i == num_tokens - 1
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
+            if behaviour.token_ids and body.get("return_token_ids"):
+                choice["token_ids"] = [100 + i]
             yield sse({"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model",
-                       "choices": [{"index": 0, "text": f" t{i}",
-                                    "finish_reason": "length" if last else None}]})
+                       "choices": [choice]})
         final = {"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model", "choices": []}
         if body.get("stream_options", {}).get("include_usage"):
             final["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
