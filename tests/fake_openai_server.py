@@ -36,6 +36,7 @@ class FakeBehaviour:
     error_every: int = 0           # every Nth stream sends an error chunk (failed KV transfer) after 1 token
     odd_every: int = 0             # every Nth stream sends a chunk whose `choices` is not a list
     token_ids: bool = False        # honour return_token_ids: each chunk names its token ids
+    spawn_child: bool = False      # start a child process, as `serve` starts engines (affinity is inherited)
 
 
 def fake_token(word: str) -> int:
@@ -135,6 +136,12 @@ def main() -> None:
             p.add_argument(flag, type=type(value), default=value)
     args = vars(p.parse_args())
     port = args.pop("port")
+    if args["spawn_child"]:
+        import subprocess
+        import sys
+
+        # the child lives in our process group, so stopping the group stops it too
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--engine-id", "fake-engine"])
     uvicorn.run(build_app(FakeBehaviour(**args)), host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -149,7 +149,7 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
     arrivals = _read_arrivals(top.section("arrivals"), classes, base_dir)
     slo = _read_slo(top.section("slo"))
     allow_unequal = top.bool("allow_unequal_cores", default=False)
-    arrangements = _read_arrangements(top.list("arrangements"), allow_unequal_cores=allow_unequal)
+    arrangements = _read_arrangements(top.list("arrangements"))
     spec = TrialSpec(
         name=name, seed=seed, classes=classes, mix=mix, arrivals=arrivals, slo=slo,
         arrangements=arrangements,
@@ -304,7 +304,7 @@ DEFAULT_ARRANGEMENTS = [
 ]
 
 
-def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrangement]:
+def _read_arrangements(raw_list: list) -> list[Arrangement]:
     raw_list = raw_list or DEFAULT_ARRANGEMENTS
     out = []
     for i, raw in enumerate(raw_list):
@@ -328,11 +328,7 @@ def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrang
     names = [a.name for a in out]
     if len(set(names)) != len(names):
         raise SpecError(f"arrangements: names must be unique, got {names}")
-    cores = {a.name: a.cores for a in out if a.cores is not None}
-    if len(set(cores.values())) > 1 and not allow_unequal_cores:
-        raise SpecError(f"arrangements[].cores: arrangements must use equal total cores to be compared, "
-                        f"got {cores}; fix the cores or set allow_unequal_cores: true")
-    return out
+    return out  # equal cores and KV memory: resources.check_equal, once the spec is whole
 
 
 FAULT_TARGETS = ("prefill", "decode", "any")
@@ -380,3 +376,6 @@ def _check_method(spec: TrialSpec) -> None:
         parse_size(spec.kv_cache_memory)
     except ValueError as exc:
         raise SpecError(f"kv_cache_memory: {exc}") from None
+    from splitserve.trial.resources import check_equal  # it reads Arrangement from here
+
+    check_equal(spec)

@@ -48,9 +48,13 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
     target = doc["slo"].get("attainment", 0.9)
     listing = "; ".join(f"{a['name']} {fmt_spread(a['capacity_rps'], _rps, reps)}" for a in
                         sorted(searched, key=lambda a: -(a["capacity_rps"]["median"] or 0)))
-    spread_note = " (median, min-max over repeats)" if reps > 1 else ""
+    spread_note = "; median, min-max over repeats" if reps > 1 else ""
     text = (f"Capacity within the SLOs (the highest rate at which at least {_pct(target)} of requests met "
             f"every SLO{spread_note}): {listing}.")
+    open_ended = [a["name"] for a in searched if any(c["failed_rps"] is None for c in a.get("capacity", []))]
+    if open_ended:
+        text += (f" For {', '.join(open_ended)} the search ran out of probes or time before a rate failed: "
+                 f"a lower bound.")
     key = lambda a: a["capacity_rps"]["median"]  # noqa: E731
     sep, col = _best(searched, SEPARATED, key), _best(searched, COLOCATED, key)
     if sep is None or col is None:
