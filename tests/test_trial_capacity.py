@@ -110,3 +110,19 @@ def test_results_are_saved_after_every_run_so_a_cut_trial_keeps_them(tmp_path):
     Trial(spec, tmp_path, on_update=save).run()
     assert {"a": ["fixed"]} in snapshots                             # saved before b even started
     assert snapshots[-1] == {"a": ["fixed"], "b": ["fixed"]}
+
+
+def test_the_budget_shares_time_between_launches_and_sizes_the_fixed_run_from_the_measured_rate():
+    from splitserve.trial.budget import Budget
+
+    now = [0.0]
+    budget = Budget(300.0, repeat=2, weight=4.0, clock=lambda: now[0])
+    assert budget.share(2.0) == pytest.approx(300.0)               # the calibration counts twice
+    now[0] = 250.0
+    budget.spent(2.0)
+    assert budget.share() == pytest.approx(350.0 / 2)
+    # 30% of a 100 s share at 0.5 req/s holds 15 requests (+1: the first goes at 0); a machine twice
+    # as slow measures half the rate and replays about half as many, never fewer than 12
+    assert Budget.fixed_requests(100.0, 0.5, 54) == 16
+    assert Budget.fixed_requests(100.0, 0.25, 54) == 12
+    assert Budget.fixed_requests(1000.0, 0.5, 54) == 54 and Budget.fixed_requests(None, 0.5, 54) == 54

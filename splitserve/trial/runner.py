@@ -9,8 +9,9 @@ pinned to the same cores, with the same warm-up; on it the trial runs, in this o
      capacity), the same rate for every arrangement;
   3. with --sweep, the plan compressed by each of the sweep's multipliers.
 Repeats rotate the order (ABCD, BCDA, CDAB, ...) so no arrangement always runs first, on a
-cold machine, or last, on a warm one. With `tune:`, each colocated grid point gets one run at
-the fixed rate after the calibration; the best joins the trial as `colocated-best`.
+cold machine, or last, on a warm one. With `tune:`, the colocated grid is tried after the
+first launch (tuning.py); the best setting joins the trial. With `capacity.budget_s` the
+searches and the fixed-rate run's length follow the time budget (budget.py).
 Within one launch every replay gets its own prompt text (the server's prefix cache must not
 remember the last one): the fixed-rate run always replays the plan itself, the k-th probe and
 the k-th sweep step the same other text in every launch, so arrangements see identical requests.
@@ -26,12 +27,13 @@ from typing import Callable
 
 from splitserve.trial.arrangements import Endpoint, LaunchError, launched
 from splitserve.trial.arrivals import Arrival, generate_arrivals
+from splitserve.trial.budget import SEARCH_SHARE, Budget
 from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
-from splitserve.trial.method import grid_arrangements
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, summarize
-from splitserve.trial.resources import arrangement_resources, check_equal, core_set, read_affinity, with_kv_split
+from splitserve.trial.resources import check_equal, core_set, read_affinity, with_kv_split
+from splitserve.trial.tuning import tune_colocated
 from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
                                       workload_streams)
@@ -93,7 +95,6 @@ class Trial:
         self.plan: list[PlannedRequest] | None = None
         self.source: PromptSource | None = None
         self._recuts: dict[int, list[PlannedRequest]] = {}
-        self._repeat = 1
         rel = spec.arrivals.relative_rate
         self.main_multiplier: float | None = None if rel else 1.0
         self.calibration: dict | None = None
@@ -103,8 +104,8 @@ class Trial:
         self.arrangements = list(spec.arrangements)
         if rel:  # the calibration comes first
             self.arrangements.sort(key=lambda a: a.name != rel.reference)
-        self._budget_left = spec.capacity.budget_s if spec.capacity else None
-        self._searches_left = 0
+        self.budget = Budget(None, 1, 1.0)
+        self.num_fixed: int | None = None   # requests per fixed-rate run (the budget may cut the plan)
 
     @property
     def phase_starts_s(self) -> list[float] | None:
@@ -135,8 +136,10 @@ class Trial:
 
     def run(self, sweep: bool = False, repeat: int = 1, capacity: bool = False) -> list[ArrangementResult]:
         search = capacity or self.spec.capacity is not None
-        self._repeat = repeat
-        self._searches_left = len(self.arrangements) * repeat if search else 0
+        rel, tune = self.spec.arrivals.relative_rate, self.spec.tune
+        grid = len(tune.max_num_batched_tokens or [0]) * len(tune.instances_x_threads or [0]) if tune else 0
+        weight = len(self.arrangements) * repeat + (1 if rel else 0) + 0.5 * grid
+        self.budget = Budget(self.spec.capacity.budget_s if self.spec.capacity else None, repeat, weight)
         for r in range(repeat):
             names = rotation([a.name for a in self.arrangements], r)
             self.order.append(names)
@@ -144,10 +147,12 @@ class Trial:
             while i < len(names):
                 arr = next(a for a in self.arrangements if a.name == names[i])
                 self._session(arr, r, search, sweep)
-                if r == 0 and i == 0 and self.spec.tune and self.tuning is None:
-                    self._tune()
-                    if self.tuning["best"] is not None:
-                        names.insert(1, "colocated-best")
+                if r == 0 and i == 0 and self.spec.tune and self.tuning is None and self.main_multiplier:
+                    self.tuning = tune_colocated(self)
+                    if self.tuning.get("joins_as"):
+                        names.insert(1, self.tuning["joins_as"])
+                        self.budget.weight_left += repeat  # it is launched in every repeat
+                    self._notify()
                 i += 1
         return [self.results[a.name] for a in self.arrangements if a.name in self.results]
 
@@ -156,6 +161,8 @@ class Trial:
         result = self.results.setdefault(arr.name, ArrangementResult(arr.name))
         rel = self.spec.arrivals.relative_rate
         calibrating = rel is not None and self.main_multiplier is None and arr.name == rel.reference
+        weight = 2.0 if calibrating else 1.0
+        share = self.budget.share(weight)
         try:
             with launched(with_kv_split(arr, self.spec.kv_cache_memory), self.spec.model, self.out_dir / "logs",
                           cpus=self.cpus if arr.url is None else None) as endpoint:
@@ -164,11 +171,16 @@ class Trial:
                 result.launches.append({"repeat": repeat, "processes": read_affinity(endpoint.pid)
                                         if endpoint.pid else [], "cpus": self.cpus if arr.url is None else None})
                 if search or calibrating:
-                    self._search(endpoint, arr, result, repeat, calibrating)
+                    self._search(endpoint, arr, result, repeat, calibrating,
+                                 SEARCH_SHARE * share if share is not None else None)
                 if self.main_multiplier is None:
                     return  # the calibration failed to find any rate; _search said why
-                result.runs.append(self._replay(endpoint, self.plan_for_run(0), self.main_multiplier,
-                                                f"{arr.name} fixed rate (repeat {repeat + 1})", repeat, "fixed"))
+                if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
+                    rate = offered_rate_of(self.plan) * self.main_multiplier
+                    self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
+                result.runs.append(self._replay(endpoint, self.plan_for_run(0)[: self.num_fixed],
+                                                self.main_multiplier, f"{arr.name} fixed rate (repeat {repeat + 1})",
+                                                repeat, "fixed"))
                 self._notify()
                 if sweep:
                     target = self.spec.slo.attainment
@@ -183,20 +195,17 @@ class Trial:
         except LaunchError as exc:
             result.error = str(exc)
         finally:
+            self.budget.spent(weight)
             self._notify()
 
     def _search(self, endpoint: Endpoint, arr: Arrangement, result: ArrangementResult, repeat: int,
-                calibrating: bool) -> None:
+                calibrating: bool, budget: float | None) -> None:
         cap_spec = self.spec.capacity or _default_capacity()
         rel = self.spec.arrivals.relative_rate
         if self.main_multiplier is None or rel is None:
             start = 1.0
         else:  # start at the reference's capacity: the answer is usually near it
             start = self.main_multiplier / rel.fraction_of_capacity
-        budget = None
-        if self._budget_left is not None:
-            budget = self._budget_left / max(self._searches_left, 1)
-        begun = time.monotonic()
         found_runs: list[RunResult] = []
 
         def probe(m: float) -> Probe:
@@ -208,9 +217,6 @@ class Trial:
 
         found = search_capacity(probe, start, self.spec.slo.attainment, cap_spec.precision, cap_spec.grow,
                                 cap_spec.max_probes, budget)
-        if self._budget_left is not None:
-            self._budget_left -= time.monotonic() - begun
-        self._searches_left = max(self._searches_left - 1, 0)
         result.capacity.append({"repeat": repeat, **found.to_dict()})
         if calibrating:
             self.calibration = {"reference": arr.name, "fraction_of_capacity": rel.fraction_of_capacity,
@@ -244,38 +250,6 @@ class Trial:
 
         timeout = min(self.spec.request_timeout_s, slo.e2e_s + 1.0)
         return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop)
-
-    def _tune(self) -> None:
-        """Each colocated grid point, one fixed-rate run on its own launch; the best joins the trial."""
-        tune = self.spec.tune
-        base = next(a for a in self.spec.arrangements if a.name == tune.base)
-        points = grid_arrangements(tune, base, self.spec.cores)
-        rows = []
-        for point in points:
-            res = ArrangementResult(point.name)
-            try:
-                with launched(with_kv_split(point, self.spec.kv_cache_memory), self.spec.model,
-                              self.out_dir / "logs", cpus=self.cpus) as endpoint:
-                    self._warm_up(endpoint)
-                    res.runs.append(self._replay(endpoint, self.plan_for_run(0), self.main_multiplier, f"tune {point.name}", 0,
-                                                 "tune"))
-            except LaunchError as exc:
-                res.error = str(exc)
-            s = res.runs[0].summary if res.runs else None
-            rows.append({"name": point.name, "serve": point.serve_args, "error": res.error,
-                         "attainment": s["attainment"] if s else None,
-                         "ttft_p99_s": s["ttft_s"]["p99"] if s else None})
-        ran = [(row, p) for row, p in zip(rows, points) if row["attainment"] is not None]
-        self.tuning = {"base": tune.base, "rate_multiplier": self.main_multiplier, "points": rows, "best": None}
-        if ran:
-            row, best = max(ran, key=lambda rp: (rp[0]["attainment"], -(rp[0]["ttft_p99_s"] or float("inf"))))
-            self.tuning["best"] = row["name"]
-            tuned = dataclasses.replace(best, name="colocated-best", grid_point=False)
-            self.arrangements.insert(1, tuned)
-            self.resources[tuned.name] = arrangement_resources(tuned)
-            if self._searches_left:
-                self._searches_left += self._repeat  # it is searched in every repeat
-        self._notify()
 
     def _warm_up(self, endpoint: Endpoint) -> None:
         """Same warm-up for every launch: the first few planned requests, one at a time, with
@@ -321,6 +295,11 @@ class Trial:
     def _notify(self) -> None:
         if self.on_update is not None:
             self.on_update(self)
+
+
+def offered_rate_of(plan: list[PlannedRequest]) -> float | None:
+    span = plan[-1].send_at_s - plan[0].send_at_s if plan else 0.0
+    return (len(plan) - 1) / span if span > 0 else None
 
 
 def check_named(spec: TrialSpec) -> None:
