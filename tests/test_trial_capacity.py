@@ -126,3 +126,21 @@ def test_the_budget_shares_time_between_launches_and_sizes_the_fixed_run_from_th
     assert Budget.fixed_requests(100.0, 0.5, 54) == 16
     assert Budget.fixed_requests(100.0, 0.25, 54) == 12
     assert Budget.fixed_requests(1000.0, 0.5, 54) == 54 and Budget.fixed_requests(None, 0.5, 54) == 54
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_stops_as_soon_as_streams_in_flight_break_the_slo(tmp_path):
+    from splitserve.trial.arrangements import launched
+
+    # every stream freezes for 5 s after its 2nd token; a pause over 1 s already breaks the SLO
+    raw = spec_dict([{"name": "frozen", "command": fake("--pause-every", "1", "--pause-s", "5")}])
+    raw["slo"] = {"ttft_s": 2.0, "gap_s": 0.5, "max_pause_s": 1.0, "e2e_s": 10.0}
+    spec = parse_spec(raw)
+    trial = Trial(spec, tmp_path)
+    with launched(spec.arrangements[0], None, tmp_path / "logs") as endpoint:
+        trial._ensure_plan(endpoint)
+        run = trial._probe(endpoint, "frozen", 1.0, 0, 8, 1)
+    # judged while frozen: no stream lived to finish its pause
+    assert run.summary["stopped_early"]
+    assert {r.error_kind for r in run.records} == {"probe_stopped"}
+    assert run.summary["attainment"] == 0.0

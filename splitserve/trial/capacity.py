@@ -4,7 +4,8 @@ DistServe calls this goodput; GuideLLM's goodput profile searches it the same wa
 replays the plan's first N requests compressed in time by a rate multiplier and returns its
 attainment. The search grows the multiplier while probes pass, shrinks it while they fail,
 then bisects (geometrically) between the highest pass and the lowest fail until they are
-within `precision` of each other, or the probes or the time budget run out. The answer is
+within `precision` of each other, or the probes or the time budget run out (the budget only
+once some rate passed: a search without a held rate says nothing). The answer is
 always a bracket: `passed` (the rate held) and `failed` (the rate not held), either may be None.
 """
 from __future__ import annotations
@@ -76,8 +77,9 @@ def search_capacity(probe: Callable[[float], Probe], start: float, target: float
             if m < MIN_MULTIPLIER:
                 result.stopped_by = "floor"
                 break
-        if budget_s is not None and spent + p.seconds * p.multiplier / m > budget_s:
-            result.stopped_by = "budget"  # the next probe would end past the budget
+        # the next probe would end past the budget: stop, but only with a rate held (a lower bound)
+        if budget_s is not None and result.passed is not None and spent + p.seconds * p.multiplier / m > budget_s:
+            result.stopped_by = "budget"
             break
     return result
 

@@ -48,9 +48,12 @@ def _tokens_in_chunk(choice: dict) -> int:
 
 
 async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None, req: PlannedRequest,
-                     t0: float, timeout_s: float, clock: Callable[[], float] = time.perf_counter
-                     ) -> RequestRecord:
+                     t0: float, timeout_s: float, clock: Callable[[], float] = time.perf_counter,
+                     live: dict[int, RequestRecord] | None = None) -> RequestRecord:
+    """`live` (if given) sees the record while it streams: a watchdog may judge it before it ends."""
     rec = RequestRecord(req.index, req.class_name, req.num_prompt_tokens, req.max_tokens, req.send_at_s)
+    if live is not None:
+        live[req.index] = rec
     await asyncio.sleep(max(0.0, t0 + req.send_at_s - clock()))
     rec.sent_s = clock() - t0
     try:
@@ -127,7 +130,8 @@ def _read_report(report: object, rec: RequestRecord) -> None:
 async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,
                    model: str | None = None, on_done: Callable[[RequestRecord], None] | None = None,
                    side_tasks: Sequence[Callable[[float], Awaitable[object]]] = (),
-                   stop: asyncio.Event | None = None) -> list[RequestRecord]:
+                   stop: asyncio.Event | None = None,
+                   live: dict[int, RequestRecord] | None = None) -> list[RequestRecord]:
     """Send every request at its scheduled second; return records in request order.
     side_tasks (e.g. scheduled faults) are started with the same zero time t0 and awaited too;
     one that raises is reported on stderr and loses no request's record. Setting `stop` (from
@@ -141,7 +145,7 @@ async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: flo
 
         async def one(n, req):
             try:
-                records[n] = await stream_one(client, base_url, model, req, t0, timeout_s)
+                records[n] = await stream_one(client, base_url, model, req, t0, timeout_s, live=live)
             except asyncio.CancelledError:
                 records[n].error_kind = "probe_stopped"
                 records[n].error_message = "the probe stopped once it could no longer pass"

@@ -65,8 +65,9 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     if spec.tune:
         base = next(a for a in spec.arrangements if a.name == spec.tune.base)
         points = grid_arrangements(spec.tune, base, spec.cores)
-        lines.append(f"tune: {len(points)} colocated settings, one fixed-rate run each, the best joins as "
-                     f"colocated-best: {', '.join(p.name for p in points)}")
+        lines.append(f"tune: {len(points)} colocated settings, one probe each at the reference's capacity (the "
+                     f"base's own setting reuses its probe); the best joins as colocated-best unless it is the "
+                     f"base: {', '.join(p.name for p in points)}")
         arrangements.insert(1, replace(base, name="colocated-best"))
     search = capacity or spec.capacity is not None
     if search:
@@ -75,7 +76,8 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
         lines.append(f"capacity search per arrangement and repeat: probes of the plan's first {probe_requests} "
                      f"requests, grow x{cap.grow if cap else 2.0:g} then bisect to {cap.precision if cap else 0.1:.0%}, "
                      f"at most {cap.max_probes if cap else 8} probes"
-                     + (f", {cap.budget_s:.0f} s for all searches" if cap and cap.budget_s else ""))
+                     + (f"; {cap.budget_s:.0f} s of replay per repeat shared by every launch, the fixed-rate "
+                        f"run cut to what fits at the calibrated rate" if cap and cap.budget_s else ""))
     names = [a.name for a in arrangements]
     for r in range(repeat):
         lines.append(f"repeat {r + 1}: {' -> '.join(rotation(names, r))}")

@@ -183,7 +183,7 @@ class Trial:
                                                 repeat, "fixed"))
                 self._notify()
                 if sweep:
-                    target = self.spec.slo.attainment
+                    target = self.spec.sweep.target_attainment if self.spec.sweep else self.spec.slo.attainment
                     steps = self.spec.sweep.rate_multipliers if self.spec.sweep else [0.5, 1.0, 1.5, 2.0, 3.0]
                     for k, m in enumerate(x for x in steps if x != self.main_multiplier):
                         run = self._replay(endpoint, self.plan_for_run(100 + k), m, f"{arr.name} x{m:g}", repeat,
@@ -231,25 +231,42 @@ class Trial:
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
                run: int) -> RunResult:
-        """The plan's first `num` requests at `multiplier`. A request past its e2e SLO is not good
-        whatever happens next, so it times out then; once too many are bad the probe stops."""
+        """The plan's first `num` requests at `multiplier`, stopped as soon as it cannot pass: once
+        more requests than the target allows are bad, finished or not (a watchdog judges streams
+        in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
         plan = self.plan_for_run(run)[:num]
         slo = self.spec.slo
         allowed_bad = int((1.0 - slo.attainment) * len(plan) + 1e-9)
-        stop = asyncio.Event()
-        bad = [0]
+        stop, live, bad, finished = asyncio.Event(), {}, set(), set()
         on_progress = self.progress(f"{name} probe x{multiplier:.3g}", len(plan)) if self.progress else None
 
+        def judge(index: int) -> None:
+            bad.add(index)
+            if len(bad) > allowed_bad:
+                stop.set()
+
         def on_done(rec: RequestRecord) -> None:
+            finished.add(rec.index)
             if not is_good(request_metrics(rec, slo, self.spec.pause_threshold_s), slo):
-                bad[0] += 1
-                if bad[0] > allowed_bad:
-                    stop.set()
+                judge(rec.index)
             if on_progress:
                 on_progress(rec)
 
+        async def watchdog(t0: float) -> None:
+            while not stop.is_set() and len(finished) < len(plan):
+                now = time.perf_counter() - t0
+                for index, rec in list(live.items()):
+                    if index in finished or index in bad or rec.sent_s is None:
+                        continue
+                    times = rec.token_times_s
+                    if ((not times and now - rec.sent_s > slo.ttft_s) or now - rec.sent_s > slo.e2e_s
+                            or (times and now - times[-1] > slo.max_pause_s)):
+                        judge(index)
+                await asyncio.sleep(0.1)
+
         timeout = min(self.spec.request_timeout_s, slo.e2e_s + 1.0)
-        return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop)
+        return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop,
+                            [watchdog], live)
 
     def _warm_up(self, endpoint: Endpoint) -> None:
         """Same warm-up for every launch: the first few planned requests, one at a time, with
@@ -264,7 +281,7 @@ class Trial:
 
     def _replay(self, endpoint: Endpoint, plan: list[PlannedRequest], multiplier: float, label: str | None,
                 repeat: int, purpose: str, timeout_s: float | None = None, on_done=None,
-                stop: asyncio.Event | None = None) -> RunResult:
+                stop: asyncio.Event | None = None, watchers=(), live=None) -> RunResult:
         timed = [dataclasses.replace(r, send_at_s=r.send_at_s / multiplier) for r in plan]
         if on_done is None and self.progress and label:
             on_done = self.progress(label, len(timed))
@@ -279,7 +296,8 @@ class Trial:
 
         started = time.monotonic()
         records = asyncio.run(run_load(endpoint.base_url, timed, timeout_s or self.spec.request_timeout_s,
-                                       endpoint.model, on_done, [scheduled(f) for f in faults], stop))
+                                       endpoint.model, on_done, [*(scheduled(f) for f in faults), *watchers],
+                                       stop, live))
         wall = time.monotonic() - started
         counters = counter_deltas(before, scrape_counters(endpoint.base_url))
         phases = [t / multiplier for t in self.phase_starts_s] if self.phase_starts_s else None
