@@ -15,8 +15,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-MIN_MULTIPLIER = 1e-3  # below this the arrangement holds nothing worth a search
-
 
 @dataclass(slots=True)
 class Probe:
@@ -47,8 +45,11 @@ class CapacityResult:
 
 
 def search_capacity(probe: Callable[[float], Probe], start: float, target: float, precision: float = 0.1,
-                    grow: float = 2.0, max_probes: int = 8, budget_s: float | None = None) -> CapacityResult:
-    """Grow-then-bisect on the rate multiplier; `probe(m)` replays at m and reports attainment."""
+                    grow: float = 2.0, max_probes: int = 8, budget_s: float | None = None,
+                    min_multiplier: float = 0.1) -> CapacityResult:
+    """Grow-then-bisect on the rate multiplier; `probe(m)` replays at m and reports attainment.
+    Below `min_multiplier` it stops: a passing probe there would take 1/min_multiplier times the
+    plan's own span, and an arrangement that slow holds nothing worth comparing."""
     result = CapacityResult()
     m, spent = start, 0.0
     while True:
@@ -74,7 +75,7 @@ def search_capacity(probe: Callable[[float], Probe], start: float, target: float
             m = lo * grow
         else:
             m = hi / grow
-            if m < MIN_MULTIPLIER:
+            if m < min_multiplier:
                 result.stopped_by = "floor"
                 break
         # the next probe would end past the budget: stop, but only with a rate held (a lower bound)

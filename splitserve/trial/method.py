@@ -38,6 +38,7 @@ class CapacitySpec:
     max_probes: int = 8
     grow: float = 2.0
     budget_s: float | None = None
+    min_multiplier: float = 0.1            # the lowest rate searched, as a share of the nominal rate
 
 
 @dataclass(slots=True)
@@ -66,7 +67,8 @@ def read_capacity(sec: Section) -> CapacitySpec | None:
                        precision=sec.float("precision", default=0.1, positive=True),
                        max_probes=sec.int("max_probes", default=8, minimum=2),
                        grow=sec.float("grow", default=2.0, positive=True),
-                       budget_s=sec.float("budget_s", default=None, positive=True))
+                       budget_s=sec.float("budget_s", default=None, positive=True),
+                       min_multiplier=sec.float("min_multiplier", default=0.1, positive=True))
     sec.finish()
     if cap.grow <= 1.0:
         raise SpecError(f"capacity.grow: the factor the rate grows by while probes pass, > 1, got {cap.grow}")

@@ -98,7 +98,7 @@ def request_metrics(rec: RequestRecord, slo: SLO, pause_threshold_s: float) -> R
     return RequestMetrics(
         ttft_s=times[0] - sent if times else None,
         tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-        e2e_s=end - sent if end is not None else None,
+        e2e_s=end - sent if end is not None and rec.sent_s is not None else None,  # never sent: no e2e
         gap_percentile_s=float(np.percentile(gaps, slo.gap_percentile)) if gaps.size else 0.0,
         longest_pause_s=float(gaps.max()) if gaps.size else 0.0,
         num_pauses=int(pauses.size),

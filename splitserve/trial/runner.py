@@ -174,7 +174,7 @@ class Trial:
                     self._search(endpoint, arr, result, repeat, calibrating,
                                  SEARCH_SHARE * share if share is not None else None)
                 if self.main_multiplier is None:
-                    return  # the calibration failed to find any rate; _search said why
+                    return  # the reference never launched: there is no fixed rate to run at
                 if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
                     rate = offered_rate_of(self.plan) * self.main_multiplier
                     self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
@@ -216,17 +216,21 @@ class Trial:
             return Probe(m, run.summary["attainment"], run.summary["offered_rate_rps"], run.summary["wall_s"])
 
         found = search_capacity(probe, start, self.spec.slo.attainment, cap_spec.precision, cap_spec.grow,
-                                cap_spec.max_probes, budget)
+                                cap_spec.max_probes, budget, cap_spec.min_multiplier)
         result.capacity.append({"repeat": repeat, **found.to_dict()})
         if calibrating:
             self.calibration = {"reference": arr.name, "fraction_of_capacity": rel.fraction_of_capacity,
                                 **found.to_dict()}
             if found.passed is None:
-                result.error = (f"calibration: {arr.name} kept fewer than {self.spec.slo.attainment:.0%} of "
-                                f"requests good even at x{found.probes[-1].multiplier:g} of the nominal rate; "
-                                "loosen the SLOs or shorten the requests")
-                return
-            self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
+                # nothing held: compare the others at a share of the lowest rate tried, and say so
+                lowest = min(p.multiplier for p in found.probes)
+                self.calibration["note"] = (
+                    f"{arr.name} kept fewer than {self.spec.slo.attainment:.0%} of requests good at every rate "
+                    f"tried, down to x{lowest:.3g} of the nominal rate; the fixed rate is "
+                    f"{rel.fraction_of_capacity:g} x that lowest rate")
+                self.main_multiplier = rel.fraction_of_capacity * lowest
+            else:
+                self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
             self.calibration["rate_multiplier"] = self.main_multiplier
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,

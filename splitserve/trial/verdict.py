@@ -29,6 +29,9 @@ def verdict(doc: dict) -> str:
     fixed, fixed_answer = _fixed_part(doc)
     if capacity is None and fixed is None:
         return "No arrangement completed a run, so there is no verdict." + note
+    cal = doc.get("calibration") or {}
+    if cal.get("note"):
+        note = f" Calibration: {cal['note']}." + note
     if capacity is not None:
         text, answer = capacity
         return text + answer + (" " + fixed + fixed_answer if fixed else "") + _tuned(doc) + note
