@@ -144,3 +144,22 @@ def test_a_probe_stops_as_soon_as_streams_in_flight_break_the_slo(tmp_path):
     assert run.summary["stopped_early"]
     assert {r.error_kind for r in run.records} == {"probe_stopped"}
     assert run.summary["attainment"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_a_reference_that_holds_no_rate_hands_the_calibration_to_the_next_arrangement(tmp_path):
+    raw = fake_spec()
+    raw["arrangements"] = [{"name": "fast", "command": fake()},
+                           {"name": "frozen", "command": fake("--pause-every", "1", "--pause-s", "5")}]
+    raw["arrivals"]["rate"]["reference"] = "frozen"
+    raw["capacity"] = {"probe_requests": 6, "max_probes": 3, "min_multiplier": 0.5, "precision": 0.5}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["trial", str(path), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["order"] == [["frozen", "fast"]]
+    cal = doc["calibration"]
+    assert cal["reference"] == "fast" and cal["held_nothing"] == ["frozen"]
+    assert "frozen held no rate tried" in doc["verdict"]
+    frozen = next(a for a in doc["arrangements"] if a["name"] == "frozen")
+    assert frozen["capacity"][0]["stopped_by"] == "floor" and frozen["capacity_rps"]["median"] == 0.0

@@ -84,3 +84,13 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     assert "1P1D [separated]: 1 prefill + 1 decode, 1 thread(s) each: 2 cores, KV 1024 MiB (512 MiB each)" in text
     assert "repeat 2: 1P1D -> colocated" in text and "probes of the plan's first 8 requests" in text
     assert not out.exists()
+
+
+def test_an_adaptive_server_is_its_own_kind_with_its_instances_counted():
+    from splitserve.trial.results import arrangement_kind
+    from splitserve.trial.spec import Arrangement
+
+    arr = Arrangement("adaptive", serve_args=["--adaptive", "--instances", "2", "--threads-per-instance", "1"])
+    assert arrangement_kind(arr) == "adaptive"
+    res = arrangement_resources(with_kv_split(arr, "1GiB"))
+    assert (res.instances, res.cores, res.kv_per_instance) == ("2 adaptive", 2, 2**29)

@@ -221,6 +221,30 @@ def _long_classes(doc: dict) -> set[str]:
     return {c for c, v in by_class.items() if sum(v) / len(v) >= 2 * mean or c in ("long", "document")}
 
 
+def _method_html(doc: dict) -> str:
+    """The calibration, the tuning grid and every capacity probe, as measured."""
+    parts = []
+    cal = doc.get("calibration")
+    if cal:
+        parts.append(f"<p>Calibration: {html.escape(cal['reference'])} held "
+                     f"{cal['capacity_rps'] or 0:.3f} req/s; the fixed rate is {cal['fraction_of_capacity']:g} x its "
+                     f"capacity (x{cal.get('rate_multiplier') or 0:.3g} of the nominal rate). "
+                     f"{html.escape(cal.get('note', ''))}</p>")
+    tuning = doc.get("tuning")
+    if tuning:
+        cells = ", ".join(f"{html.escape(p['name'])}: {p['attainment']:.0%}" if p["attainment"] is not None
+                          else f"{html.escape(p['name'])}: failed" for p in tuning["points"])
+        parts.append(f"<p>Colocated grid at x{tuning['rate_multiplier']:.3g}: {cells}; best: "
+                     f"{html.escape(str(tuning['best']))}.</p>")
+    for a in doc["arrangements"]:
+        for c in a.get("capacity", []):
+            probes = ", ".join(f"{p['offered_rate_rps'] or 0:.3f} req/s {p['attainment']:.0%} ({p['seconds']:.0f} s)"
+                               for p in c["probes"])
+            parts.append(f"<p>{html.escape(a['name'])} capacity search (repeat {c['repeat'] + 1}, stopped by "
+                         f"{c['stopped_by']}): {probes}</p>")
+    return "".join(parts)
+
+
 def write_html(doc: dict, path: pathlib.Path) -> None:
     images = plots(doc)
     body = "".join(f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
@@ -241,6 +265,7 @@ inter-token gap &le; {slo['gap_s']} s, longest pause &le; {slo['max_pause_s']} s
 pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Verdict</h2><p class="verdict">{html.escape(doc['verdict'])}</p>{errors}
 <h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
+{_method_html(doc)}
 <p>Resources: {html.escape(doc.get('placement', ''))}; cores {doc.get('cpus')}; KV cache
 {html.escape(str(doc.get('kv_cache_memory_total')))} per arrangement, split between its instances.
 Order of the runs per repeat: {html.escape(str(doc.get('order')))}.</p>

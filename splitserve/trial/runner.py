@@ -147,10 +147,10 @@ class Trial:
             while i < len(names):
                 arr = next(a for a in self.arrangements if a.name == names[i])
                 self._session(arr, r, search, sweep)
-                if r == 0 and i == 0 and self.spec.tune and self.tuning is None and self.main_multiplier:
+                if r == 0 and self.spec.tune and self.tuning is None and self.main_multiplier:
                     self.tuning = tune_colocated(self)
                     if self.tuning.get("joins_as"):
-                        names.insert(1, self.tuning["joins_as"])
+                        names.insert(i + 1, self.tuning["joins_as"])
                         self.budget.weight_left += repeat  # it is launched in every repeat
                     self._notify()
                 i += 1
@@ -160,7 +160,8 @@ class Trial:
         """One launch of one arrangement: [capacity search], fixed-rate run, [sweep]."""
         result = self.results.setdefault(arr.name, ArrangementResult(arr.name))
         rel = self.spec.arrivals.relative_rate
-        calibrating = rel is not None and self.main_multiplier is None and arr.name == rel.reference
+        # the reference calibrates first; if it holds no rate at all, the next arrangement does
+        calibrating = rel is not None and self.main_multiplier is None
         weight = 2.0 if calibrating else 1.0
         share = self.budget.share(weight)
         try:
@@ -174,7 +175,7 @@ class Trial:
                     self._search(endpoint, arr, result, repeat, calibrating,
                                  SEARCH_SHARE * share if share is not None else None)
                 if self.main_multiplier is None:
-                    return  # the reference never launched: there is no fixed rate to run at
+                    return  # no fixed rate yet: the reference held nothing (or never launched)
                 if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
                     rate = offered_rate_of(self.plan) * self.main_multiplier
                     self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
@@ -219,19 +220,22 @@ class Trial:
                                 cap_spec.max_probes, budget, cap_spec.min_multiplier)
         result.capacity.append({"repeat": repeat, **found.to_dict()})
         if calibrating:
+            held_nothing = (self.calibration or {}).get("held_nothing", [])
             self.calibration = {"reference": arr.name, "fraction_of_capacity": rel.fraction_of_capacity,
-                                **found.to_dict()}
+                                **found.to_dict(), "held_nothing": held_nothing}
             if found.passed is None:
-                # nothing held: compare the others at a share of the lowest rate tried, and say so
                 lowest = min(p.multiplier for p in found.probes)
+                held_nothing.append(arr.name)
                 self.calibration["note"] = (
-                    f"{arr.name} kept fewer than {self.spec.slo.attainment:.0%} of requests good at every rate "
-                    f"tried, down to x{lowest:.3g} of the nominal rate; the fixed rate is "
-                    f"{rel.fraction_of_capacity:g} x that lowest rate")
-                self.main_multiplier = rel.fraction_of_capacity * lowest
-            else:
-                self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
+                    f"{', '.join(held_nothing)} kept fewer than {self.spec.slo.attainment:.0%} of requests good at "
+                    f"every rate tried, down to x{lowest:.3g} of the nominal rate, so the next arrangement "
+                    f"calibrates the fixed rate")
+                return
+            self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
             self.calibration["rate_multiplier"] = self.main_multiplier
+            if held_nothing:
+                self.calibration["note"] = (f"{', '.join(held_nothing)} held no rate tried, so the fixed rate is "
+                                            f"{rel.fraction_of_capacity:g} x {arr.name}'s capacity instead")
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
                run: int) -> RunResult:
