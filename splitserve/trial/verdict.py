@@ -26,7 +26,7 @@ def verdict(doc: dict) -> str:
     failed = [a["name"] for a in arrs if a["error"]]
     note = f" Arrangements that failed: {', '.join(failed)} (see their logs)." if failed else ""
     capacity = _capacity_part(doc)
-    fixed, fixed_answer = _fixed_part(doc)
+    fixed, fixed_answer = _fixed_part(doc, headline=capacity is None)
     if capacity is None and fixed is None:
         return "No arrangement completed a run, so there is no verdict." + note
     cal = doc.get("calibration") or {}
@@ -81,7 +81,8 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
     return text, answer
 
 
-def _fixed_part(doc: dict) -> tuple[str | None, str]:
+def _fixed_part(doc: dict, headline: bool = True) -> tuple[str | None, str]:
+    """The fixed-rate comparison; with a capacity headline it only says who met more deadlines."""
     m = equal_rate(doc)
     if m is None:
         return None, ""
@@ -97,7 +98,7 @@ def _fixed_part(doc: dict) -> tuple[str | None, str]:
     arrs = [a for a, _, _ in ran]
     sep, col = _best(arrs, SEPARATED, key), _best(arrs, COLOCATED, key)
     if all(st["attainment"]["max"] < 0.5 for _, st, _ in ran):
-        return text, " Separate prefill: no verdict from an overloaded run."
+        return text, " Separate prefill: no verdict from an overloaded run." if headline else ""
     if sep is None or col is None:
         return text, ""
     s_st, c_st = stats_at(sep, m), stats_at(col, m)
@@ -113,6 +114,10 @@ def _fixed_part(doc: dict) -> tuple[str | None, str]:
              f"{fmt_seconds(c_st['longest_pause_p99_s']['median'])}; streams interrupted by a pause "
              f"{_pct(s_st['interrupted_share']['median'])} vs {_pct(c_st['interrupted_share']['median'])}; "
              f"p99 TTFT {fmt_seconds(s_st['ttft_p99_s']['median'])} vs {fmt_seconds(c_st['ttft_p99_s']['median'])}.")
+    if not headline:
+        who = {1: f"{sep['name']} met more deadlines than {col['name']}",
+               -1: f"{col['name']} met more deadlines than {sep['name']}"}.get(winner, "no clear difference")
+        return text + facts, f" At this rate: {who}."
     if winner > 0:
         answer = f" Separate prefill: yes at this rate: {sep['name']} met more deadlines than {col['name']}."
     elif winner < 0:
