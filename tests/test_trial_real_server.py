@@ -59,6 +59,7 @@ def test_trial_of_twenty_requests_on_an_external_colocated_and_a_launched_1p1d_s
         # ignore_eos: every answer has exactly its 8 tokens, by the server's own count
         assert [r["num_tokens"] for r in arr["runs"][0]["requests"]] == [8] * 20
         assert summary["num_complete"] == 20 and sum(summary["failures"].values()) == 0
+        assert summary["token_timing"] == "token"    # splitserve honours return_token_ids
         assert summary["attainment"] > 0.5
     external, separated = doc["arrangements"]
     assert (external["kind"], separated["kind"]) == ("external", "separated")
