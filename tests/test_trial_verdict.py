@@ -79,3 +79,8 @@ def test_repeats_rotate_the_order():
     names = ["A", "B", "C", "D"]
     assert [rotation(names, r) for r in range(5)] == [list("ABCD"), list("BCDA"), list("CDAB"), list("DABC"),
                                                       list("ABCD")]
+
+
+def test_when_nothing_held_any_rate_there_is_no_verdict_on_separation():
+    v = verdict(capacity_doc([None], [None]))
+    assert "No arrangement held any rate tried within the SLOs" in v and "Separate prefill" not in v

@@ -160,7 +160,7 @@ async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: flo
         pending = set(tasks)
         while pending:
             wait_on = pending | ({watcher} if watcher is not None else set())
-            _, _ = await asyncio.wait(wait_on, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(wait_on, return_when=asyncio.FIRST_COMPLETED)
             pending = {t for t in pending if not t.done()}
             if watcher is not None and watcher.done():
                 for t in pending:

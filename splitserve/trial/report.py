@@ -85,10 +85,13 @@ def rows(doc: dict) -> list[tuple[str, list[str]]]:
                      else "-" for a in arrs]))
     stats = [stats_at(a, m) if m is not None else None for a in arrs]
     suffix = f", median (min-max) of {reps}" if reps > 1 else ""
+    missing = ["failed" if a["error"] else "not run at this rate" for a in arrs]
     for label, key, fmt in SPREAD_ROWS:
-        out.append((label + suffix, [fmt_spread(st[key], fmt, reps) if st else "failed" for st in stats]))
+        out.append((label + suffix, [fmt_spread(st[key], fmt, reps) if st else gone
+                                     for st, gone in zip(stats, missing)]))
     for label, cell in ROWS:
-        out.append((label, [cell(main_summary(a, m)) if main_summary(a, m) else "failed" for a in arrs]))
+        out.append((label, [cell(main_summary(a, m)) if main_summary(a, m) else gone
+                            for a, gone in zip(arrs, missing)]))
     out.append(("engines", [a["resources"]["describe"] if a.get("resources") else "-" for a in arrs]))
     out.append(("affinity read back", [_affinity(a) for a in arrs]))
     return out

@@ -58,6 +58,10 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
     if open_ended:
         text += (f" For {', '.join(open_ended)} the search ran out of probes or time before a rate failed: "
                  f"a lower bound.")
+    if all(not a["capacity_rps"]["max"] for a in searched):
+        return text, (" No arrangement held any rate tried within the SLOs, so there is no verdict on "
+                      "separating prefill: on this machine these SLOs are out of reach for this workload (or the "
+                      "machine was busy); loosen the SLOs, shorten the requests, or rerun on a quiet machine.")
     key = lambda a: a["capacity_rps"]["median"]  # noqa: E731
     sep, col = _best(searched, SEPARATED, key), _best(searched, COLOCATED, key)
     if sep is None or col is None:
