@@ -77,3 +77,18 @@ def test_reports_render_from_the_document(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert "exited with code 2" in page and page.count("data:image/png;base64,") == 4
     assert table(doc).row_count >= 10
+
+
+def test_a_trial_whose_searches_held_nothing_still_renders(tmp_path):
+    from splitserve.trial.capacity import spread
+
+    doc = document(stalls_colocated=True)
+    for a in doc["arrangements"]:
+        a["runs"] = [dict(r, purpose="probe") for r in a["runs"]]   # probes only: no whole-plan run
+        a["capacity"] = [{"repeat": 0, "capacity_rps": None, "failed_rps": 1.0, "stopped_by": "floor",
+                          "probes": [{"multiplier": 1.0, "attainment": 0.25, "offered_rate_rps": 1.0,
+                                      "seconds": 4.0}]}]
+        a["capacity_rps"] = spread([None])
+    write_html(doc, tmp_path / "report.html")
+    assert "stopped by floor" in (tmp_path / "report.html").read_text()
+    assert table(doc).row_count >= 10

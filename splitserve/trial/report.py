@@ -15,7 +15,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.trial.results import equal_rate, fmt_seconds, fmt_spread, main_summary, stats_at
+from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 # Rows measured per repeat: median (min-max) when the trial repeated.
 SPREAD_ROWS = [
@@ -81,8 +81,7 @@ def rows(doc: dict) -> list[tuple[str, list[str]]]:
     out = []
     if any(a.get("capacity_rps") for a in arrs):
         out.append((f"capacity (req/s, >= {doc['slo'].get('attainment', 0.9):.0%} good)",
-                    [fmt_spread(a["capacity_rps"], lambda x: f"{x:.3f}", reps) if a.get("capacity_rps")
-                     else "-" for a in arrs]))
+                    [fmt_capacity(a, reps) for a in arrs]))
     stats = [stats_at(a, m) if m is not None else None for a in arrs]
     suffix = f", median (min-max) of {reps}" if reps > 1 else ""
     missing = ["failed" if a["error"] else "not run at this rate" for a in arrs]
@@ -156,47 +155,48 @@ def plots(doc: dict) -> dict[str, str]:
     m = equal_rate(doc)
     ran = [a for a in doc["arrangements"] if _main_requests(a, m)]
     out = {}
-    for key, title, values_of in (
-            ("ttft_cdf", "TTFT (s), CDF", lambda reqs: [r["token_times_s"][0] - r["sent_s"] for r in reqs
-                                                       if r["token_times_s"]]),
-            ("gap_cdf", "inter-token gap (s), CDF", lambda reqs: [g for r in reqs
-                                                                   for g in np.diff(r["token_times_s"])])):
+    if ran:  # a trial whose searches held nothing has no whole-plan run to draw
+        for key, title, values_of in (
+                ("ttft_cdf", "TTFT (s), CDF", lambda reqs: [r["token_times_s"][0] - r["sent_s"] for r in reqs
+                                                           if r["token_times_s"]]),
+                ("gap_cdf", "inter-token gap (s), CDF", lambda reqs: [g for r in reqs
+                                                                       for g in np.diff(r["token_times_s"])])):
+            fig, ax = plt.subplots(figsize=(6.5, 3.5))
+            for a in ran:
+                values = np.sort(values_of(_main_requests(a, m)))
+                if values.size:
+                    ax.plot(values, np.arange(1, values.size + 1) / values.size, label=a["name"])
+            ax.set_xscale("log")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            out[key] = _png(fig)
+        fig, axes = plt.subplots(len(ran), 1, figsize=(8, 2.2 * max(len(ran), 1)), sharex=True, squeeze=False)
+        long_classes = _long_classes(doc)
+        for ax, a in zip(axes[:, 0], ran):
+            for r in _main_requests(a, m):
+                times = r["token_times_s"]
+                if times:
+                    ax.plot([times[0], times[-1]], [r["index"]] * 2, color="0.8", lw=1)
+                for t0, t1 in zip(times, times[1:]):
+                    if t1 - t0 > doc["pause_threshold_s"]:
+                        ax.plot([t0, t1], [r["index"]] * 2, color="red", lw=2.5)
+            for p in doc["plan"]:
+                if p["class"] in long_classes:
+                    ax.axvline(p["send_at_s"] / m, color="tab:blue", alpha=0.35, lw=1)
+            ax.set_ylabel(a["name"], fontsize=8)
+        axes[-1, 0].set_xlabel(f"seconds (grey: streaming, red: pause > {doc['pause_threshold_s']} s, "
+                               f"blue: long-prompt arrival)")
+        out["pauses"] = _png(fig)
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for a in ran:
-            values = np.sort(values_of(_main_requests(a, m)))
-            if values.size:
-                ax.plot(values, np.arange(1, values.size + 1) / values.size, label=a["name"])
-        ax.set_xscale("log")
-        ax.set_title(title)
+            curve = main_summary(a, m)["attainment_vs_slo_scale"]
+            ax.plot([c["scale"] for c in curve], [c["attainment"] for c in curve], marker="o", label=a["name"])
+        ax.set_xlabel("SLO scale (x every deadline)")
+        ax.set_ylabel("attainment")
         ax.grid(alpha=0.3)
         ax.legend()
-        out[key] = _png(fig)
-    fig, axes = plt.subplots(len(ran), 1, figsize=(8, 2.2 * max(len(ran), 1)), sharex=True, squeeze=False)
-    long_classes = _long_classes(doc)
-    for ax, a in zip(axes[:, 0], ran):
-        for r in _main_requests(a, m):
-            times = r["token_times_s"]
-            if times:
-                ax.plot([times[0], times[-1]], [r["index"]] * 2, color="0.8", lw=1)
-            for t0, t1 in zip(times, times[1:]):
-                if t1 - t0 > doc["pause_threshold_s"]:
-                    ax.plot([t0, t1], [r["index"]] * 2, color="red", lw=2.5)
-        for p in doc["plan"]:
-            if p["class"] in long_classes:
-                ax.axvline(p["send_at_s"] / m, color="tab:blue", alpha=0.35, lw=1)
-        ax.set_ylabel(a["name"], fontsize=8)
-    axes[-1, 0].set_xlabel(f"seconds (grey: streaming, red: pause > {doc['pause_threshold_s']} s, "
-                           f"blue: long-prompt arrival)")
-    out["pauses"] = _png(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    for a in ran:
-        curve = main_summary(a, m)["attainment_vs_slo_scale"]
-        ax.plot([c["scale"] for c in curve], [c["attainment"] for c in curve], marker="o", label=a["name"])
-    ax.set_xlabel("SLO scale (x every deadline)")
-    ax.set_ylabel("attainment")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    out["attainment_vs_slo"] = _png(fig)
+        out["attainment_vs_slo"] = _png(fig)
     if doc["sweep"] or any(a.get("capacity") for a in doc["arrangements"]):
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for a in doc["arrangements"]:
@@ -204,6 +204,7 @@ def plots(doc: dict) -> dict[str, str]:
                          if r["summary"].get("offered_rate_rps") and r.get("purpose") != "tune")
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=a["name"])
+        ax.set_xscale("log")
         ax.set_xlabel("offered rate (req/s)")
         ax.set_ylabel("attainment")
         ax.grid(alpha=0.3)

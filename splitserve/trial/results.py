@@ -146,6 +146,17 @@ def fmt_seconds(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def fmt_capacity(arr_doc: dict, repeats: int) -> str:
+    """'0.912 req/s' (median and range over repeats), or 'none held (< 0.092)' when no rate passed."""
+    sp = arr_doc.get("capacity_rps")
+    if not sp:
+        return "-"
+    if not sp["max"]:
+        failed = [c["failed_rps"] for c in arr_doc.get("capacity", []) if c.get("failed_rps")]
+        return f"none held (< {min(failed):.3f} req/s)" if failed else "none held"
+    return fmt_spread(sp, lambda x: f"{x:.3f} req/s", repeats)
+
+
 def fmt_spread(sp: dict | None, fmt, repeats: int) -> str:
     """'0.91 req/s' for one run; '0.91 (0.85-0.95)' (median, min-max) over repeats."""
     if sp is None or sp["median"] is None:

@@ -32,7 +32,8 @@ from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, summarize
-from splitserve.trial.resources import check_equal, core_set, read_affinity, with_kv_split
+from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
+                                        with_kv_split)
 from splitserve.trial.tuning import tune_colocated
 from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
@@ -86,7 +87,9 @@ class Trial:
         self.out_dir = pathlib.Path(out_dir)
         self.progress = progress
         self.on_update = on_update        # after every run: results.json is written as it goes
-        self.resources = check_equal(spec)
+        check_equal(spec)
+        self.resources = {a.name: arrangement_resources(with_kv_split(a, spec.kv_cache_memory))
+                          for a in spec.arrangements}
         self.cpus = core_set(spec.cores)
         arrival_rng, self.content_rng = workload_streams(spec.seed)
         self.arrivals: list[Arrival] = generate_arrivals(spec.arrivals, arrival_rng)
@@ -228,8 +231,8 @@ class Trial:
                 held_nothing.append(arr.name)
                 self.calibration["note"] = (
                     f"{', '.join(held_nothing)} kept fewer than {self.spec.slo.attainment:.0%} of requests good at "
-                    f"every rate tried, down to x{lowest:.3g} of the nominal rate, so the next arrangement "
-                    f"calibrates the fixed rate")
+                    f"every rate tried, down to x{lowest:.3g} of the nominal rate; the fixed rate follows the "
+                    f"first arrangement that holds one")
                 return
             self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
             self.calibration["rate_multiplier"] = self.main_multiplier

@@ -58,7 +58,7 @@ def tune_colocated(trial) -> dict:
         if row["reused"] is None:
             tuned = dataclasses.replace(best, name="colocated-best", grid_point=False)
             trial.arrangements.insert(1, tuned)
-            trial.resources[tuned.name] = arrangement_resources(tuned)
+            trial.resources[tuned.name] = arrangement_resources(with_kv_split(tuned, spec.kv_cache_memory))
             tuning["joins_as"] = tuned.name
         else:
             tuning["joins_as"] = None  # the base already is the best setting found

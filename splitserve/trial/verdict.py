@@ -8,7 +8,7 @@ ranges (min-max over repeats) do not overlap; else "no clear difference".
 from __future__ import annotations
 
 from splitserve.trial.capacity import clear_winner
-from splitserve.trial.results import equal_rate, fmt_seconds, fmt_spread, main_summary, stats_at
+from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 SEPARATED, COLOCATED = "separated", "colocated"
 
@@ -49,7 +49,7 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
         return None
     reps = doc.get("repeat", 1)
     target = doc["slo"].get("attainment", 0.9)
-    listing = "; ".join(f"{a['name']} {fmt_spread(a['capacity_rps'], _rps, reps)}" for a in
+    listing = "; ".join(f"{a['name']} {fmt_capacity(a, reps)}" for a in
                         sorted(searched, key=lambda a: -(a["capacity_rps"]["median"] or 0)))
     spread_note = "; median, min-max over repeats" if reps > 1 else ""
     text = (f"Capacity within the SLOs (the highest rate at which at least {_pct(target)} of requests met "
