@@ -46,12 +46,14 @@ def test_a_yes_states_numbers_not_a_mechanism_it_did_not_measure():
     assert "streams interrupted by a pause 25% vs 0%" in v
 
 
-def capacity_doc(sep_caps, col_caps):
+def capacity_doc(sep_caps, col_caps, col_bracketed=True):
     doc = {"slo": {"attainment": 0.9}, "repeat": len(sep_caps), "capacity_precision": 0.1, "tuning": None,
            "arrangements": []}
     for name, kind, caps in (("1P1D", "separated", sep_caps), ("colocated-best", "colocated", col_caps)):
+        bracketed = col_bracketed or kind == "separated"
+        searches = [{"capacity_rps": c, "failed_rps": (c or 0.1) * 1.1 if bracketed else None} for c in caps]
         doc["arrangements"].append({"name": name, "kind": kind, "error": None, "runs": [],
-                                    "capacity_rps": spread(caps)})
+                                    "capacity": searches, "capacity_rps": spread(caps)})
     return doc
 
 
@@ -84,3 +86,10 @@ def test_repeats_rotate_the_order():
 def test_when_nothing_held_any_rate_there_is_no_verdict_on_separation():
     v = verdict(capacity_doc([None], [None]))
     assert "No arrangement held any rate tried within the SLOs" in v and "Separate prefill" not in v
+
+
+def test_a_loser_whose_search_never_failed_is_no_verdict_yet():
+    # colocated held every rate it tried (a lower bound): 1P1D's higher number proves nothing
+    v = verdict(capacity_doc([1.5], [0.5], col_bracketed=False))
+    assert "no clear difference yet" in v and "colocated-best held every rate its search tried" in v
+    assert "a lower bound" in v

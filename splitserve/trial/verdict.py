@@ -70,6 +70,11 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
     ratio = f"{s['median'] / c['median']:.2f}x" if c["median"] else "more than any colocated setting held"
     resolution = doc.get("capacity_precision", 0.1) if reps <= 1 else 0.0
     winner = clear_winner(s, c, resolution)
+    loser = {1: col, -1: sep}.get(winner)
+    if loser is not None and loser["name"] in open_ended:
+        # a lower bound that lost may be higher still: no verdict until its search finds a failing rate
+        return text, (f" Separate prefill: no clear difference yet. {loser['name']} held every rate its search "
+                      f"tried, so its capacity may exceed the other's; raise capacity.max_probes or budget_s.")
     if winner > 0:
         answer = (f" Separate prefill: yes. {sep['name']} holds {fmt_spread(s, _rps, reps)} within the SLOs, the "
                   f"best colocated ({col['name']}) {fmt_spread(c, _rps, reps)}: {ratio}.")
@@ -153,8 +158,10 @@ def _tuned(doc: dict) -> str:
     if not tuning or not tuning.get("best"):
         return ""
     tried = ", ".join(f"{p['name']} {_pct(p['attainment'])}" for p in tuning["points"] if p["attainment"] is not None)
-    return (f" colocated-best is {tuning['best']}, the best of the colocated settings tried at the fixed rate "
-            f"({tried}).")
+    joined = (f"it joined the trial as {tuning['joins_as']}" if tuning.get("joins_as") else
+              f"that is {tuning['base']} itself")
+    return (f" Colocated settings tried at x{tuning['rate_multiplier']:.3g} of the nominal rate (the reference's "
+            f"capacity), share of requests good: {tried}; the best is {tuning['best']}, and {joined}.")
 
 
 def _warnings(doc: dict) -> str:
