@@ -126,8 +126,10 @@ class TrialSpec:
 
     @property
     def cores(self) -> int | None:
-        """The cores every arrangement uses (checked equal when the spec is read)."""
-        return next((a.cores for a in self.arrangements if a.cores is not None), None)
+        """The cores every arrangement uses (instances x threads, or `cores`; checked equal when read)."""
+        from splitserve.trial.resources import arrangement_resources  # it reads Arrangement from here
+
+        return next((c for c in (arrangement_resources(a).cores for a in self.arrangements) if c), None)
 
 def load_spec(path: str | pathlib.Path) -> TrialSpec:
     path = pathlib.Path(path)
