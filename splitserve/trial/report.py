@@ -122,6 +122,10 @@ def table(doc: dict) -> Table:
 def print_summary(doc: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(doc))
+    if doc.get("cpus") is not None:
+        console.print(f"Cores {doc['cpus']}: {doc['placement']}. KV cache {doc['kv_cache_memory_total']} per "
+                      f"arrangement, split between its instances. Order per repeat: {doc['order']}.",
+                      markup=False, highlight=False)
     console.print(doc["verdict"])
 
 
