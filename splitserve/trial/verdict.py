@@ -34,7 +34,7 @@ def verdict(doc: dict) -> str:
         note = f" Calibration: {cal['note']}." + note
     if capacity is not None:
         text, answer = capacity
-        return text + answer + (" " + fixed + fixed_answer if fixed else "") + _tuned(doc) + note
+        return text + answer + (" " + fixed + fixed_answer if fixed else "") + _tuned(doc) + _warnings(doc) + note
     return fixed + fixed_answer + _tuned(doc) + _warnings(doc) + note
 
 
