@@ -31,6 +31,7 @@ from splitserve.trial.budget import SEARCH_SHARE, Budget
 from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
+from splitserve.trial.method import CapacitySpec
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, summarize
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
@@ -204,7 +205,7 @@ class Trial:
 
     def _search(self, endpoint: Endpoint, arr: Arrangement, result: ArrangementResult, repeat: int,
                 calibrating: bool, budget: float | None) -> None:
-        cap_spec = self.spec.capacity or _default_capacity()
+        cap_spec = self.spec.capacity or CapacitySpec()
         rel = self.spec.arrivals.relative_rate
         if self.main_multiplier is None or rel is None:
             start = 1.0
@@ -341,10 +342,4 @@ def check_named(spec: TrialSpec) -> None:
     if spec.tune is not None and spec.tune.base not in names:
         raise SpecError(f"tune.base: {spec.tune.base!r} is not among the arrangements run ({names}); "
                         "keep it in --only")
-
-
-def _default_capacity():
-    from splitserve.trial.method import CapacitySpec
-
-    return CapacitySpec()
 
