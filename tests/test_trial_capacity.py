@@ -122,9 +122,10 @@ def test_the_budget_shares_time_between_launches_and_sizes_the_fixed_run_from_th
     budget.spent(2.0)
     assert budget.share() == pytest.approx(350.0 / 2)
     # 30% of a 100 s share at 0.5 req/s holds 15 requests (+1: the first goes at 0); a machine twice
-    # as slow measures half the rate and replays about half as many, never fewer than 12
+    # as slow measures half the rate and replays about half as many, never fewer than 8
     assert Budget.fixed_requests(100.0, 0.5, 54) == 16
-    assert Budget.fixed_requests(100.0, 0.25, 54) == 12
+    assert Budget.fixed_requests(100.0, 0.25, 54) == 8
+    assert Budget.fixed_requests(100.0, 0.1, 54) == 8
     assert Budget.fixed_requests(1000.0, 0.5, 54) == 54 and Budget.fixed_requests(None, 0.5, 54) == 54
 
 

@@ -14,7 +14,7 @@ import time
 
 SEARCH_SHARE = 0.6
 FIXED_SHARE = 0.3
-MIN_FIXED_REQUESTS = 12
+MIN_FIXED_REQUESTS = 8  # fewer says little; the headline is the capacity search anyway
 
 
 class Budget:
