@@ -82,6 +82,7 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     for r in range(repeat):
         lines.append(f"repeat {r + 1}: {' -> '.join(rotation(names, r))}")
     replays = len(names) * repeat * (1 + (len(spec.sweep.rate_multipliers) if sweep and spec.sweep else 0))
-    lines.append(f"fixed-rate replays: {replays}, each {b['span_s']:.0f} s of arrivals at the spec's rate "
-                 f"(scaled with the rate) plus the time the last answers take")
+    cut = " (or fewer requests: the budget's share at the calibrated rate)" if spec.capacity and spec.capacity.budget_s else ""
+    lines.append(f"fixed-rate replays: {replays}, each up to {len(plan)} requests{cut}, over {b['span_s']:.0f} s at "
+                 f"the nominal rate, scaled with the rate, plus the time the last answers take")
     return "\n".join(lines)
