@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 
 from splitserve.trial.arrivals import burstiness_stats, generate_arrivals
-from splitserve.trial.method import grid_arrangements
+from splitserve.trial.method import CapacitySpec, grid_arrangements
 from splitserve.trial.resources import check_equal, core_set, with_kv_split, arrangement_resources
 from splitserve.trial.results import arrangement_kind
 from splitserve.trial.runner import check_named, rotation
@@ -71,18 +71,17 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
         arrangements.insert(1, replace(base, name="colocated-best"))
     search = capacity or spec.capacity is not None
     if search:
-        cap = spec.capacity
-        probe_requests = cap.probe_requests if cap else 24
-        lines.append(f"capacity search per arrangement and repeat: probes of the plan's first {probe_requests} "
-                     f"requests, grow x{cap.grow if cap else 2.0:g} then bisect to {cap.precision if cap else 0.1:.0%}, "
-                     f"at most {cap.max_probes if cap else 8} probes"
+        cap = spec.capacity or CapacitySpec()
+        lines.append(f"capacity search per arrangement and repeat: probes of the plan's first {cap.probe_requests} "
+                     f"requests, grow x{cap.grow:g} then bisect to {cap.precision:.0%}, at most {cap.max_probes} probes"
                      + (f"; {cap.budget_s:.0f} s of replay per repeat shared by every launch, the fixed-rate "
-                        f"run cut to what fits at the calibrated rate" if cap and cap.budget_s else ""))
+                        f"run cut to what fits at the calibrated rate" if cap.budget_s else ""))
     names = [a.name for a in arrangements]
     for r in range(repeat):
         lines.append(f"repeat {r + 1}: {' -> '.join(rotation(names, r))}")
     replays = len(names) * repeat * (1 + (len(spec.sweep.rate_multipliers) if sweep and spec.sweep else 0))
-    cut = " (or fewer requests: the budget's share at the calibrated rate)" if spec.capacity and spec.capacity.budget_s else ""
+    budgeted = spec.capacity is not None and spec.capacity.budget_s is not None
+    cut = " (or fewer requests: the budget's share at the calibrated rate)" if budgeted else ""
     lines.append(f"fixed-rate replays: {replays}, each up to {len(plan)} requests{cut}, over {b['span_s']:.0f} s at "
                  f"the nominal rate, scaled with the rate, plus the time the last answers take")
     return "\n".join(lines)

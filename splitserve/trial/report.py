@@ -42,7 +42,8 @@ ROWS = [
     ("streams interrupted", lambda s: f"{s['interrupted_share']:.0%}"),
     ("time stalled (total)", lambda s: f"{s['stalled_s_total']:.1f} s"),
     ("failures (terminal)", lambda s: ", ".join(f"{k} {v}" for k, v in s["failures"].items() if v) or "none"),
-    ("recovered: retried / KV recomputed", lambda s: f"{s['recovered']['retried']} / {s['recovered']['kv_recomputed']}"),
+    ("recovered: retried / KV recomputed",
+     lambda s: f"{s['recovered']['retried']} / {s['recovered']['kv_recomputed']}"),
     ("timing", lambda s: "per token" if s.get("token_timing") == "token" else
                          "per chunk (the server sent no token ids)"),
     ("faults: lost / failed after / recovery", lambda s: fault_cell(s.get("faults"))),
