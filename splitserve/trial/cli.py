@@ -8,6 +8,7 @@ short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
@@ -25,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the spec and print the plan (requests, arrivals, arrangements, "
                              "cores, threads, KV memory) without starting anything")
+    parser.add_argument("--plan", default=None, metavar="PROFILE_OR_PLAN",
+                        help="a profile.json or plan.json: put the planner's prediction beside what was measured")
     parser.add_argument("--out", default=None, help="output folder (default: trial-results/<name>-<time>)")
     parser.add_argument("--only", action="append", default=None, metavar="NAME",
                         help="run only this arrangement (repeatable)")
@@ -71,8 +74,13 @@ def run(args: argparse.Namespace) -> int:
             done = [t.results[a.name] for a in t.arrangements if a.name in t.results]
             write_json(results_document(spec, t.plan, done, args.sweep, t), out_dir / "results.json")
 
+        profile = None
+        if args.plan:
+            from splitserve.control.compare import profile_of
+
+            profile = profile_of(json.loads(pathlib.Path(args.plan).read_text()), args.plan)
         trial = Trial(spec, out_dir, progress=_progress_factory(console), on_update=save)
-    except (SpecError, ValueError, OSError) as exc:
+    except (SpecError, ValueError, OSError) as exc:  # ProfileError and JSONDecodeError are ValueErrors
         print(f"splitserve trial: {exc}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,8 +101,24 @@ def run(args: argparse.Namespace) -> int:
     write_json(doc, out_dir / "results.json")
     write_html(doc, out_dir / "report.html")
     print_summary(doc, console)
+    if profile is not None:
+        _predicted_beside_measured(profile, doc, spec, out_dir, console)
     console.print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}")
     return 0 if any(r.runs for r in results) else 1
+
+
+def _predicted_beside_measured(profile, doc: dict, spec, out_dir: pathlib.Path, console) -> None:
+    """The planner re-simulates the trial's exact plan; a failure here never loses the results."""
+    from splitserve.control.compare import compare_results, render
+    from splitserve.trial.report import write_json
+
+    try:
+        comparison = compare_results(profile, doc, spec.slo.attainment)
+    except (ValueError, KeyError) as exc:
+        console.print(f"predicted vs measured: not computed ({exc})")
+        return
+    write_json(comparison, out_dir / "predicted_vs_measured.json")
+    console.print(render(comparison))
 
 
 def _progress_factory(console):
