@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit integer, lower first
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -98,6 +100,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     prefill_policy: str = "chunked"
+    scheduling_policy: str = "fcfs"  # priority: lower `priority` first, then arrival (as vLLM)
     role: str = "colocated"
 
     def __post_init__(self) -> None:
@@ -109,6 +112,9 @@ class SchedulerConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}, "
                              f"got {self.prefill_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
