@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.config import EngineConfig, ModelConfig
+from splitserve.config import PRIORITY_BOUNDS, EngineConfig, ModelConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_handover import DecodeIntake, PrefillHandover, allocate_pool
 from splitserve.engine.model_runner import ModelRunner
@@ -104,7 +104,7 @@ class EngineCore:
                 f"{bm.num_blocks}; raise kv_cache_memory or shorten the request")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_descriptor=None, first_token_ids: list[int] | None = None) -> None:
+                    kv_descriptor=None, first_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """kv_descriptor (decode role): the prompt's KV waits on a prefill instance, which already
         produced first_token_ids; this instance pulls the KV and continues from there."""
         if not isinstance(params, SamplingParams):
@@ -115,7 +115,10 @@ class EngineCore:
             raise ValueError("a KV descriptor can only go to a decode-role instance, with the first token")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(),
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
+            raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, got {priority!r}")
+        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
         if params.seed is not None:
