@@ -109,20 +109,20 @@ def classes_html(doc: dict) -> str:
         f"<td>{'-' if r['capacity_rps'] is None else format(r['capacity_rps'], '.3f')}</td>"
         f"<td>{num(r['good_per_cost'], '{:.0f}')}</td></tr>" for r in rows)
     slos = "".join(
-        f"<li>{html.escape(name)}: {_slo_text(c['slo'])}{_patience_text(c)}</li>" for name, c in doc["classes"].items())
+        f"<li>{html.escape(name)}: {slo_text(c['slo'])}{patience_text(c)}</li>" for name, c in doc["classes"].items())
     return (f"<h2>Service classes</h2><ul>{slos}</ul><table><tr><th>class</th><th>arrangement</th><th>good</th>"
             "<th>goodput req/s</th><th>abandoned</th><th>class capacity req/s (mix rate)</th>"
             f"<th>good per cost-hour</th></tr>{body}</table>")
 
 
-def _slo_text(slo: dict) -> str:
+def slo_text(slo: dict) -> str:
     parts = [f"{label} &le; {slo[key]} s" for key, label in
              (("ttft_s", "TTFT"), ("gap_s", f"p{slo['gap_percentile']:g} gap"), ("max_pause_s", "longest pause"),
               ("e2e_s", "end-to-end")) if slo.get(key) is not None]
     return ", ".join(parts)
 
 
-def _patience_text(cls: dict) -> str:
+def patience_text(cls: dict) -> str:
     out = ""
     if cls.get("patience"):
         p = cls["patience"]
