@@ -105,6 +105,8 @@ class OpenAIServing:
         try:
             return self.client.submit(request_id, token_ids, params, stop)
         except NoInstanceAvailable as e:
+            if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
+                raise ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s) from None
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
                            retry_after_s=e.retry_after_s) from None
         except ValueError as e:
