@@ -56,6 +56,10 @@ def test_role_change_mid_stream_keeps_greedy_tokens_and_returns_every_block(tiny
             again = await cluster.generate(prompt_of(21, 1), 40)
             assert again["tokens"] == reference[1] and again["event"].kv_transfer["outcome"] == "ok"
             await cluster.wait_idle()
+            views = {v.instance_id: v for v in cluster.client.load_view()}  # what a mix controller reads
+            assert {i: (v.role, v.alive, v.changing_role) for i, v in views.items()} == {
+                "prefill-0": ("prefill", True, False), "decode-0": ("decode", True, False)}
+            assert all(v.step_seconds > 0 and v.num_requests == 0 and v.num_kv_tokens_used == 0 for v in views.values())
             metrics = cluster.client.metrics.render().decode()
             assert 'splitserve_role_changes_total{from_role="prefill",to_role="colocated"} 1.0' in metrics
             assert cluster.engines["prefill-0"].core.num_role_changes == 2
@@ -111,8 +115,26 @@ def test_when_the_only_decode_instance_dies_a_survivor_takes_over_and_streams_re
     asyncio.run(go())
 
 
+def test_when_the_only_prefill_instance_dies_the_decode_one_serves_colocated(tiny, reference):
+    async def go():
+        async with Cluster(tiny, PD, heartbeat_timeout_s=0.6) as cluster:
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
+                       for s in range(6)]
+            await asyncio.sleep(0)  # sent: some will be queued on the prefill instance when it dies
+            killed_at = time.monotonic()
+            cluster.kill("prefill-0")
+            while roles_of(cluster) != {"decode-0": "colocated"}:
+                await asyncio.sleep(0.02)
+            assert time.monotonic() - killed_at < 2.0
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
+            assert (await cluster.generate(prompt_of(22, 2), 40))["tokens"] == reference[2]
+            await cluster.wait_idle()
+    asyncio.run(go())
+
+
 def test_randomized_role_changes_and_aborts_leave_nothing_behind(tiny):
-    """The issue asks for 1,000 requests; 300 keep this under a minute on a shared 2-core box."""
+    """The issue's 1,000 requests, arriving over 6 s, with role flips and client aborts among them."""
     rng = random.Random(11)
     segments_before = shm_segments()
     roles = {"e0": "prefill", "e1": "decode", "e2": "colocated"}
@@ -120,15 +142,15 @@ def test_randomized_role_changes_and_aborts_leave_nothing_behind(tiny):
     async def go():
         async with Cluster(tiny, roles, max_num_seqs=8) as cluster:
             async def one(i: int) -> dict:
-                await asyncio.sleep(rng.random() * 3)
+                await asyncio.sleep(rng.random() * 6)
                 abort = rng.randrange(1, 12) if rng.random() < 0.3 else None
                 return await cluster.generate(prompt_of(rng.randrange(5, 60), i), rng.randrange(1, 12),
                                               request_id=f"q{i % 7}", abort_after=abort)
 
             async def flip_roles() -> int:
                 changes = 0
-                for _ in range(12):
-                    await asyncio.sleep(rng.random() * 0.4)
+                for _ in range(20):
+                    await asyncio.sleep(rng.random() * 0.5)
                     try:
                         await cluster.client.change_role(rng.choice(list(roles)),
                                                          rng.choice(["prefill", "decode", "colocated"]))
@@ -138,7 +160,7 @@ def test_randomized_role_changes_and_aborts_leave_nothing_behind(tiny):
                 return changes
 
             flipper = asyncio.create_task(flip_roles())
-            results = await asyncio.gather(*(one(i) for i in range(300)))
+            results = await asyncio.gather(*(one(i) for i in range(1000)))
             changes = await flipper
             assert changes >= 3
             errors = [r for r in results if r["finish"] == "error"]

@@ -85,7 +85,7 @@ class Dispatcher:
             self.parked.append(state)
             return
         self.router.on_start(plan, routable)
-        state.request_id = request_id
+        state.request_id, state.sent_prompt, state.sent_params = request_id, prompt, wire
         self._set_plan(state, plan)
         self.requests[request_id] = state
         self.link.send_encoded(state.instance_id, payload)
@@ -137,11 +137,11 @@ class Dispatcher:
         by recomputing prompt + first token wherever the router sends it now."""
         prefill_id = state.instance_id
         self.router.on_finish(prefill_id, state.request_id)
-        if not self.router.accepts(state.decode_instance_id, "decode") and state.decode_instance_id is not None:
+        if not self.router.plays(state.decode_instance_id, "decode"):
             self._redispatch(state, f"decode instance {state.decode_instance_id} can no longer take it")
             return
         state.instance_id = state.decode_instance_id
-        self.link.send(state.instance_id, GenerateRequest(state.request_id, state.prompt_token_ids, state.wire_params,
+        self.link.send(state.instance_id, GenerateRequest(state.request_id, state.sent_prompt, state.sent_params,
                                                           out.kv_descriptor, list(out.new_token_ids)))
 
     def _redispatch(self, state: RequestState, why: str) -> None:
@@ -207,8 +207,8 @@ class Dispatcher:
             self.roles.on_dead(engine_id)  # a survivor may take over a role no one plays now
         for request_id in lost:
             state = self.requests.get(request_id)
-            if state is None:
-                continue
+            if state is None or state.instance_id != engine_id:
+                continue  # it was only planned there (a decode instance to be): _hand_over re-routes
             if state.num_retries + state.num_resumes >= self.retry_on_engine_failure:
                 self._end(state, "error", f"engine instance {engine_id} died ({why}) while serving this request")
                 continue

@@ -99,10 +99,10 @@ class Router:
         """instance -> role, of the live instances that are not being drained."""
         return {x.instance_id: x.role for x in self.instances.values() if x.alive and not x.draining}
 
-    def accepts(self, instance_id: str | None, role: str) -> bool:
+    def plays(self, instance_id: str | None, role: str) -> bool:
+        """Alive and serving as `role` now (for a request it already admitted: no capacity check)."""
         load = self.instances.get(instance_id)
-        return (load is not None and load.alive and not load.draining and not load.changing_role
-                and load.role == role and load.num_requests < load.max_requests)
+        return load is not None and load.alive and not load.changing_role and load.role == role
 
     def remove(self, instance_id: str) -> None:
         self.instances.pop(instance_id, None)
