@@ -207,7 +207,10 @@ class EngineProcess:
                 rejected.append(out)
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
-                self.core.abort_request(request_id)
+                try:
+                    self.core.abort_request(request_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("engine %s: aborting request %s failed", self.engine_id, request_id)
         elif isinstance(message, SetRole):
             self._set_role(message.role)
         elif isinstance(message, Shutdown):

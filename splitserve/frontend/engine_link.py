@@ -214,8 +214,12 @@ class EngineLink:
                     self.send(engine_id, Shutdown("removed from rotation"))
                     continue
                 self._rejoin(engine_id, inst)
-            if not isinstance(message, Heartbeat):
+            if isinstance(message, Heartbeat):
+                continue
+            try:
                 self.listener.on_message(engine_id, message)
+            except Exception:  # noqa: BLE001 - one bad message must not lose the rest of the batch
+                log.exception("handling a %s from engine %s failed", type(message).__name__, engine_id)
 
     def _on_hello(self, hello: EngineHello) -> None:
         why = check_hello(hello)
