@@ -60,7 +60,7 @@ def to_wire(o) -> TokenOutput:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments an engine needs; `serve` shares them and forwards them to its engines."""
+    """Arguments an engine needs; `serve` shares them and builds each engine's EngineConfig from them."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine (serve's default: its cores / engines)")

@@ -82,13 +82,16 @@ class Dispatcher:
             if self.roles is None or not self.roles.changing():
                 raise
             state.request_id, state.instance_id = request_id, None
+            state.prefill_instance_id = state.decode_instance_id = None
             self.parked.append(state)
             return
+        self.link.send_encoded(plan.prefill_instance_id or plan.instance_id, payload)
+        # Only now, with the request on its way (and no await in between: no output can come
+        # before), does it take an admission slot.
         self.router.on_start(plan, routable)
         state.request_id, state.sent_prompt, state.sent_params = request_id, prompt, wire
         self._set_plan(state, plan)
         self.requests[request_id] = state
-        self.link.send_encoded(state.instance_id, payload)
 
     @staticmethod
     def _set_plan(state: RequestState, plan: RoutePlan) -> None:
@@ -209,6 +212,9 @@ class Dispatcher:
             state = self.requests.get(request_id)
             if state is None or state.instance_id != engine_id:
                 continue  # it was only planned there (a decode instance to be): _hand_over re-routes
+            if state.num_completion_tokens >= state.wire_params.max_tokens:
+                self._end(state, "length")  # its last token arrived; only the finish was lost
+                continue
             if state.num_retries + state.num_resumes >= self.retry_on_engine_failure:
                 self._end(state, "error", f"engine instance {engine_id} died ({why}) while serving this request")
                 continue
