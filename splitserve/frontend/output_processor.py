@@ -52,8 +52,10 @@ class OutputProcessor:
         event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens, state.num_completion_tokens,
                                 finished, reason if finished else None, out.error, out.rejected, kv_report,
                                 state.num_retries + state.num_resumes, list(out.new_token_ids))
-        engine_done = out.finished and not (out.finish_reason == "prefill_done") and out.finish_reason != "error"
-        return Processed(event, handed_over, engine_done and reason == out.finish_reason)
+        # Ended by the engine for good (not handed over, not an error a prefill instance may hold
+        # KV through, not a stop string the engine has not seen): nothing to abort anywhere.
+        engine_done = out.finished and out.finish_reason not in ("prefill_done", "error") and reason == out.finish_reason
+        return Processed(event, handed_over, engine_done)
 
     def finish_event(self, state: RequestState, reason: str, error: str | None = None) -> GenerationEvent:
         """The last event of a request ended by the frontend (abort, a dead engine, no instance)."""
