@@ -94,6 +94,12 @@ HOSTILE_BODIES = {
     "stream as string": ("{" + MSG + ', "stream": "yes"}').encode(),
     "many stop strings": ("{" + MSG + ', "stop": ' + json.dumps(["s"] * 1000) + "}").encode(),
     "top_k huge negative": ("{" + MSG + ', "top_k": -1000000}').encode(),
+    "top_k past int64": ("{" + MSG + ', "top_k": 1000000000000000000000000000000}').encode(),
+    "min_tokens past int64": ("{" + MSG + ', "min_tokens": 1000000000000000000000000000000}').encode(),
+    "n past int64": ("{" + MSG + ', "n": 1000000000000000000000000000000}').encode(),
+    "stop_token_ids past uint64": ("{" + MSG + ', "stop_token_ids": [100000000000000000000000]}').encode(),
+    "top_logprobs huge": ("{" + MSG + ', "top_logprobs": 1000000000000000000000}').encode(),
+    "presence_penalty huge": ("{" + MSG + ', "presence_penalty": 1e308}').encode(),
     "duplicate keys": ("{" + MSG + ", " + MSG + ', "max_tokens": 1, "max_tokens": -1}').encode(),
     "trailing garbage": ("{" + MSG + "} {}").encode(),
 }

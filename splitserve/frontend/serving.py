@@ -64,6 +64,10 @@ class OpenAIServing:
             raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
         if body.logprobs not in (None, False, 0):
             raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if body.top_logprobs:
+            raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+        stop_token_ids = list(body.stop_token_ids or [])
+        self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
         if num_prompt == 0:
             raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
@@ -79,7 +83,7 @@ class OpenAIServing:
                            param="min_tokens")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
-                              ignore_eos=body.ignore_eos)
+                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
 
     def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
