@@ -142,6 +142,28 @@ def test_prompt_of_most_of_a_megabyte_is_400_too_long_never_a_hang(server):
     assert_still_serving(server)
 
 
+def test_a_burst_of_megabyte_prompts_does_not_stall_the_event_loop(server):
+    # Each prompt takes ~0.6 s to tokenize; on the event loop six of them held it for seconds,
+    # long enough for the watchdog to declare the (healthy) engine dead.
+    import concurrent.futures
+    prompt = "lorem ipsum dolor " * 50_000
+    body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        burst = [pool.submit(post, server, TEXT_URL, body) for _ in range(6)]
+        slowest, alive = 0.0, []
+        while not all(f.done() for f in burst):
+            start = time.monotonic()
+            r = httpx.get(server.base_url + "/health", timeout=30)
+            slowest = max(slowest, time.monotonic() - start)
+            alive.append(r.json()["instances_alive"])
+            time.sleep(0.05)
+        for f in burst:
+            assert_json_client_error(f.result(), 400)
+    assert slowest < 1.5, f"/health took {slowest:.2f} s while prompts were tokenized"
+    assert min(alive) == 1, alive
+    assert_still_serving(server)
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x", "application/xml"])
 def test_wrong_content_type_is_415(server, content_type):

@@ -5,12 +5,19 @@
 
 Everything a user can get wrong is caught here, before the request reaches an engine:
 model name, n, prompt length against the context and the KV cache, token ids, ranges.
+
+Rendering and tokenizing run on a small thread pool, never on the event loop: a megabyte
+prompt takes most of a second to tokenize, and a burst of them on the loop once starved the
+engine watchdog until it declared healthy engines dead (vLLM moved tokenization to threads
+for the same reason). The Rust tokenizer releases the GIL while it works.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,8 +41,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, renderer: Renderer) -> None:
+    def __init__(self, client: EngineClient, renderer: Renderer, render_threads: int | None = None) -> None:
         self.client, self.renderer = client, renderer
+        self._render_pool = ThreadPoolExecutor(render_threads or min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="render")
+
+    async def off_loop(self, fn, *args):
+        """Run a CPU-heavy render/tokenize step on the render pool; the loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+
+    def close(self) -> None:
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks shared by every endpoint ------------------------------------------------
 
@@ -85,15 +101,22 @@ class OpenAIServing:
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
 
-    def render_chat(self, body) -> tuple[str, list[int]]:
+    async def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
         try:
-            rendered = self.renderer.render_chat(messages, body.add_generation_prompt, body.tools)
+            rendered = await self.off_loop(self.renderer.render_chat, messages, body.add_generation_prompt,
+                                           body.tools)
         except RenderError as e:
             raise ApiError(400, str(e), param=e.param) from None
         return rendered.text, rendered.token_ids
 
-    def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(self.renderer.tokenize, text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.off_loop(self.renderer.detokenize, token_ids)
+
+    async def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -101,7 +124,7 @@ class OpenAIServing:
                                     f"send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.renderer.tokenize(prompt)
+            return await self.tokenize(prompt)
         self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
@@ -118,7 +141,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
-        _, token_ids = self.render_chat(body)
+        _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
@@ -131,7 +154,7 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        token_ids = self.completion_prompt_ids(body)
+        token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
