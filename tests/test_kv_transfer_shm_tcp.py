@@ -161,20 +161,20 @@ def test_stopped_prefill_instance_is_a_network_failure():
 
 
 def test_shm_segment_is_removed_on_close_and_attach_checks_the_shape(tmp_path):
-    shape = pool_shape(2, 4)
-    kv, handle = allocate_kv_pool(shape, torch.float32, "splitserve-kv-test", shm_dir=tmp_path)
+    shape, name = pool_shape(2, 4), segment_name("test")  # attach accepts only names of this form
+    kv, handle = allocate_kv_pool(shape, torch.float32, name, shm_dir=tmp_path)
     kv.fill_(3.0)
     with pytest.raises(ValueError, match="already exists"):
-        allocate_kv_pool(shape, torch.float32, "splitserve-kv-test", shm_dir=tmp_path)
-    seen, reader = attach_kv_pool("splitserve-kv-test", shape, torch.float32, shm_dir=tmp_path)
+        allocate_kv_pool(shape, torch.float32, name, shm_dir=tmp_path)
+    seen, reader = attach_kv_pool(name, shape, torch.float32, shm_dir=tmp_path)
     assert torch.equal(seen, kv)
     with pytest.raises(ValueError, match="disagree on the pool"):
-        attach_kv_pool("splitserve-kv-test", pool_shape(3, 4), torch.float32, shm_dir=tmp_path)
+        attach_kv_pool(name, pool_shape(3, 4), torch.float32, shm_dir=tmp_path)
     reader.close()
     handle.close()
-    assert not (tmp_path / "splitserve-kv-test").exists()
+    assert not (tmp_path / name).exists()
     with pytest.raises(ValueError, match="no shared-memory segment"):
-        attach_kv_pool("splitserve-kv-test", shape, torch.float32, shm_dir=tmp_path)
+        attach_kv_pool(name, shape, torch.float32, shm_dir=tmp_path)
 
 
 def test_cleanup_removes_segments_of_dead_owners_only(tmp_path):
