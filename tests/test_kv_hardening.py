@@ -186,3 +186,30 @@ def test_a_hung_prefill_instance_does_not_hold_up_transfers_from_a_healthy_one()
         receiver.close()
         server.close()
         hung_listener.close()
+
+
+@pytest.mark.parametrize("change", [
+    {"num_blocks": 10**9}, {"num_blocks": 3}, {"num_tokens": 0}, {"num_tokens": -5},
+    {"source.kv_shape": (2, 2, 2, 8, 4)}, {"source.kv_shape": (2, 2, 2, 8, 4, 16)},
+    {"source.kv_shape": (2, 2, 2, 0, 4, 8)}, {"source.dtype": "float16"}, {"source.transport": "shm"},
+    {"source.port": 0}, {"source.port": 70000}, {"source.host": ""}, {"access_token": b"x" * 1000},
+])
+def test_a_malformed_descriptor_fails_its_transfer_before_any_block_or_socket(change):
+    import msgspec
+
+    sender, server = start_prefill()
+    allocated = []
+    config = KVTransferConfig(transport="tcp")
+    receiver = KVReceiver(config, torch.zeros(pool_shape(2, 8)), make_transport(config),
+                          lambda rid, n: allocated.append(n), lambda rid, ids: None)
+    try:
+        good = sender.register("r", [1, 2], 2 * BLOCK_SIZE)
+        fields = {k: v for k, v in change.items() if not k.startswith("source.")}
+        source = msgspec.structs.replace(good.source, **{k[7:]: v for k, v in change.items() if k.startswith("source.")})
+        receiver.add(msgspec.structs.replace(good, source=source, **fields))
+        [record] = poll_until_ended(receiver)
+        assert record.outcome is TransferOutcome.FAILED and record.error_kind == "bad_descriptor", record
+        assert allocated == [] and sender.stats().num_held == 1  # nothing allocated, nobody dialled
+    finally:
+        receiver.close()
+        server.close()

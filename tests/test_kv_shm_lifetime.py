@@ -91,7 +91,7 @@ def test_a_descriptor_with_a_hostile_segment_name_fails_cleanly():
     try:
         receiver.add(TransferDescriptor(source, "r", BLOCK_SIZE, 1))
         [record] = poll_until_ended(receiver)
-        assert record.outcome is TransferOutcome.FAILED and "segment name" in record.error
+        assert record.outcome is TransferOutcome.FAILED and "segment name" in record.error, record
         assert blocks.num_used == 0
     finally:
         receiver.close()

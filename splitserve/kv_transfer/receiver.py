@@ -35,7 +35,7 @@ import torch
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import TransferDescriptor, TransferOutcome, TransferRecord
 from splitserve.kv_transfer.transport import (FaultInjector, InjectedFault, KVTransport,
-                                              TransferCancelled, TransferError)
+                                              TransferCancelled, TransferError, descriptor_problem)
 
 
 
@@ -100,7 +100,13 @@ class KVReceiver:
             raise ValueError(f"a transfer for request {request_id!r} is already in progress")
         record = TransferRecord(request_id, descriptor.source.instance_id, self.transport.name,
                                 queued_at=self._clock())
-        self._pending[request_id] = _Transfer(descriptor, record)
+        transfer = _Transfer(descriptor, record)
+        problem = descriptor_problem(descriptor, self.kv, self.transport.name)
+        if problem is not None:  # ends at the next poll like any failure: the failure policy applies
+            self._end(transfer, TransferOutcome.FAILED, f"bad KV descriptor: {problem}", kind="bad_descriptor")
+            self._ended.append(record)
+            return
+        self._pending[request_id] = transfer
 
     def abort(self, request_id: str) -> bool:
         if (transfer := self._pending.pop(request_id, None)) is not None:
