@@ -71,3 +71,24 @@ def test_stop_token_ids_are_bounded_in_count_and_value(field):
         ChatCompletionRequest.model_validate({"messages": MSG, field: [2**63]})
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": MSG, field: list(range(1000))})
+
+
+@pytest.mark.parametrize("schema,base", [(ChatCompletionRequest, {"messages": MSG}),
+                                         (CompletionRequest, {"prompt": "x"})])
+def test_the_extreme_values_the_schema_accepts_can_be_sampled(schema, base):
+    # found by bench/fuzz.py: top_p=5e-324 passed every check, became 0 in float32 and the
+    # sampler's multinomial raised, killing the engine
+    import torch
+    from types import SimpleNamespace
+
+    from splitserve.engine.sampler import sample
+
+    logits = torch.randn(2, 50)
+    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens"):
+        low, high = numeric_bounds(schema)[name]
+        for value in (low, high):
+            body = schema.model_validate({**base, name: value, "max_tokens": 5})
+            params = SamplingParams(max_tokens=5, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    seed=body.seed, min_tokens=min(body.min_tokens, 5))
+            request = SimpleNamespace(params=params, generator=None, num_output_tokens=0, eos_token_ids=(1,))
+            assert all(0 <= t < 50 for t in sample(logits, [request, request], torch.Generator()))
