@@ -50,9 +50,6 @@ class OpenAIServing:
         """Run a CPU-heavy render/tokenize step on the render pool; the loop keeps serving."""
         return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
 
-    def close(self) -> None:
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
-
     # ---- checks shared by every endpoint ------------------------------------------------
 
     def check_model(self, model: str | None) -> None:

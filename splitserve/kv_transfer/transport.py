@@ -114,11 +114,11 @@ def descriptor_problem(descriptor: TransferDescriptor, dst_kv: torch.Tensor, tra
     if source.dtype != str(dst_kv.dtype).removeprefix("torch."):
         return f"kv dtype differs: source {source.dtype}, destination {dst_kv.dtype}"
     block_size = layout.block_size(shape)
+    # (more blocks than this instance's whole pool is not malformed: allocate refuses it as no_space)
     if not (0 < descriptor.num_tokens and descriptor.num_blocks == -(-descriptor.num_tokens // block_size)
-            and descriptor.num_blocks <= min(shape[layout.BLOCK_DIM], dst_kv.shape[layout.BLOCK_DIM])):
+            and descriptor.num_blocks <= shape[layout.BLOCK_DIM]):
         return (f"the descriptor's {descriptor.num_blocks} blocks for {descriptor.num_tokens} tokens do not fit "
-                f"blocks of {block_size} in pools of {shape[layout.BLOCK_DIM]} and "
-                f"{dst_kv.shape[layout.BLOCK_DIM]} blocks")
+                f"blocks of {block_size} in the source's pool of {shape[layout.BLOCK_DIM]} blocks")
     if transport != "fake" and (not source.host or not 0 < source.port < 65536):
         return f"the descriptor's address {source.host!r}:{source.port} cannot be dialled"
     if transport == "shm" and segment_owner(source.shm_name) is None:
