@@ -117,6 +117,8 @@ def test_an_engine_that_would_not_fit_in_memory_is_not_started():
         budget("decode")  # a second 3 GiB, while the first is still starting: does not
     assert info.value.status == 503 and info.value.code == "insufficient_memory"
     assert "MiB" in info.value.message and spawned == ["decode"]
+    from splitserve.frontend.instance_budget import rss_bytes
+    assert rss_bytes(1) is None  # not a splitserve engine: a remote engine's pid must not count here
 
 
 # ---- uvicorn: connections that never finish their request -----------------------------------------

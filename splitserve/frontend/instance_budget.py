@@ -12,7 +12,6 @@ engine to measure only the count applies.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,13 @@ def _kib_field(path: Path, name: str) -> int | None:
 
 
 def rss_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The resident size of a local splitserve engine; None for any other pid (a remote engine's
+    pid may name an unrelated process here)."""
+    try:
+        if b"splitserve" not in (proc / str(pid) / "cmdline").read_bytes():
+            return None
+    except OSError:
+        return None
     return _kib_field(proc / str(pid) / "status", "VmRSS")
 
 
@@ -59,9 +65,8 @@ class InstanceBudget:
         return len(self._starting)
 
     def _local_engine_rss(self) -> int | None:
-        sizes = [self._rss(inst.hello.pid) for inst in self._client.live_instances()
-                 if inst.hello.pid and os.path.exists(f"/proc/{inst.hello.pid}")]
-        sizes = [s for s in sizes if s]
+        sizes = [size for inst in self._client.live_instances() if inst.hello.pid
+                 and (size := self._rss(inst.hello.pid))]
         return max(sizes) if sizes else None
 
     def check(self) -> None:
