@@ -198,9 +198,10 @@ def _noncontiguous_pool(pool: torch.Tensor) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("secret", [None, SECRET])  # with a secret every staged layer is tagged too
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
-    config = KVTransferConfig(transport="tcp")
+def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side, secret):
+    config = KVTransferConfig(transport="tcp", secret=secret)
     src = random_pool(3, 16, seed=3)
     dst = torch.zeros(pool_shape(3, 16))
     if side == "sender":
@@ -219,10 +220,11 @@ def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
     assert torch.equal(dst[:, :, :, record.dst_block_ids], src[:, :, :, [3, 4, 9, 0]])
 
 
-def test_tcp_layers_of_megabytes_arrive_intact():
+@pytest.mark.parametrize("secret", [None, SECRET])  # tags over views split across partial sends
+def test_tcp_layers_of_megabytes_arrive_intact(secret):
     """Big layers make sendmsg/recvmsg_into return partial counts; nothing may slip."""
     shape = (2, 2, 3, 96, 16, 64)  # 2 * 80 blocks * 12 KiB = ~2 MB per layer
-    config = KVTransferConfig(transport="tcp")
+    config = KVTransferConfig(transport="tcp", secret=secret)
     src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     dst = torch.zeros(shape)
     src_ids = random.Random(1).sample(range(96), 80)
