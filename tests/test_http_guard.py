@@ -211,3 +211,30 @@ def test_a_body_that_stalls_is_refused_with_408_and_a_finished_body_never_times_
     assert isinstance(stalled[-1], HTTPException) and stalled[-1].status_code == 408
     finished = asyncio.run(run([{"type": "http.request", "body": b"{}", "more_body": False}]))
     assert isinstance(finished[-1], TimeoutError)  # the app's own 0.3 s wait, not a 408
+
+
+def test_large_prompts_wait_in_a_bounded_render_queue_and_small_ones_skip_it():
+    from splitserve.frontend import serving as serving_module
+    from splitserve.frontend.serving import OpenAIServing
+
+    release = threading.Event()
+
+    class SlowRenderer:
+        def tokenize(self, text, add_special_tokens=True):
+            if len(text) >= serving_module.INLINE_RENDER_CHARS:
+                release.wait(10)
+            return [len(text)]
+
+    async def scenario():
+        serving = OpenAIServing(StubClient(), SlowRenderer(), render_threads=2)
+        big = "x" * serving_module.INLINE_RENDER_CHARS
+        waiting = [asyncio.create_task(serving.tokenize(big)) for _ in range(serving_module.MAX_PENDING_RENDERS)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(ApiError) as info:
+            await serving.tokenize(big)
+        assert info.value.status == 429 and info.value.code == "render_queue_full"
+        assert await serving.tokenize("small") == [5]  # inline: not queued behind the big ones
+        release.set()
+        assert len(await asyncio.gather(*waiting)) == serving_module.MAX_PENDING_RENDERS
+
+    asyncio.run(scenario())

@@ -6,10 +6,13 @@
 Everything a user can get wrong is caught here, before the request reaches an engine:
 model name, n, prompt length against the context and the KV cache, token ids, ranges.
 
-Rendering and tokenizing run on a small thread pool, never on the event loop: a megabyte
-prompt takes most of a second to tokenize, and a burst of them on the loop once starved the
-engine watchdog until it declared healthy engines dead (vLLM moved tokenization to threads
-for the same reason). The Rust tokenizer releases the GIL while it works.
+Large inputs are rendered and tokenized on a small thread pool, never on the event loop: a
+megabyte prompt takes most of a second to tokenize, and a burst of them on the loop once
+starved the engine watchdog until it declared healthy engines dead (vLLM moved tokenization
+to threads for the same reason); the Rust tokenizer releases the GIL while it works. Small
+ones (most requests) stay inline: they take microseconds, and a thread hop per request
+made them wait in the pool's queue, where overload piled up instead of getting its 429. The
+pool's queue is bounded too: past MAX_PENDING_RENDERS large inputs, 429.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
 
 _json = msgspec.json.Encoder()
+INLINE_RENDER_CHARS = 16_384  # below this, rendering + tokenizing take well under a millisecond
+MAX_PENDING_RENDERS = 64
 Receive = Callable[[], Awaitable[dict]]  # the ASGI receive channel of the HTTP request
 
 
@@ -45,10 +50,20 @@ class OpenAIServing:
         self.client, self.renderer = client, renderer
         self._render_pool = ThreadPoolExecutor(render_threads or min(4, os.cpu_count() or 1),
                                                thread_name_prefix="render")
+        self._num_pending_renders = 0
 
-    async def off_loop(self, fn, *args):
-        """Run a CPU-heavy render/tokenize step on the render pool; the loop keeps serving."""
-        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+    async def off_loop(self, size: int, fn, *args):
+        """fn(*args) inline when `size` (characters, or ids) is small, else on the render pool."""
+        if size < INLINE_RENDER_CHARS:
+            return fn(*args)
+        if self._num_pending_renders >= MAX_PENDING_RENDERS:
+            raise ApiError(429, f"{MAX_PENDING_RENDERS} large prompts are already waiting to be tokenized; "
+                                "retry later", "rate_limit_error", code="render_queue_full", retry_after_s=1)
+        self._num_pending_renders += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+        finally:
+            self._num_pending_renders -= 1
 
     # ---- checks shared by every endpoint ------------------------------------------------
 
@@ -100,18 +115,19 @@ class OpenAIServing:
 
     async def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
+        size = sum(len(str(m.get("content") or "")) for m in messages) + (len(str(body.tools)) if body.tools else 0)
         try:
-            rendered = await self.off_loop(self.renderer.render_chat, messages, body.add_generation_prompt,
+            rendered = await self.off_loop(size, self.renderer.render_chat, messages, body.add_generation_prompt,
                                            body.tools)
         except RenderError as e:
             raise ApiError(400, str(e), param=e.param) from None
         return rendered.text, rendered.token_ids
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.off_loop(self.renderer.tokenize, text, add_special_tokens)
+        return await self.off_loop(len(text), self.renderer.tokenize, text, add_special_tokens)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self.off_loop(self.renderer.detokenize, token_ids)
+        return await self.off_loop(4 * len(token_ids), self.renderer.detokenize, token_ids)
 
     async def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
