@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "engine": ("splitserve.engine.process", "start one engine instance by hand (--role, --connect)"),
     "trial": ("splitserve.trial.cli", "replay a workload against arrangements and count good requests"),
     "workload": ("splitserve.trial.analyze", "analyze a request trace: lengths, long-input share, burstiness"),
+    "profile": ("splitserve.control.profile", "time one engine instance: prefill, decode, KV transfer, startup"),
+    "plan": ("splitserve.control.plan_cli", "predict every arrangement on a workload from a profile; recommend one"),
 }
 
 

@@ -38,7 +38,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 of full blocks
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_preemptions: int = 0

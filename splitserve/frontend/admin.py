@@ -13,9 +13,9 @@
 
 An engine on another host joins without any call: `splitserve engine --role decode --connect
 <engine_address> ...` says hello and the router starts using it. Instances that die or go
-silent are taken out by the engine client's watchdog. Like the rest of the API these routes
-have no authentication: keep --host on loopback (the default) or behind a proxy that guards
-/admin.
+silent are taken out by the engine client's watchdog. Who may call these routes (the admin
+key, Host checking) and how many engines POST may start (--max-instances, free memory) is
+decided in front of them: see http_guard.py and instance_budget.py.
 """
 from __future__ import annotations
 

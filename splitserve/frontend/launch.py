@@ -22,9 +22,10 @@ import sys
 
 from splitserve.config import EngineConfig
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
-from splitserve.frontend.limits import RequestLimitsMiddleware, add_limit_arguments, check_limit_args
-from splitserve.frontend.security import (ApiKeyMiddleware, add_api_key_arguments, add_engine_link_arguments,
-                                          api_keys_from_args, engine_link_from_args)
+from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_from_args
+from splitserve.frontend.limits import add_limit_arguments, check_limit_args
+from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
+                                          engine_link_from_args)
 from splitserve.frontend.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
 from splitserve.protocol import encode_engine_config
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a message (engines send one every 0.25 s) before an engine is "
                         "declared dead and its requests are retried or failed")
     add_api_key_arguments(p)
+    add_http_guard_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
 
@@ -189,7 +191,7 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splitserve.frontend.api_server import build_app
+    from splitserve.frontend.api_server import build_server_app
     from splitserve.frontend.engine_client import EngineClient
     from splitserve.frontend.metrics import FrontendMetrics
     from splitserve.frontend.router import Router
@@ -233,13 +235,9 @@ async def serve(args: argparse.Namespace) -> int:
             client.attach_process(engine_id, proc)
             return engine_id
 
-        app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine),
-                                      args.max_request_bytes)
-        api_keys = api_keys_from_args(args)
-        if api_keys:
-            app = ApiKeyMiddleware(app, api_keys)
+        app, http_limits = build_server_app(client, metrics, spawn_engine, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                                lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
         server = uvicorn.Server(config)
 
         async def announce() -> None:
@@ -264,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         check_limit_args(args)
-        api_keys_from_args(args)  # an unreadable key file or a bad key fails here, before any engine starts
+        # an unreadable key file or a bad key fails here, before any engine starts
+        http_guard_from_args(args, api_keys_from_args(args))
         engine_link_from_args(args, args.engine_address, "--engine-address")
         kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:
