@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from splitserve.kv_transfer.config import KVTransferConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -101,7 +103,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     prefill_policy: str = "chunked"
     scheduling_policy: str = "fcfs"  # priority: lower `priority` first, then arrival (as vLLM)
-    role: str = "colocated"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -115,12 +116,13 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Built and checked once (by `serve`, `splitserve engine` or a test) and handed to the engine
+    process as is: `protocol.encode_engine_config` puts it on the wire with msgspec."""
+
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -128,8 +130,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     instance_id: str = "engine-0"
-    # Prefill/decode roles: how KV moves (a kv_transfer.KVTransferConfig; None = colocated only)
-    kv_transfer: object | None = None
+    role: str = "colocated"  # the first connector; a live role change swaps it (engine/connectors.py)
+    # How KV moves between instances; None: this instance can only ever be colocated
+    kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
 
     def __post_init__(self) -> None:
@@ -139,5 +142,7 @@ class EngineConfig:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
-        if self.scheduler.role != "colocated" and self.kv_transfer is None:
-            raise ValueError(f"role {self.scheduler.role!r} needs a KV transfer setting (e.g. --kv-transport shm)")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "colocated" and self.kv_transfer is None:
+            raise ValueError(f"role {self.role!r} needs a KV transfer setting (e.g. --kv-transport shm)")

@@ -20,8 +20,9 @@ A request's path:
     first, gives running prompts their chunks in that order, and preempts the running request
     with the highest (priority, arrival) first. The policy never depends on the role.
   update() advances num_computed_tokens, appends sampled tokens, and retires finished
-  requests, freeing their blocks (or, on a prefill-role instance, keeping them for the
-  handover to a decode instance).
+  requests from the running batch; the engine then asks its connector whether their blocks
+  are freed or kept for a handover. A `remote_decode` request (marked by a prefill connector)
+  finishes after its first token.
 """
 from __future__ import annotations
 
@@ -210,11 +211,10 @@ class Scheduler:
                 self.blocks.publish_computed(request)
         for request in finished:
             self.running.remove(request)
-            if request.status is not RequestStatus.FINISHED_PREFILL_DONE:
-                self.blocks.free(request)
         return finished
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    @staticmethod
+    def _stop_status(request: Request, token: int) -> RequestStatus | None:
         params = request.params
         n = request.num_output_tokens
         if n >= params.min_tokens:
@@ -224,7 +224,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if n >= params.max_tokens or request.num_tokens >= request.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        if self.config.role == "prefill":
+        if request.remote_decode:
             return RequestStatus.FINISHED_PREFILL_DONE
         return None
 
