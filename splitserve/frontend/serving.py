@@ -141,9 +141,10 @@ class OpenAIServing:
         self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
-    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]) -> RequestStream:
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
+               priority: int = 0) -> RequestStream:
         try:
-            return self.client.submit(request_id, token_ids, params, stop)
+            return self.client.submit(request_id, token_ids, params, stop, priority)
         except NoInstanceAvailable as e:
             if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
                 raise ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s) from None
@@ -158,7 +159,7 @@ class OpenAIServing:
         self.check_model(body.model)
         _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
-        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids)
         if body.stream:
@@ -171,7 +172,7 @@ class OpenAIServing:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
         token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
-        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids)
         if body.stream:

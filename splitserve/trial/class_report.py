@@ -82,9 +82,12 @@ def _abandoned_sentence(doc: dict) -> str:
         summaries = summaries_at(arr, m) if m is not None else []
         work = summaries[0].get("abandoned_work") if summaries else None
         if work and work["num_requests"]:
+            server = work.get("server")
+            said = (f"; the server counted {server['prompt_tokens_prefilled']:.0f} prompt and "
+                    f"{server['tokens_decoded']:.0f} generated tokens for aborted requests" if server else "")
             parts.append(f"{arr['name']} {work['num_requests']} requests, {work['prompt_tokens_prefilled']} prompt "
                          f"tokens prefilled (+ up to {work['prompt_tokens_maybe_prefilled']} more) and "
-                         f"{work['tokens_decoded']} tokens decoded")
+                         f"{work['tokens_decoded']} tokens decoded{said}")
     if not parts:
         return ""
     return (" Work spent on requests whose users gave up (first repeat, as the client counted it): "

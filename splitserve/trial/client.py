@@ -232,7 +232,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa
 
 
 def scrape_counters(base_url: str, prefixes=("splitserve_kv", "kv_transfer", "splitserve_request",
-                                             "preemptions")) -> dict:
+                                             "preemptions", "splitserve_aborted_tokens")) -> dict:
     """Prometheus samples whose names mention KV transfers or requests; {} if /metrics is absent."""
     try:
         resp = httpx.get(f"{base_url}/metrics", timeout=5.0)

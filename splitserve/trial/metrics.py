@@ -138,6 +138,16 @@ def abandoned_work(records: list[RequestRecord]) -> dict:
             "source": "client"}
 
 
+def server_aborted_work(counters: dict) -> dict | None:
+    """The server's own count of the work spent on aborted requests (splitserve's /metrics), from
+    the counters' change over a run; None for a server that does not expose it."""
+    keys = {kind: f'splitserve_aborted_tokens_total{{kind="{kind}"}}' for kind in ("prompt", "generated")}
+    if not any(k in counters for k in keys.values()):
+        return None
+    return {"prompt_tokens_prefilled": counters.get(keys["prompt"], 0.0),
+            "tokens_decoded": counters.get(keys["generated"], 0.0)}
+
+
 def _pcts(values, qs=(50, 90, 99)) -> dict:
     return {f"p{q}": percentile(values, q) for q in qs}
 

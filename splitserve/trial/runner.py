@@ -32,7 +32,7 @@ from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.method import CapacitySpec
-from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, slo_of, summarize
+from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
 from splitserve.trial.tuning import tune_colocated
@@ -318,6 +318,7 @@ class Trial:
         if faults:
             fault_events.sort(key=lambda e: e["at_s"])
             summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s)
+        summary["abandoned_work"]["server"] = server_aborted_work(counters)
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall
         summary["stopped_early"] = bool(stop is not None and stop.is_set())
