@@ -10,6 +10,7 @@ import pytest
 
 from serve_disagg_support import DisaggServer
 from serve_support import all_blocks_free, metric_samples, wait_until
+from splitserve.sampling import SamplingParams
 from splitserve.trial.classes import Patience
 from splitserve.trial.client import run_load
 from splitserve.trial.workload import PlannedRequest
@@ -59,3 +60,28 @@ def test_clients_that_give_up_free_every_block_on_every_instance(server):
     assert sum(bool(r.token_times_s) for r in records) <= aborted - aborted_before <= 8
     generated = metric_samples(server.base_url, "splitserve_aborted_tokens_total").get('{kind="generated"}', 0.0)
     assert generated >= sum(len(r.token_times_s) for r in records)  # the server counts what it did for them
+
+
+def test_the_priority_reaches_both_stages_of_a_split_request(model):
+    from cluster_support import Cluster, prompt_of
+
+    async def main():
+        async with Cluster(model, {"p0": "prefill", "d0": "decode"}) as cluster:
+            seen = []
+            for engine_id, process in cluster.engines.items():
+                add = process.core.add_request
+
+                def spy(*args, _add=add, _id=engine_id, **kw):
+                    seen.append((_id, kw.get("priority")))
+                    return _add(*args, **kw)
+                process.core.add_request = spy
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            stream = cluster.client.submit("r", prompt_of(20), params, [], priority=-7)
+            tokens = [t async for event in stream for t in event.token_ids]
+            stream.close()
+            await cluster.wait_idle()
+            return tokens, seen
+
+    tokens, seen = asyncio.run(main())
+    assert len(tokens) == 4
+    assert sorted(seen) == [("d0", -7), ("p0", -7)]
