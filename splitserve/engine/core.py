@@ -136,7 +136,8 @@ class EngineCore:
         self.validate(prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int) or not (
                 PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
-            raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, got {priority!r}")
+            raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
+                             f"got {priority!r}")
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from splitserve.config import PRIORITY_BOUNDS
 from splitserve.trial.section import Section, SpecError
 
 SLO_FIELDS = ("ttft_s", "gap_s", "e2e_s", "max_pause_s")
-PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # the server's bounds (protocol.py): a 32-bit integer
 
 
 @dataclass(slots=True)
