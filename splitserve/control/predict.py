@@ -155,7 +155,9 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
     for r in requests:
         gaps = sorted(r.gaps)
         all_gaps.extend(r.gaps)
-        t, e = r.first_s - r.arrival_s, r.finished_s - r.arrival_s
+        # a request the simulated cache could never admit never starts: it misses every deadline
+        t = r.first_s - r.arrival_s if r.first_s is not None else math.inf
+        e = r.finished_s - r.arrival_s if r.finished_s is not None else math.inf
         g = _pct_sorted(gaps, slo.gap_percentile) if gaps else 0.0
         m = gaps[-1] if gaps else 0.0
         ttft.append(t)
@@ -166,7 +168,7 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
         for name, passed in zip(misses, ok):
             misses[name] += not passed
         good.append(all(ok))
-    duration = max(r.finished_s for r in requests)
+    duration = max((r.finished_s for r in requests if r.finished_s is not None), default=0.0)
     by_class = {}
     for name in sorted({r.class_name for r in requests}):
         idx = [i for i, r in enumerate(requests) if r.class_name == name]
