@@ -141,12 +141,14 @@ def _pct_sorted(values: list[float], q: float) -> float:
     pos = (len(values) - 1) * q / 100.0
     lo = math.floor(pos)
     hi = min(lo + 1, len(values) - 1)
+    if math.isinf(values[hi]):  # a never-served request is infinitely late: no inf - inf
+        return values[hi] if pos > lo else values[lo]
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def _pcts(values, qs=(50, 90, 99)) -> dict:
-    arr = np.asarray(values, dtype=float)
-    return {f"p{q}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+    ordered = sorted(float(v) for v in values)
+    return {f"p{q}": (_pct_sorted(ordered, q) if ordered else None) for q in qs}
 
 
 def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
