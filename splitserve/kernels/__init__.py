@@ -1,0 +1,44 @@
+"""Optional C++ CPU kernels (gguf_linear.cpp), built by `make setup`; pure-torch code stands in
+when they are absent (no compiler, or an out-of-date build), with the same results.
+
+    python -m splitserve.kernels.build   # what `make setup` runs; prints the ISA in use
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NAME = "splitserve_gguf_kernels"
+SOURCE = Path(__file__).with_name("gguf_linear.cpp")
+BUILD_DIR = Path(__file__).with_name("_build")
+CFLAGS = ["-O3", "-ffp-contract=off"]  # keep d * q + m a multiply then an add, as gguf-py does
+
+
+def built_library() -> Path | None:
+    found = sorted(BUILD_DIR.glob(f"{NAME}*.so"))
+    return found[0] if found else None
+
+
+@cache
+def load():
+    """The compiled module, or None (then callers use their torch fallback). Never compiles."""
+    path = built_library()
+    if path is None:
+        log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
+        return None
+    if path.stat().st_mtime < SOURCE.stat().st_mtime:
+        log.warning("GGUF kernels at %s are older than %s; using the pure-torch fallback until "
+                    "`make setup` rebuilds them", path, SOURCE.name)
+        return None
+    import torch  # noqa: F401  (the library links against libtorch, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(NAME, path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(NAME, str(path)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
