@@ -125,12 +125,15 @@ class EngineConfig:
     # Prefill/decode roles: how KV moves (a kv_transfer.KVTransferConfig; None = colocated only)
     kv_transfer: object | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
+    weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.weight_format not in ("auto", "fp32", "gguf"):
+            raise ValueError(f"weight_format must be auto, fp32 or gguf, got {self.weight_format!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.scheduler.role != "colocated" and self.kv_transfer is None:

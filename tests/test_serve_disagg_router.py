@@ -122,13 +122,14 @@ def test_serve_refuses_arrangements_that_cannot_work(argv, message):
 
 def test_serve_starts_engines_with_their_roles_and_kv_flags():
     launch, args = serve_args("--prefill", "2", "--decode", "1", "--kv-transport", "tcp", "--kv-fault-rate", "0.2",
-                              "--kv-failure-policy", "fail")
+                              "--kv-failure-policy", "fail", "--weight-format", "fp32")
     launch.check_args(args)
     roles = launch.engine_roles(args)
     assert roles == [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
     cmd = launch.engine_command(args, "prefill-1", "tcp://127.0.0.1:1", None, "prefill")
     for flag, value in (("--role", "prefill"), ("--engine-id", "prefill-1"), ("--kv-transport", "tcp"),
-                        ("--kv-fault-rate", "0.2"), ("--kv-failure-policy", "fail"), ("--kv-port", "0")):
+                        ("--kv-fault-rate", "0.2"), ("--kv-failure-policy", "fail"), ("--kv-port", "0"),
+                        ("--weight-format", "fp32")):
         assert cmd[cmd.index(flag) + 1] == value
     launch, args = serve_args()
     launch.check_args(args)

@@ -156,7 +156,7 @@ def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus:
            "--role", role, "--parent-pid", str(os.getpid()), "--device", args.device,
            "--prefill-policy", args.prefill_policy, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
-           "--block-size", str(args.block_size), "--seed", str(args.seed)]
+           "--block-size", str(args.block_size), "--seed", str(args.seed), "--weight-format", args.weight_format]
     if args.model:
         cmd += ["--model", args.model]
     if args.threads_per_instance:
