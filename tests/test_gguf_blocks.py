@@ -136,3 +136,32 @@ def test_engine_on_quantized_gguf_generates_the_fp32_engines_tokens(quantized_gg
             engine.add_request(str(i), p, params)
         tokens[weight_format] = run_to_end(engine)
     assert tokens["gguf"] == tokens["fp32"]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_paged_decode_attention_matches_the_gathering_torch_path(module, isa):
+    """Contexts that end mid-block, exactly on a block boundary, and at one token; blocks scattered."""
+    from splitserve.config import ModelConfig
+    from splitserve.models.llama import LlamaModel
+
+    used = module.set_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(3)
+        for num_heads, num_kv_heads, head_dim in [(4, 2, 16), (9, 3, 64), (6, 6, 24)]:
+            block_size, num_blocks = 16, 40
+            kv_layer = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g)
+            lens = torch.tensor([1, 16, 17, 33, 80])
+            tables = torch.randperm(num_blocks, generator=g)[:5 * 5].view(5, 5)
+            q = torch.randn(5, num_heads, head_dim, generator=g)
+            model = LlamaModel.__new__(LlamaModel)
+            model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
+                                       intermediate_size=8, num_layers=1, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
+            model.scale, model.block_size = head_dim ** -0.5, block_size
+            pad = torch.arange(5 * block_size).unsqueeze(0) >= lens.unsqueeze(1)
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+            want = model._decode_attention(q, kv_layer, tables, bias)
+            got = module.paged_decode_attention(q, kv_layer, tables, lens, model.scale)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{used} {head_dim}")
+    finally:
+        module.set_isa("avx512")

@@ -1,4 +1,4 @@
-"""Optional C++ CPU kernels (gguf_linear.cpp), built by `make setup`; pure-torch code stands in
+"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention), built by `make setup`; pure-torch code stands in
 when they are absent (no compiler, or an out-of-date build), with the same results.
 
     python -m splitserve.kernels.build   # what `make setup` runs; prints the ISA in use
@@ -14,9 +14,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NAME = "splitserve_gguf_kernels"
-SOURCE = Path(__file__).with_name("gguf_linear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp")]
 BUILD_DIR = Path(__file__).with_name("_build")
-CFLAGS = ["-O3", "-ffp-contract=off"]  # keep d * q + m a multiply then an add, as gguf-py does
+# -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does; -fopenmp-simd lets
+# the attention loops' reductions vectorize without -ffast-math.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
 
 
 def built_library() -> Path | None:
@@ -31,9 +33,9 @@ def load():
     if path is None:
         log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
         return None
-    if path.stat().st_mtime < SOURCE.stat().st_mtime:
-        log.warning("GGUF kernels at %s are older than %s; using the pure-torch fallback until "
-                    "`make setup` rebuilds them", path, SOURCE.name)
+    if any(path.stat().st_mtime < source.stat().st_mtime for source in SOURCES):
+        log.warning("GGUF kernels at %s are older than their sources; using the pure-torch "
+                    "fallback until `make setup` rebuilds them", path)
         return None
     import torch  # noqa: F401  (the library links against libtorch, which must be loaded first)
 

@@ -1,4 +1,4 @@
-"""Compile gguf_linear.cpp into splitserve/kernels/_build (git-ignored). Run by `make setup`;
+"""Compile the kernels' C++ sources into splitserve/kernels/_build (git-ignored). Run by `make setup`;
 a machine without a C++ compiler skips it and the engine uses the pure-torch fallback."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def build() -> str:
     from torch.utils.cpp_extension import load
 
     kernels.BUILD_DIR.mkdir(exist_ok=True)
-    module = load(name=kernels.NAME, sources=[str(kernels.SOURCE)], extra_cflags=kernels.CFLAGS,
+    module = load(name=kernels.NAME, sources=[str(s) for s in kernels.SOURCES], extra_cflags=kernels.CFLAGS,
                   build_directory=str(kernels.BUILD_DIR), verbose=False)
     return module.isa()
 

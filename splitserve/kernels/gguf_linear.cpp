@@ -284,9 +284,16 @@ std::string set_isa(const std::string& name) {
 
 }  // namespace
 
+int splitserve_isa_level() { return g_isa == Isa::kAvx512 ? 2 : g_isa == Isa::kAvx2 ? 1 : 0; }
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale);  // paged_attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &gguf_linear, "x [M, K] @ dequant(W [N, K])^T -> [M, N], fp32 accumulation");
   module.def("dequantize", &gguf_dequantize, "W [N, K] as fp32, exactly as gguf-py dequantizes it");
+  module.def("paged_decode_attention", &paged_decode_attention,
+             "one query per sequence over its own KV blocks: q [b, nq, hd] -> [b, nq, hd]");
   module.def("isa", &isa_name);
   module.def("set_isa", &set_isa);
 }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve import kernels
 from splitserve.config import ModelConfig
 from splitserve.models.gguf_blocks import GGUFBlocks, linear
 
@@ -147,9 +148,11 @@ class LlamaModel:
             else self.embed[batch.input_ids]  # [n, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
-        # Per decode group: 0 where a decode may look, -inf past its context; built once, added per layer.
+        # The C++ kernel reads each decode's own blocks in place; the torch path gathers them and
+        # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
+        paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         decode_biases = []
-        for group in batch.decode_groups:
+        for group in ([] if paged else batch.decode_groups):
             width = group.block_tables.shape[1] * self.block_size
             pad = torch.arange(width, device=x.device).unsqueeze(0) >= group.context_lens.unsqueeze(1)
             decode_biases.append(torch.zeros(pad.shape, dtype=x.dtype, device=x.device)
@@ -171,9 +174,11 @@ class LlamaModel:
             kv_layer[0].flatten(1, 2).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             kv_layer[1].flatten(1, 2).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
-            for group, bias in zip(batch.decode_groups, decode_biases):
+            for gi, group in enumerate(batch.decode_groups):
                 s = slice(group.start, group.start + group.count)
-                attn[s] = self._decode_attention(q[s], kv_layer, group.block_tables, bias)
+                attn[s] = paged.paged_decode_attention(q[s], kv_layer, group.block_tables, group.context_lens,
+                                                       self.scale) if paged else \
+                    self._decode_attention(q[s], kv_layer, group.block_tables, decode_biases[gi])
             for chunk in batch.prefills:
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
                 attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
