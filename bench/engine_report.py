@@ -77,7 +77,7 @@ def format_report(report: dict, shape: ModelShape | None) -> str:
              f"at end {_load(report['loadavg_end'])} (2 cores shared: a quiet rerun is cleaner)",
              "tok/s: wall clock; quiet: CPU time at 1 thread (what a quiet core gives), wall at 2;",
              "ms, GFLOP/s and the ratios use the quiet figures", ""]
-    header = (f"{"system":<16}{'kind':<9}{'size':>6}{'thr':>4}{'tok/s':>9}{'quiet':>9}{'ms':>9}"
+    header = (f"{'system':<16}{'kind':<9}{'size':>6}{'thr':>4}{'tok/s':>9}{'quiet':>9}{'ms':>9}"
               f"{'GFLOP/s':>9}{'vs hf':>7}{'vs llama.cpp':>13}")
     lines += [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["kind"] != "prefill", r.get("num_tokens") or r["batch_size"],

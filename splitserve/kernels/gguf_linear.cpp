@@ -243,6 +243,35 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
   return y;
 }
 
+// One row of W as fp32 (nb blocks), in the ISA's registers: the same values as dequant_one.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_row_avx512(
+    const uint8_t* q, const float* d, const float* m, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+    __m512 w0, w1;
+    dequant16x2<FMT>(q + b * bytes_per_block(FMT), d[b], m ? m[b] : 0.f, w0, w1);
+    _mm512_storeu_ps(out, w0);
+    _mm512_storeu_ps(out + 16, w1);
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx2,fma"))) void dequant_row_avx2(const uint8_t* q, const float* d, const float* m,
+                                                          int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += kBlock) {
+    __m256 w[4];
+    dequant8x4<FMT>(q + b * bytes_per_block(FMT), d[b], m ? m[b] : 0.f, w);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * k, w[k]);
+  }
+}
+
+template <int FMT>
+void dequant_row_scalar(const uint8_t* q, const float* d, const float* m, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b, out += kBlock)
+    for (int k = 0; k < kBlock; ++k)
+      out[k] = dequant_one<FMT>(q + b * bytes_per_block(FMT), d[b], m ? m[b] : 0.f, k);
+}
+
 template <int FMT>
 void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& w) {
   const int64_t N = qs.size(0), nb = d.size(1), ldq = qs.size(1);
@@ -251,13 +280,17 @@ void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torc
   const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* q = qp + r * ldq + b * bytes_per_block(FMT);
-        const float dv = dp[r * nb + b], mv = mp ? mp[r * nb + b] : 0.f;
-        float* out = wp + (r * nb + b) * kBlock;
-        for (int k = 0; k < kBlock; ++k) out[k] = dequant_one<FMT>(q, dv, mv, k);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* q = qp + r * ldq;
+      const float* d = dp + r * nb;
+      const float* m = mp ? mp + r * nb : nullptr;
+      float* out = wp + r * nb * kBlock;
+      switch (g_isa) {
+        case Isa::kAvx512: dequant_row_avx512<FMT>(q, d, m, nb, out); break;
+        case Isa::kAvx2: dequant_row_avx2<FMT>(q, d, m, nb, out); break;
+        default: dequant_row_scalar<FMT>(q, d, m, nb, out);
       }
+    }
   });
 }
 
