@@ -16,9 +16,11 @@ log = logging.getLogger(__name__)
 NAME = "splitserve_gguf_kernels"
 SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp")]
 BUILD_DIR = Path(__file__).with_name("_build")
-# -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does; -fopenmp-simd lets
-# the attention loops' reductions vectorize without -ffast-math.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
+# -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does. -fopenmp: ATen's
+# parallel_for is inline OpenMP, so without it the kernels run on one thread whatever
+# torch.set_num_threads says.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def built_library() -> Path | None:

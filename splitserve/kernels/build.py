@@ -13,6 +13,7 @@ def build() -> str:
 
     kernels.BUILD_DIR.mkdir(exist_ok=True)
     module = load(name=kernels.NAME, sources=[str(s) for s in kernels.SOURCES], extra_cflags=kernels.CFLAGS,
+                  extra_ldflags=kernels.LDFLAGS,
                   build_directory=str(kernels.BUILD_DIR), verbose=False)
     return module.isa()
 
