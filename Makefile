@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 test: setup
 	$(VENV)/bin/pytest -q
 
-# The main job: replay a doc-heavy, bursty workload against combined and separated arrangements
-# of the bundled model at equal cores; prints the side-by-side table and the HTML report's path.
+# The main job: how much of a doc-heavy, bursty workload each arrangement of the bundled model
+# holds within the SLOs, at equal cores and KV memory, against the best colocated setting of a
+# small grid; the load is relative to the machine's own measured capacity and the replay time is
+# a budget (docs/benchmarks.md, "A trial you can trust", says where the time goes).
+# Prints the table, the verdict and the HTML report's path.
 demo: setup
 	$(VENV)/bin/splitserve trial examples/doc_heavy_bursty.yaml --out trial-results/demo
 

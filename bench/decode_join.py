@@ -43,7 +43,7 @@ def main() -> None:
 
     def engine(role: str, instance_id: str) -> EngineCore:
         cfg = EngineConfig(model=path, cache=CacheConfig(kv_cache_memory="1GiB"),
-                           scheduler=SchedulerConfig(prefill_policy="whole", max_num_batched_tokens=4096, role=role),
+                           role=role, scheduler=SchedulerConfig(prefill_policy="whole", max_num_batched_tokens=4096),
                            kv_transfer=KVTransferConfig(transport="shm"), instance_id=instance_id, num_threads=1)
         return EngineCore(cfg, loaded)
 

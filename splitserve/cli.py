@@ -12,9 +12,11 @@ import sys
 SUBCOMMANDS = {
     "generate": ("splitserve.engine.generate_cli", "generate text offline with the engine, streamed"),
     "serve": ("splitserve.frontend.launch", "start the OpenAI-compatible server and its engines"),
-    "engine": ("splitserve.frontend.engine_proc", "start one engine instance by hand (--role, --connect)"),
+    "engine": ("splitserve.engine.process", "start one engine instance by hand (--role, --connect)"),
     "trial": ("splitserve.trial.cli", "replay a workload against arrangements and count good requests"),
     "workload": ("splitserve.trial.analyze", "analyze a request trace: lengths, long-input share, burstiness"),
+    "profile": ("splitserve.control.profile", "time one engine instance: prefill, decode, KV transfer, startup"),
+    "plan": ("splitserve.control.plan_cli", "predict every arrangement on a workload from a profile; recommend one"),
 }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from splitserve.kv_transfer.config import KVTransferConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 ROLES = ("colocated", "prefill", "decode")
@@ -98,7 +100,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     prefill_policy: str = "chunked"
-    role: str = "colocated"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -109,12 +110,13 @@ class SchedulerConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}, "
                              f"got {self.prefill_policy!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Built and checked once (by `serve`, `splitserve engine` or a test) and handed to the engine
+    process as is: `protocol.encode_engine_config` puts it on the wire with msgspec."""
+
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -122,8 +124,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     instance_id: str = "engine-0"
-    # Prefill/decode roles: how KV moves (a kv_transfer.KVTransferConfig; None = colocated only)
-    kv_transfer: object | None = None
+    role: str = "colocated"  # the first connector; a live role change swaps it (engine/connectors.py)
+    # How KV moves between instances; None: this instance can only ever be colocated
+    kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
     weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
 
@@ -136,5 +139,7 @@ class EngineConfig:
             raise ValueError(f"weight_format must be auto, fp32 or gguf, got {self.weight_format!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
-        if self.scheduler.role != "colocated" and self.kv_transfer is None:
-            raise ValueError(f"role {self.scheduler.role!r} needs a KV transfer setting (e.g. --kv-transport shm)")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "colocated" and self.kv_transfer is None:
+            raise ValueError(f"role {self.role!r} needs a KV transfer setting (e.g. --kv-transport shm)")

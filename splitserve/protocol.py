@@ -9,23 +9,32 @@ Only msgspec structs cross a socket; nothing on an input path evaluates code.
 
 Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)
-    frontend -> GenerateRequest | AbortRequests | Shutdown  (to /in)
-    engine -> StepOutputs | EngineStats | Heartbeat         (from /out)
+    frontend -> GenerateRequest | AbortRequests | SetRole | Shutdown  (to /in)
+    engine -> StepOutputs | EngineStats | RoleChanged | Heartbeat     (from /out)
+
+The engine's settings cross the process boundary once, at start: `serve` builds and checks an
+`EngineConfig` and writes `encode_engine_config(config)` to the engine process's stdin.
 
 Disaggregated prefill/decode: a prefill instance's last TokenOutput of a request has
 finish_reason "prefill_done", the first token and a `TransferDescriptor` (kv_transfer's own
 struct, reused here: where the KV waits, under a lease); the frontend forwards it with the
 first token in the decode instance's GenerateRequest; the decode instance's final TokenOutput
-carries a `KVTransferReport`. EngineStats of both roles carry `KVStats`.
+carries a `KVTransferReport` whose `outcome` (ok | recomputed | failed) the decode instance
+decided; the frontend passes it on as is. EngineStats of both roles carry `KVStats`.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from splitserve.config import ROLES
 from splitserve.kv_transfer.messages import TransferDescriptor
 
-PROTOCOL_VERSION = 2  # 2: KV handover fields (disaggregated prefill/decode)
+if TYPE_CHECKING:
+    from splitserve.config import EngineConfig
+
+PROTOCOL_VERSION = 3  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -45,7 +54,7 @@ class KVTransferReport(msgspec.Struct, frozen=True):
     """What a decode instance says about the transfer of one request's KV (the reported subset
     of kv_transfer's TransferRecord); rides on the request's final output."""
 
-    outcome: str  # "done" | "failed" (TransferOutcome values)
+    outcome: str  # "ok" | "recomputed" | "failed": decided by the decode instance's connector
     source_instance: str = ""
     transport: str = ""
     num_bytes: int = 0
@@ -72,6 +81,12 @@ class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
+
+
+class SetRole(msgspec.Struct, tag="set_role", frozen=True):
+    """Swap the connector once the old one has nothing in flight; answered with RoleChanged."""
+
+    role: str
 
 
 # ---- engine -> frontend -------------------------------------------------------------------
@@ -135,6 +150,23 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     num_preemptions: int = 0
     num_steps: int = 0
     kv: KVStats | None = None  # prefill and decode roles
+    block_size: int = 16
+    num_queued_prompt_tokens: int = 0  # prompt tokens waiting or not yet prefilled
+    step_seconds: float = 0.0  # moving average of recent model steps
+    step_tokens: float = 0.0  # ... and of the tokens each carried
+    num_role_changes: int = 0
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.num_blocks_total - self.num_free_blocks
+
+
+class RoleChanged(msgspec.Struct, tag="role_changed", frozen=True):
+    """The answer to SetRole: the role the engine plays now, or why it cannot change."""
+
+    engine_id: str
+    role: str
+    error: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -143,8 +175,19 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     engine_id: str
 
 
-ToEngine = GenerateRequest | AbortRequests | Shutdown
-FromEngine = EngineHello | StepOutputs | EngineStats | Heartbeat
+ToEngine = GenerateRequest | AbortRequests | SetRole | Shutdown
+FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Heartbeat
+
+
+def encode_engine_config(config: EngineConfig) -> bytes:
+    return msgspec.msgpack.encode(config)
+
+
+def decode_engine_config(payload: bytes) -> EngineConfig:
+    """The settings `serve` built for this engine; re-checked on the way in (__post_init__)."""
+    from splitserve.config import EngineConfig
+
+    return msgspec.msgpack.decode(payload, type=EngineConfig)
 
 
 def check_role(role: str) -> str:

@@ -5,6 +5,12 @@ import math
 from dataclasses import dataclass, field
 
 
+# Below any top-token probability of a vocabulary under a million tokens, so the same token
+# set; far above float32's smallest number, which a top_p of 5e-324 rounded to (0 kept no
+# token at all and the sampler raised).
+MIN_TOP_P = 1e-6
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -27,6 +33,7 @@ class SamplingParams:
             raise bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")
+        self.top_p = max(float(self.top_p), MIN_TOP_P)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

@@ -18,8 +18,8 @@ def make_engine(model_dir, *, policy="chunked", budget=64, kv="2MiB", block_size
         model=str(model_dir),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv, enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(prefill_policy=policy, max_num_batched_tokens=budget,
-                                  max_num_seqs=max_num_seqs, role=role),
-        kv_transfer=kv_transfer, kv_failure_policy=failure_policy, instance_id=instance_id)
+                                  max_num_seqs=max_num_seqs),
+        role=role, kv_transfer=kv_transfer, kv_failure_policy=failure_policy, instance_id=instance_id)
     return EngineCore(config, load_model(str(model_dir)))
 
 
@@ -46,7 +46,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, requests, on_step
                       max_steps: int = 100_000):
     """Drive a prefill and a decode engine in one process, forwarding KV descriptors as the
     frontend would. requests: [(request_id, prompt, params)]. Returns
-    {request_id: (tokens, finish_reason, error, kv_transfer_record)}."""
+    {request_id: (tokens, finish_reason, error, kv_transfer_record, kv_outcome)}."""
     import time
 
     prompts = {rid: (prompt, params) for rid, prompt, params in requests}
@@ -59,7 +59,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, requests, on_step
         if on_step is not None:
             on_step(step)
         for out in prefill.step():
-            results[out.request_id] = [list(out.new_token_ids), out.finish_reason, out.error, None]
+            results[out.request_id] = [list(out.new_token_ids), out.finish_reason, out.error, None, None]
             if out.kv_descriptor is not None:
                 prompt, params = prompts[out.request_id]
                 decode.add_request(out.request_id, prompt, params, kv_descriptor=out.kv_descriptor,
@@ -69,6 +69,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, requests, on_step
             entry[0].extend(out.new_token_ids)
             entry[1], entry[2] = out.finish_reason, out.error
             entry[3] = out.kv_transfer or entry[3]
+            entry[4] = out.kv_outcome or entry[4]
         if not (prefill.scheduler.has_unfinished() or decode.scheduler.has_unfinished()):
             time.sleep(0.001)  # only transfers in flight: let the puller threads work
     raise AssertionError("disaggregated run did not finish")

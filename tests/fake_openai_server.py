@@ -34,6 +34,9 @@ class FakeBehaviour:
     kv_fail_every: int = 0         # every Nth request's KV transfer failed (then recomputed)
     cut_every: int = 0             # every Nth stream ends after 2 tokens without [DONE]
     error_every: int = 0           # every Nth stream sends an error chunk (failed KV transfer) after 1 token
+    odd_every: int = 0             # every Nth stream sends a chunk whose `choices` is not a list
+    token_ids: bool = False        # honour return_token_ids: each chunk names its token ids
+    spawn_child: bool = False      # start a child process, as `serve` starts engines (affinity is inherited)
 
 
 def fake_token(word: str) -> int:
@@ -98,10 +101,14 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
                                                           "retries": 2}}})
                 yield b"data: [DONE]\n\n"
                 return
+            if behaviour.odd_every and n % behaviour.odd_every == 0 and i == 1:
+                yield sse({"id": f"cmpl-{n}", "choices": "not a list"})
             last = i == num_tokens - 1
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
+            if behaviour.token_ids and body.get("return_token_ids"):
+                choice["token_ids"] = [100 + i]
             yield sse({"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model",
-                       "choices": [{"index": 0, "text": f" t{i}",
-                                    "finish_reason": "length" if last else None}]})
+                       "choices": [choice]})
         final = {"id": f"cmpl-{n}", "object": "text_completion", "model": "fake-model", "choices": []}
         if body.get("stream_options", {}).get("include_usage"):
             final["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
@@ -129,6 +136,12 @@ def main() -> None:
             p.add_argument(flag, type=type(value), default=value)
     args = vars(p.parse_args())
     port = args.pop("port")
+    if args["spawn_child"]:
+        import subprocess
+        import sys
+
+        # the child lives in our process group, so stopping the group stops it too
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--engine-id", "fake-engine"])
     uvicorn.run(build_app(FakeBehaviour(**args)), host="127.0.0.1", port=port, log_level="warning")
 
 

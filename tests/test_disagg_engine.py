@@ -73,11 +73,15 @@ def test_injected_transfer_failures_follow_the_policy(tiny, policy):
     try:
         got = run_disaggregated(prefill, decode, requests)
         failed = {rid for rid, r in got.items() if r[3] is not None and r[3].outcome.value == "failed"}
+        outcomes = {rid: r[4] for rid, r in got.items()}
         assert 1 <= len(failed) <= 10  # ~20% of 20, seeded
-        assert decode.stats().kv_receiver["num_failed"] == len(failed)
-        for rid, (tokens, reason, error, record) in got.items():
+        assert decode.stats().kv.num_failed == len(failed)
+        for rid, (tokens, reason, error, record, _) in got.items():
             if rid in failed and policy == "fail":
                 assert reason == "error" and "KV transfer" in error and tokens == expected[rid][:1]
+                assert outcomes[rid] == "failed"  # decided by the decode connector, reported as is
+            elif rid in failed:
+                assert outcomes[rid] == "recomputed"
             else:
                 assert (tokens, reason) == (expected[rid], "length")
         assert_all_free(prefill, decode)
@@ -94,8 +98,8 @@ def test_aborts_at_every_stage_free_every_block_on_both_sides(tiny):
 
     def abort_some(step):
         for engine in (prefill, decode):
-            live = sorted(set(engine.requests) | set(getattr(engine.handover, "held", {}))
-                          | set(getattr(engine.intake, "waiting", {})))
+            live = sorted(set(engine.requests) | set(getattr(engine.connector, "held", {}))
+                          | set(getattr(engine.connector, "waiting", {})))
             for rid in live:
                 if rng.random() < 0.08:
                     prefill.abort_request(rid)
@@ -108,7 +112,7 @@ def test_aborts_at_every_stage_free_every_block_on_both_sides(tiny):
         finished = {rid for rid, r in got.items() if r[1] in ("length", "stop")}
         assert finished | aborted >= {rid for rid, _, _ in requests}
         assert_all_free(prefill, decode)
-        assert not prefill.handover.held and not decode.intake.waiting
+        assert not prefill.connector.held and not decode.connector.waiting
     finally:
         prefill.close()
         decode.close()

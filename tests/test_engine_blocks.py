@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.block_manager import BlockManager, chain_hash
 from splitserve.engine.request import Request
 from splitserve.sampling import SamplingParams
 from engine_support import make_engine, run_to_end
@@ -109,3 +109,12 @@ def test_preempted_requests_still_produce_the_greedy_answer(tiny):
     expected, got = run_to_end(roomy), run_to_end(tight)
     assert tight.stats().num_preemptions > 0
     assert got == expected
+
+
+def test_prefix_cache_hash_has_no_buildable_collisions():
+    # Python's hash() of an int is the value mod 2**61 - 1, so these two blocks collided and a
+    # tenant could poison another's cache; a cryptographic digest over the exact ids cannot.
+    mod = 2**61 - 1
+    assert chain_hash(None, [1, 2]) != chain_hash(None, [1 + mod, 2])
+    assert chain_hash(chain_hash(None, [5]), [7]) != chain_hash(chain_hash(None, [5 + mod]), [7])
+    assert chain_hash(None, [1, 2]) == chain_hash(None, (1, 2))  # still deterministic

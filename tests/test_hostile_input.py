@@ -94,6 +94,12 @@ HOSTILE_BODIES = {
     "stream as string": ("{" + MSG + ', "stream": "yes"}').encode(),
     "many stop strings": ("{" + MSG + ', "stop": ' + json.dumps(["s"] * 1000) + "}").encode(),
     "top_k huge negative": ("{" + MSG + ', "top_k": -1000000}').encode(),
+    "top_k past int64": ("{" + MSG + ', "top_k": 1000000000000000000000000000000}').encode(),
+    "min_tokens past int64": ("{" + MSG + ', "min_tokens": 1000000000000000000000000000000}').encode(),
+    "n past int64": ("{" + MSG + ', "n": 1000000000000000000000000000000}').encode(),
+    "stop_token_ids past uint64": ("{" + MSG + ', "stop_token_ids": [100000000000000000000000]}').encode(),
+    "top_logprobs huge": ("{" + MSG + ', "top_logprobs": 1000000000000000000000}').encode(),
+    "presence_penalty huge": ("{" + MSG + ', "presence_penalty": 1e308}').encode(),
     "duplicate keys": ("{" + MSG + ", " + MSG + ', "max_tokens": 1, "max_tokens": -1}').encode(),
     "trailing garbage": ("{" + MSG + "} {}").encode(),
 }
@@ -133,6 +139,28 @@ def test_prompt_of_most_of_a_megabyte_is_400_too_long_never_a_hang(server):
     assert r.json()["error"]["code"] == "context_length_exceeded"
     r = post(server, CHAT_URL, json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode())
     assert_json_client_error(r, 400)
+    assert_still_serving(server)
+
+
+def test_a_burst_of_megabyte_prompts_does_not_stall_the_event_loop(server):
+    # Each prompt takes ~0.6 s to tokenize; on the event loop six of them held it for seconds,
+    # long enough for the watchdog to declare the (healthy) engine dead.
+    import concurrent.futures
+    prompt = "lorem ipsum dolor " * 50_000
+    body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        burst = [pool.submit(post, server, TEXT_URL, body) for _ in range(6)]
+        slowest, alive = 0.0, []
+        while not all(f.done() for f in burst):
+            start = time.monotonic()
+            r = httpx.get(server.base_url + "/health", timeout=30)
+            slowest = max(slowest, time.monotonic() - start)
+            alive.append(r.json()["instances_alive"])
+            time.sleep(0.05)
+        for f in burst:
+            assert_json_client_error(f.result(), 400)
+    assert slowest < 1.5, f"/health took {slowest:.2f} s while prompts were tokenized"
+    assert min(alive) == 1, alive
     assert_still_serving(server)
 
 
@@ -289,3 +317,19 @@ def test_engine_rejects_garbage_and_forged_frames_and_keeps_serving(model_dir, t
     finally:
         stop_process(engine)
         ctx.destroy(linger=0)
+
+
+def test_bench_fuzz_bodies_get_no_5xx_and_leave_nothing_held(server):
+    """bench/fuzz.py's generator, 200 bodies (the lead's full run sends 10,000 per arrangement)."""
+    import asyncio
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import fuzz
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    result = asyncio.run(fuzz.fuzz(server.base_url, count=200, seconds=60, seed=7, concurrency=4))
+    assert result["sent"] == 200 and result["num_5xx"] == 0, result["server_errors"]
+    assert result["statuses"].get(200, 0) > 50  # the generator reaches the engine, not only the validator
+    check = fuzz.check_server(server.base_url, settle_s=30)
+    assert not check["leaked"] and check["answers_normally"], check

@@ -161,20 +161,20 @@ def test_stopped_prefill_instance_is_a_network_failure():
 
 
 def test_shm_segment_is_removed_on_close_and_attach_checks_the_shape(tmp_path):
-    shape = pool_shape(2, 4)
-    kv, handle = allocate_kv_pool(shape, torch.float32, "splitserve-kv-test", shm_dir=tmp_path)
+    shape, name = pool_shape(2, 4), segment_name("test")  # attach accepts only names of this form
+    kv, handle = allocate_kv_pool(shape, torch.float32, name, shm_dir=tmp_path)
     kv.fill_(3.0)
     with pytest.raises(ValueError, match="already exists"):
-        allocate_kv_pool(shape, torch.float32, "splitserve-kv-test", shm_dir=tmp_path)
-    seen, reader = attach_kv_pool("splitserve-kv-test", shape, torch.float32, shm_dir=tmp_path)
+        allocate_kv_pool(shape, torch.float32, name, shm_dir=tmp_path)
+    seen, reader = attach_kv_pool(name, shape, torch.float32, shm_dir=tmp_path)
     assert torch.equal(seen, kv)
     with pytest.raises(ValueError, match="disagree on the pool"):
-        attach_kv_pool("splitserve-kv-test", pool_shape(3, 4), torch.float32, shm_dir=tmp_path)
+        attach_kv_pool(name, pool_shape(3, 4), torch.float32, shm_dir=tmp_path)
     reader.close()
     handle.close()
-    assert not (tmp_path / "splitserve-kv-test").exists()
+    assert not (tmp_path / name).exists()
     with pytest.raises(ValueError, match="no shared-memory segment"):
-        attach_kv_pool("splitserve-kv-test", shape, torch.float32, shm_dir=tmp_path)
+        attach_kv_pool(name, shape, torch.float32, shm_dir=tmp_path)
 
 
 def test_cleanup_removes_segments_of_dead_owners_only(tmp_path):
@@ -198,9 +198,10 @@ def _noncontiguous_pool(pool: torch.Tensor) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("secret", [None, SECRET])  # with a secret every staged layer is tagged too
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
-    config = KVTransferConfig(transport="tcp")
+def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side, secret):
+    config = KVTransferConfig(transport="tcp", secret=secret)
     src = random_pool(3, 16, seed=3)
     dst = torch.zeros(pool_shape(3, 16))
     if side == "sender":
@@ -219,10 +220,11 @@ def test_tcp_stages_through_host_buffers_for_pools_without_byte_views(side):
     assert torch.equal(dst[:, :, :, record.dst_block_ids], src[:, :, :, [3, 4, 9, 0]])
 
 
-def test_tcp_layers_of_megabytes_arrive_intact():
+@pytest.mark.parametrize("secret", [None, SECRET])  # tags over views split across partial sends
+def test_tcp_layers_of_megabytes_arrive_intact(secret):
     """Big layers make sendmsg/recvmsg_into return partial counts; nothing may slip."""
     shape = (2, 2, 3, 96, 16, 64)  # 2 * 80 blocks * 12 KiB = ~2 MB per layer
-    config = KVTransferConfig(transport="tcp")
+    config = KVTransferConfig(transport="tcp", secret=secret)
     src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     dst = torch.zeros(shape)
     src_ids = random.Random(1).sample(range(96), 80)

@@ -4,7 +4,8 @@
 - `DELETE /admin/instances/decode-0` drains the original decode instance: it takes no new
   requests, is told to shut down, and its process exits; traffic goes to the new one;
 - `POST /admin/instances {"role": ...}` starts one more engine; a bad role is a 400;
-- a hand-started engine that is killed is taken out by the health checks.
+- a hand-started engine that is killed is taken out by the health checks; as it was the last
+  decode instance, the prefill instance takes over as colocated and requests keep being served.
 """
 from __future__ import annotations
 
@@ -68,8 +69,11 @@ def test_hand_started_decode_engine_joins_and_drained_one_leaves(setup):
 
         hand.send_signal(signal.SIGKILL)  # no parent watches it: only the heartbeat check can tell
         assert wait_until(lambda: alive(srv)["decode-hand"] is False, timeout_s=30)
+        assert wait_until(lambda: {i["id"]: i["role"] for i in httpx.get(srv.base_url + "/admin/instances").json()[
+            "instances"]}["prefill-0"] == "colocated", timeout_s=5)
         r = httpx.post(srv.base_url + "/v1/completions", json=completion_body([1, 2], 3, False))
-        assert r.status_code == 429 and "no decode engine instance is alive" in r.json()["error"]["message"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert sum(metric_samples(srv.base_url, "splitserve_role_changes_total").values()) == 1
     finally:
         if hand.poll() is None:
             hand.kill()
@@ -84,6 +88,6 @@ def test_admin_post_starts_an_engine_of_the_given_role(setup):
     assert r.status_code == 202
     new_id = r.json()["id"]
     assert wait_until(lambda: alive(srv).get(new_id) is True, timeout_s=120)
-    results = complete(srv, 2)  # the new decode instance is the only live one
+    results = complete(srv, 2)
     assert all(r["done"] and r["num_tokens"] == 6 for r in results), results
     assert httpx.delete(srv.base_url + "/admin/instances/nope").status_code == 404

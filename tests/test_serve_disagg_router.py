@@ -77,12 +77,12 @@ def test_colocated_instances_are_preferred_and_need_no_pair():
     assert start(router, "a", 10, 10).prefill_instance_id is None
 
 
-@pytest.mark.parametrize("outcome,finish,expected", [("done", "length", "ok"), ("failed", "length", "recomputed"),
-                                                     ("failed", "error", "failed")])
-def test_transfer_report_has_the_trial_outcome(outcome, finish, expected):
-    report = trial_report(KVTransferReport(outcome, "p0", "shm", 4096, 0.002, 0.0, "boom", "injected"), finish)
-    assert report["outcome"] == expected and report["bytes"] == 4096 and report["retries"] == 0
-    assert ("error_kind" in report) == (outcome != "done")
+@pytest.mark.parametrize("outcome", ["ok", "recomputed", "failed"])
+def test_transfer_report_passes_the_engine_outcome_through(outcome):
+    """The decode instance decides ok | recomputed | failed; the frontend does not re-derive it."""
+    report = trial_report(KVTransferReport(outcome, "p0", "shm", 4096, 0.002, 0.0, "boom", "injected"))
+    assert report["outcome"] == outcome and report["bytes"] == 4096 and report["retries"] == 0
+    assert ("error_kind" in report) == (outcome != "ok")
 
 
 def test_descriptor_first_token_and_report_cross_the_wire_intact():
@@ -92,7 +92,7 @@ def test_descriptor_first_token_and_report_cross_the_wire_intact():
     request = GenerateRequest("r1", [1, 2, 3], WireSamplingParams(max_tokens=4), descriptor, [7])
     assert codec.to_engine.decode(codec.encode(request)) == request
     out = StepOutputs("d0", [TokenOutput("r1", [9], True, "length",
-                                         kv_transfer=KVTransferReport("done", "p0", "tcp", 99, 0.01)),
+                                         kv_transfer=KVTransferReport("ok", "p0", "tcp", 99, 0.01)),
                              TokenOutput("r2", [5], True, "prefill_done", kv_descriptor=descriptor)])
     assert codec.from_engine.decode(codec.encode(out)) == out
     stats = EngineStats("p0", "prefill", 0, 0, 10, 10, kv=KVStats(num_lease_expiries=3))
@@ -120,21 +120,29 @@ def test_serve_refuses_arrangements_that_cannot_work(argv, message):
         launch.check_args(args)
 
 
-def test_serve_starts_engines_with_their_roles_and_kv_flags():
+def test_serve_builds_each_engine_config_once_and_sends_it_whole():
+    """The engines get the EngineConfig serve built (msgspec on stdin), not flags parsed again."""
+    from splitserve.engine.process import engine_config_from_args
+    from splitserve.protocol import decode_engine_config, encode_engine_config
+
     launch, args = serve_args("--prefill", "2", "--decode", "1", "--kv-transport", "tcp", "--kv-fault-rate", "0.2",
                               "--kv-failure-policy", "fail", "--weight-format", "fp32")
     launch.check_args(args)
     roles = launch.engine_roles(args)
     assert roles == [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
-    cmd = launch.engine_command(args, "prefill-1", "tcp://127.0.0.1:1", None, "prefill")
-    for flag, value in (("--role", "prefill"), ("--engine-id", "prefill-1"), ("--kv-transport", "tcp"),
-                        ("--kv-fault-rate", "0.2"), ("--kv-failure-policy", "fail"), ("--kv-port", "0"),
-                        ("--weight-format", "fp32")):
-        assert cmd[cmd.index(flag) + 1] == value
+    config = engine_config_from_args(args, "prefill", "prefill-1")
+    sent = decode_engine_config(encode_engine_config(config))
+    assert sent == config
+    assert (sent.role, sent.instance_id, sent.kv_failure_policy) == ("prefill", "prefill-1", "fail")
+    assert sent.weight_format == "fp32"
+    assert (sent.kv_transfer.transport, sent.kv_transfer.fault_rate, sent.kv_transfer.port) == ("tcp", 0.2, 0)
+    cmd = launch.engine_command(args, "tcp://127.0.0.1:1", None)
+    assert "--config-stdin" in cmd and "--kv-transport" not in cmd and "--role" not in cmd
     launch, args = serve_args()
     launch.check_args(args)
     assert launch.engine_roles(args) == [("engine-0", "colocated")]
-    assert "--kv-transport" not in launch.engine_command(args, "engine-0", "tcp://127.0.0.1:1", None)
+    # a colocated engine gets the KV settings too: a live role change may need them
+    assert engine_config_from_args(args, "colocated", "engine-0").kv_transfer.transport == "shm"
 
 
 def test_prefix_affinity_sends_a_shared_prefix_back_to_its_prefill_instance():

@@ -6,7 +6,7 @@ import os
 import msgspec
 import pytest
 
-from splitserve.frontend.engine_proc import parse_cpus
+from splitserve.engine.process import parse_cpus
 from splitserve.frontend.launch import core_sets
 from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,

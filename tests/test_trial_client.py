@@ -68,3 +68,48 @@ def test_an_error_chunk_is_a_cancelled_stream_and_its_kv_report_is_kept():
     ({"text": "x", "num_tokens": 2}, 2), ({"text": "", "finish_reason": "length"}, 0)])
 def test_tokens_per_chunk(choice, expected):
     assert _tokens_in_chunk(choice) == expected
+
+
+def _serve(*flags):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_ready(f"http://127.0.0.1:{port}", 60, proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_an_odd_response_fails_its_request_and_a_failing_side_task_loses_nothing():
+    proc, url = _serve("--gap-s", "0.01", "--odd-every", "2")
+
+    async def broken_side_task(t0):
+        raise RuntimeError("a fault injector bug")
+
+    try:
+        records = asyncio.run(run_load(url, planned(4, 0.05), timeout_s=5.0, side_tasks=[broken_side_task]))
+    finally:
+        stop_process_group(proc)
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert [r.error_kind for r in records] == [None, "cancelled", None, "cancelled"]
+    assert "unreadable response" in records[1].error_message
+
+
+def test_timing_is_per_token_when_the_server_names_token_ids_and_per_chunk_otherwise():
+    proc, url = _serve("--gap-s", "0.005", "--token-ids")
+    try:
+        [named] = asyncio.run(run_load(url, planned(1), timeout_s=5.0))
+    finally:
+        stop_process_group(proc)
+    assert named.token_timing == "token" and len(named.token_times_s) == 5
+    assert _tokens_in_chunk({"text": "", "token_ids": [1, 2]}) == 2   # held-back text still counts
+
+
+def test_a_stop_event_ends_the_remaining_requests_as_probe_stopped(faulty_server):
+    stop = asyncio.Event()
+
+    def on_done(rec):
+        stop.set()                                      # the first finished request stops the rest
+
+    plan = planned(3, 0.0) + [PlannedRequest(9, "chat", 30.0, [5], 5)]  # due far in the future
+    records = asyncio.run(run_load(faulty_server, plan, timeout_s=5.0, on_done=on_done, stop=stop))
+    assert records[-1].error_kind == "probe_stopped" and records[-1].sent_s is None
+    assert any(r.error_kind != "probe_stopped" for r in records[:3])  # the one that finished first

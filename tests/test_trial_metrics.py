@@ -69,12 +69,16 @@ def test_summary_counts_good_requests_goodput_interruptions_and_failures():
     ]
     s = summarize(records, SLO_, THRESHOLD, slo_scales=(0.5, 1.0, 2.0))
     assert s["num_good"] == 1 and s["attainment"] == pytest.approx(0.25)
-    assert s["duration_s"] == pytest.approx(3.7)
-    assert s["goodput_rps"] == pytest.approx(1 / 3.7)
+    # scheduled at 0, .5, .2, 2.0: offered 3 gaps over 2 s; goodput = attainment x offered rate
+    assert s["duration_s"] == pytest.approx(2.0) and s["makespan_s"] == pytest.approx(3.7)
+    assert s["offered_rate_rps"] == pytest.approx(1.5)
+    assert s["goodput_rps"] == pytest.approx(0.25 * 1.5)
     assert s["interrupted_share"] == pytest.approx(1 / 3)           # streams with >1 token: 3, paused: 1
     assert s["failures"]["truncated"] == 1 and s["failures"]["http_error"] == 1
     assert s["failures"]["timeout"] == 0
-    assert s["ttft_s"]["p50"] == pytest.approx(0.5)                  # TTFTs .5 .5 1.5
+    # TTFTs .5 .5 1.5, and the HTTP error never got a first token: it counts as infinitely late
+    assert s["ttft_s"]["p50"] == pytest.approx(1.0) and s["ttft_s"]["p99"] == float("inf")
+    assert s["ttft_s"]["num_failed"] == 1
     assert s["stalled_s_total"] == pytest.approx(0.7)
     assert s["client_lag_s"]["max"] == pytest.approx(0.1)
     # x0.5: request 0's p99 gap .682 > .4 fails; x2: request 3's TTFT 1.5 <= 2 passes
@@ -87,5 +91,62 @@ def test_summary_sums_kv_transfer_reports_and_retries():
                rec(1, 0.0, [0.1], 1, kv_transfer={"bytes": 500, "seconds": 0.5, "outcome": "failed", "retries": 2},
                    retries=2)]
     s = summarize(records, SLO_, THRESHOLD)
-    assert s["kv_transfer"] == {"num_reports": 2, "bytes": 1500, "seconds": pytest.approx(0.75), "retries": 2}
-    assert s["failures"]["kv_transfer_failed"] == 1 and s["retries"] == 2
+    assert s["kv_transfer"] == {"num_reports": 2, "bytes": 1500, "seconds": pytest.approx(0.75), "retries": 2,
+                                "failed": 1}
+    assert s["kv_transfer"]["failed"] == 1 and s["retries"] == 2
+    # both completed: recovered, not failed
+    assert sum(s["failures"].values()) == 0
+    assert s["recovered"] == {"retried": 1, "kv_recomputed": 1}
+
+
+def test_a_stream_that_freezes_and_times_out_shows_the_freeze_as_a_pause():
+    # tokens until 0.3, then nothing until the client gave up at 5.0
+    frozen = rec(0, 0.0, [0.1, 0.2, 0.3], 10, error_kind="timeout", finished_s=5.0)
+    m = request_metrics(frozen, SLO_, THRESHOLD)
+    assert m.longest_pause_s == pytest.approx(4.7) and m.num_pauses == 1
+    s = summarize([frozen], SLO_, THRESHOLD)
+    assert s["gap_s"]["p99"] > 4.0 and s["interrupted_share"] == 1.0
+    cut = rec(1, 0.0, [0.1, 0.2], 10, error_kind="cancelled", finished_s=2.2)
+    assert request_metrics(cut, SLO_, THRESHOLD).longest_pause_s == pytest.approx(2.0)
+
+
+def test_ttft_percentiles_count_requests_that_failed_before_their_first_token():
+    ok = [rec(i, 0.0, [0.1, 0.2], 2) for i in range(8)]
+    failed = [rec(8 + i, 0.0, [], 2, error_kind="timeout", finished_s=30.0) for i in range(2)]
+    s = summarize(ok + failed, SLO_, THRESHOLD)
+    # 2 of 10 never answered: the p90 and p99 first token never came
+    assert s["ttft_s"]["p50"] == pytest.approx(0.1)
+    assert s["ttft_s"]["p90"] == float("inf") and s["ttft_s"]["p99"] == float("inf")
+    assert s["ttft_s"]["num_failed"] == 2
+    assert summarize(ok, SLO_, THRESHOLD)["ttft_s"]["p99"] == pytest.approx(0.1)
+
+
+def test_goodput_divides_by_the_scheduled_span_the_same_for_every_arrangement():
+    fast = [rec(i, float(i), [i + 0.1, i + 0.2], 2) for i in range(5)]
+    # same plan, every answer late but within the SLOs' e2e: a longer makespan
+    slow = [rec(i, float(i), [i + 0.9, i + 4.0], 2) for i in range(5)]
+    loose = SLO(ttft_s=1.0, gap_s=5.0, e2e_s=5.0, max_pause_s=5.0)
+    a, b = summarize(fast, loose, 10.0), summarize(slow, loose, 10.0)
+    assert a["attainment"] == b["attainment"] == 1.0
+    assert a["goodput_rps"] == b["goodput_rps"] == pytest.approx(1.0)   # 4 gaps over 4 s
+
+
+def test_retried_and_recomputed_requests_are_reported_per_class_apart_from_failures():
+    records = [rec(0, 0.0, [0.1, 0.2], 2, retries=1),
+               rec(1, 0.0, [0.1, 0.2], 2, class_name="document",
+                   kv_transfer={"outcome": "failed", "retries": 1}),
+               rec(2, 0.0, [0.1], 2, class_name="document", error_kind="cancelled", finished_s=0.5,
+                   kv_transfer={"outcome": "failed"})]
+    s = summarize(records, SLO_, THRESHOLD)
+    assert s["by_class"]["chat"]["recovered"] == {"retried": 1, "kv_recomputed": 0}
+    assert s["by_class"]["document"]["recovered"] == {"retried": 0, "kv_recomputed": 1}
+    assert s["by_class"]["document"]["failures"] == {"cancelled": 1}
+    assert s["failures"]["cancelled"] == 1 and sum(s["failures"].values()) == 1
+    assert s["kv_transfer"]["failed"] == 2
+
+
+def test_attainment_per_phase():
+    records = [rec(i, float(i), [i + 0.1, i + 0.2], 2) for i in range(4)]
+    records[3].token_times_s = [3.1, 9.0]                       # a pause in the second phase
+    s = summarize(records, SLO_, THRESHOLD, phase_starts_s=[0.0, 2.0])
+    assert [(p["num_requests"], p["attainment"]) for p in s["by_phase"]] == [(2, 1.0), (2, 0.5)]

@@ -5,7 +5,7 @@ from splitserve.trial.metrics import RequestRecord, summarize
 from splitserve.trial.report import table, write_html, write_json
 from splitserve.trial.runner import ArrangementResult, RunResult
 from splitserve.trial.spec import parse_spec
-from splitserve.trial.verdict import results_document
+from splitserve.trial.results import results_document
 
 SPEC = parse_spec({
     "workload": {"classes": {"chat": {"prompt_tokens": 8, "answer_tokens": 4}}},
@@ -42,15 +42,14 @@ def document(stalls_colocated: bool):
 
 def test_verdict_says_separate_when_colocated_streams_stall():
     doc = document(stalls_colocated=True)
-    assert "1P1D met the most deadlines" in doc["verdict"]
-    assert "Separate prefill: yes" in doc["verdict"]
+    assert "Separate prefill: yes at this rate: 1P1D met more deadlines than colocated-whole" in doc["verdict"]
     assert "colocated-x2" in doc["verdict"]  # the arrangement that failed to start is named
 
 
 def test_verdict_says_colocated_when_separation_only_delays_first_tokens():
     doc = document(stalls_colocated=False)
-    assert "Separate prefill: no" in doc["verdict"]
-    assert "colocated-whole met the most deadlines" in doc["verdict"]
+    assert "Separate prefill: no at this rate: colocated-whole met more deadlines than 1P1D" in doc["verdict"]
+    assert "its p99 TTFT was" in doc["verdict"]  # the cost it names is one it measured
 
 
 def test_equal_attainment_and_goodput_is_no_verdict_for_separation():
@@ -67,6 +66,7 @@ def test_no_verdict_when_every_arrangement_drowned():
     doc = results_document(SPEC, None, results, sweep=False)
     assert "no verdict from an overloaded run" in doc["verdict"]
     assert "Warning: every arrangement met fewer than half its deadlines" in doc["verdict"]
+    assert "Separate prefill: yes" not in doc["verdict"]
 
 
 def test_reports_render_from_the_document(tmp_path):
@@ -76,4 +76,19 @@ def test_reports_render_from_the_document(tmp_path):
     write_html(doc, tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text()
     assert "exited with code 2" in page and page.count("data:image/png;base64,") == 4
+    assert table(doc).row_count >= 10
+
+
+def test_a_trial_whose_searches_held_nothing_still_renders(tmp_path):
+    from splitserve.trial.capacity import spread
+
+    doc = document(stalls_colocated=True)
+    for a in doc["arrangements"]:
+        a["runs"] = [dict(r, purpose="probe") for r in a["runs"]]   # probes only: no whole-plan run
+        a["capacity"] = [{"repeat": 0, "capacity_rps": None, "failed_rps": 1.0, "stopped_by": "floor",
+                          "probes": [{"multiplier": 1.0, "attainment": 0.25, "offered_rate_rps": 1.0,
+                                      "seconds": 4.0}]}]
+        a["capacity_rps"] = spread([None])
+    write_html(doc, tmp_path / "report.html")
+    assert "stopped by floor" in (tmp_path / "report.html").read_text()
     assert table(doc).row_count >= 10

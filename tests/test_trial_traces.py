@@ -7,10 +7,8 @@ import pytest
 from splitserve.trial.analyze import analyze, read_requests
 from splitserve.trial.traces import TraceError, detect_format, read_trace
 
-# ../shared beside the checkout (as in CI), or where the development machines keep it
-AZURE_TRACE = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared/traces/AzureLLMInferenceTrace_conv.csv",
-                                pathlib.Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")) if p.exists()),
-                   pathlib.Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv"))
+# shipped with the examples (CC-BY 4.0, attribution in examples/traces/README.md)
+AZURE_TRACE = pathlib.Path(__file__).resolve().parents[1] / "examples/traces/AzureLLMInferenceTrace_conv.csv"
 
 
 @pytest.fixture
@@ -91,8 +89,6 @@ def test_analyze_reports_lengths_long_share_and_burstiness(mooncake):
 def test_analyze_cli_on_the_azure_trace(capsys):
     from splitserve.cli import main
 
-    if not AZURE_TRACE.exists():
-        pytest.skip("the shared Azure trace is not on this machine")
     assert main(["workload", "analyze", str(AZURE_TRACE), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_requests"] > 19000

@@ -1,20 +1,27 @@
 """Fixed-size KV blocks with reference counts and a prefix cache.
 
 A full block is identified by a chained hash of (previous block's hash, its token ids), so
-two requests that share a prefix share blocks. A block's hash is published only once its KV
+two requests that share a prefix share blocks. The hash is SHA-256 (as in vLLM): with
+Python's hash() a client could build colliding prompts offline and have its blocks served
+as another tenant's prefix. A block's hash is published only once its KV
 has been computed — a request never reuses a block some other request is still filling.
 Freed blocks keep their hash and go to the back of the free queue; allocation takes from
 the front, so cached blocks are reused in least-recently-freed order.
 """
 from __future__ import annotations
 
+import array
+import hashlib
 from collections import OrderedDict
 
 from splitserve.engine.request import Request
 
 
-def chain_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    return hash((parent, tuple(token_ids)))
+def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """SHA-256 over the parent's digest and the ids as int64s (ids are < 2**63: vocab indices)."""
+    digest = hashlib.sha256(parent or b"\0" * 32)
+    digest.update(array.array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -23,8 +30,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
         # Free blocks in reuse order (front first); an OrderedDict gives O(1) removal of a
         # cached block that gets revived from the middle.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -38,7 +45,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _cached_prefix(self, request: Request) -> tuple[list[int], list[int]]:
+    def _cached_prefix(self, request: Request) -> tuple[list[int], list[bytes]]:
         """Blocks (and their hashes) holding a computed prefix of the request's tokens."""
         if not self.enable_prefix_caching:
             return [], []

@@ -1,43 +1,29 @@
 """The engine: one loop of schedule -> run model -> update state -> report outputs.
 
-Single-threaded and in-process. The engine process (frontend/engine_proc.py) wraps it with
-socket threads; the offline LLM class drives it directly.
+Single-threaded and in-process. The engine process (engine/process.py) wraps it with socket
+threads; the offline LLM class drives it directly. What the role changes (where a request's KV
+comes from, what happens to its blocks when it ends) is the connector's business
+(engine/connectors.py); nothing here asks which role this instance plays.
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
-from splitserve.config import EngineConfig, ModelConfig
+from splitserve.config import ROLES, EngineConfig, ModelConfig
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.kv_handover import DecodeIntake, PrefillHandover, allocate_pool
+from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import Scheduler
-from splitserve.kv_transfer import TransferOutcome
+from splitserve.protocol import EngineStats
 from splitserve.sampling import SamplingParams
 
+log = logging.getLogger("splitserve.engine")
 
-@dataclass(slots=True)
-class EngineStats:
-    role: str
-    num_waiting: int
-    num_running: int
-    num_blocks_total: int
-    num_free_blocks: int
-    block_size: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found cached
-    num_preemptions: int
-    num_steps: int
-    kv_sender: dict | None = None  # prefill role: SenderStats fields
-    kv_receiver: dict | None = None  # decode role: ReceiverStats fields
-
-    @property
-    def num_blocks_used(self) -> int:
-        return self.num_blocks_total - self.num_free_blocks
+STEP_TIME_DECAY = 0.8  # weight of the past in the moving average of step times
 
 
 class EngineCore:
@@ -53,12 +39,10 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.model_config: ModelConfig = loaded.config
-        self.role = config.scheduler.role
         self._pool_handle = None
 
         def allocate(shape, dtype):
-            pool, self._pool_handle = allocate_pool(config.kv_transfer, self.role, config.instance_id,
-                                                    shape, dtype, config.device)
+            pool, self._pool_handle = allocate_kv_cache(config, shape, dtype)
             return pool
 
         self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device,
@@ -66,17 +50,51 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.handover = self.intake = None
-        if self.role == "prefill":
-            self.handover = PrefillHandover(config.kv_transfer, self.runner.kv_cache, config.instance_id,
-                                            self.block_manager,
-                                            shm_name=self._pool_handle.name if self._pool_handle else "")
-        elif self.role == "decode":
-            self.intake = DecodeIntake(config.kv_transfer, self.runner.kv_cache, self.block_manager,
-                                       config.kv_failure_policy, network=kv_network)
+        self._kv_network = kv_network
+        self.connector = self._make_connector(config.role)
+        self.pending_role: str | None = None
+        self.num_role_changes = 0
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
+        self.step_seconds = 0.0  # moving average of recent steps that ran the model
+        self.step_tokens = 0.0  # ... and of the tokens they carried
+
+    def _make_connector(self, role: str):
+        shm_name = self._pool_handle.name if self._pool_handle is not None else ""
+        return make_connector(role, self.config, self.runner.kv_cache, self.block_manager, shm_name,
+                              self._kv_network)
+
+    @property
+    def role(self) -> str:
+        return self.connector.role
+
+    def change_role(self, role: str) -> None:
+        """Asks for a new connector; it takes over once the old one has nothing in flight
+        (try_swap_role). New requests should stop coming before this is called. ValueError if
+        this instance can never play `role`."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role != "colocated" and self.config.kv_transfer is None:
+            raise ValueError(f"this instance was started without KV transfer settings, so it cannot become "
+                             f"{role}; start it with --kv-transport shm|tcp")
+        self.pending_role = None if role == self.role else role
+
+    def try_swap_role(self) -> bool:
+        """Swaps the connector if a change is pending and the old one is idle; True if it did."""
+        if self.pending_role is None or self.connector.has_unfinished():
+            return False
+        role, self.pending_role = self.pending_role, None
+        try:
+            new = self._make_connector(role)
+        except (OSError, ValueError) as e:  # e.g. a fixed --kv-port already taken
+            raise ValueError(f"cannot become {role}: {e}") from None
+        old = self.connector
+        old.close()
+        self.connector = new
+        self.num_role_changes += 1
+        log.info("engine %s: role %s -> %s", self.config.instance_id, old.role, new.role)
+        return True
 
     @property
     def max_model_len(self) -> int:
@@ -105,14 +123,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_descriptor=None, first_token_ids: list[int] | None = None) -> None:
-        """kv_descriptor (decode role): the prompt's KV waits on a prefill instance, which already
-        produced first_token_ids; this instance pulls the KV and continues from there."""
+        """kv_descriptor: the prompt's KV waits on a prefill instance, which already produced
+        first_token_ids; the connector pulls the KV and the request continues from there."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if kv_descriptor is not None and (self.intake is None or not first_token_ids):
-            raise ValueError("a KV descriptor can only go to a decode-role instance, with the first token")
+        if kv_descriptor is not None and not first_token_ids:
+            raise ValueError("a KV descriptor comes with the first token the prefill instance produced")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(),
@@ -120,62 +138,60 @@ class EngineCore:
                           max_model_len=self.max_model_len)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        self.requests[request_id] = request
         if kv_descriptor is not None:
             request.output_token_ids = list(first_token_ids)
-            self.intake.add(request, kv_descriptor)
-        else:
+        if not self.connector.on_add(request, kv_descriptor):
             self.scheduler.add(request)
+        self.requests[request_id] = request
 
     def abort_request(self, request_id: str) -> bool:
-        if self.handover is not None and self.handover.abort(request_id):
-            return True  # its prompt was done here; the KV was waiting for a decode instance
+        taken = self.connector.abort(request_id)  # held for a handover, or waiting for its KV
         request = self.requests.pop(request_id, None)
         if request is None:
-            return False
-        if self.intake is not None and self.intake.abort(request_id):
-            request.status = RequestStatus.FINISHED_ABORTED  # blocks come back via the receiver
-            return True
-        self.scheduler.remove(request)
+            return taken
+        if not taken:
+            self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished()
-                or (self.handover is not None and self.handover.has_unfinished())
-                or (self.intake is not None and self.intake.has_unfinished()))
+        return self.scheduler.has_unfinished() or self.connector.has_unfinished()
 
-    def _poll_transfers(self) -> list[RequestOutput]:
-        outputs = []
-        if self.handover is not None:
-            self.handover.poll()
-        if self.intake is None:
-            return outputs
-        for request, record in self.intake.poll():
-            if request.request_id not in self.requests:
-                continue  # aborted meanwhile
-            if record.outcome is TransferOutcome.DONE:
-                request.kv_transfer = record
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """Ends one request with an error, wherever it is, and frees what it holds: one bad request
+        must never take the engine (and every other request) down with it."""
+        log.exception("engine %s: request %s failed: %s", self.config.instance_id, request.request_id, error)
+        self.requests.pop(request.request_id, None)
+        if not self.connector.abort(request.request_id):
+            self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        return RequestOutput(request.request_id, [], finished=True, finish_reason="error",
+                             num_prompt_tokens=request.num_prompt_tokens, error=f"engine error: {error}")
+
+    def _poll_connector(self) -> list[RequestOutput]:
+        arrivals = self.connector.poll()
+        for request in arrivals.decode:
+            if request.request_id in self.requests:  # else aborted meanwhile
                 self.scheduler.add_prefilled(request)
-            elif self.config.kv_failure_policy == "recompute":
-                request.kv_transfer = record
-                request.status = RequestStatus.WAITING
-                self.scheduler.add(request)  # prefill prompt + first token here instead
-            else:
-                self.requests.pop(request.request_id)
-                request.status = RequestStatus.FINISHED_ERROR
-                outputs.append(RequestOutput(
-                    request.request_id, [], finished=True, finish_reason="error",
-                    num_prompt_tokens=request.num_prompt_tokens, kv_transfer=record,
-                    error=f"KV transfer from the prefill instance failed ({record.error_kind}): {record.error}"))
-        return outputs
+        for request in arrivals.prefill:
+            if request.request_id in self.requests:
+                self.scheduler.add(request)
+        for out in arrivals.failed:
+            self.requests.pop(out.request_id, None)
+        return arrivals.failed
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._poll_transfers()
+        outputs = self._poll_connector()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        sampled = self.runner.execute(batch, self.generator)
+        started = time.perf_counter()
+        try:
+            sampled = self.runner.execute(batch, self.generator)
+        except Exception as e:  # noqa: BLE001 - the batch fails, the engine lives on
+            requests = batch.decodes + [r for r, _ in batch.prefills]
+            return outputs + [self._fail(r, f"{type(e).__name__}: {e}") for r in requests]
+        self._observe_step(time.perf_counter() - started, batch.num_tokens)
         finished = set(self.scheduler.update(batch, sampled))
         self.num_steps += 1
         for request, token in sampled.items():
@@ -186,29 +202,44 @@ class EngineCore:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens)
             if done:
-                self.requests.pop(request.request_id, None)
-                out.kv_transfer = request.kv_transfer
-                if request.status is RequestStatus.FINISHED_PREFILL_DONE:
-                    out.kv_descriptor = self.handover.hand_over(request)
+                try:
+                    out.kv_descriptor = self._finish(request)
+                except Exception as e:  # noqa: BLE001
+                    outputs.append(self._fail(request, f"{type(e).__name__}: {e}"))
+                    continue
+                out.kv_transfer, out.kv_outcome = request.kv_transfer, request.kv_outcome
             outputs.append(out)
         return outputs
 
+    def _finish(self, request: Request):
+        """The connector decides whether the blocks stay (a handover) or go."""
+        keep_blocks, kv_params = self.connector.on_finished(request)
+        if not keep_blocks:
+            self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        return kv_params
+
+    def _observe_step(self, seconds: float, num_tokens: int) -> None:
+        if self.step_seconds == 0.0:
+            self.step_seconds, self.step_tokens = seconds, float(num_tokens)
+        else:
+            self.step_seconds = STEP_TIME_DECAY * self.step_seconds + (1 - STEP_TIME_DECAY) * seconds
+            self.step_tokens = STEP_TIME_DECAY * self.step_tokens + (1 - STEP_TIME_DECAY) * num_tokens
+
     def close(self) -> None:
         """Stop KV-transfer threads and release a shared-memory pool."""
-        if self.handover is not None:
-            self.handover.close()
-        if self.intake is not None:
-            self.intake.close()
+        self.connector.close()
         if self._pool_handle is not None:
             self._pool_handle.close()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, sched = self.block_manager, self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
         return EngineStats(
-            role=self.config.scheduler.role, num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running), num_blocks_total=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks, block_size=bm.block_size,
-            prefix_cache_queries=bm.num_prefix_queries, prefix_cache_hits=bm.num_prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-            kv_sender=self.handover.stats() if self.handover else None,
-            kv_receiver=self.intake.stats() if self.intake else None)
+            self.config.instance_id, self.role, len(sched.waiting), len(sched.running), bm.num_blocks,
+            bm.num_free_blocks, prefix_cache_queries=bm.num_prefix_queries,
+            prefix_cache_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
+            num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
+            num_role_changes=self.num_role_changes)

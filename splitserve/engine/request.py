@@ -2,9 +2,9 @@
 
 Lifecycle (colocated):
     WAITING -> RUNNING -> FINISHED_*            (preemption sends RUNNING back to WAITING)
-Disaggregated (the role decides which edges exist):
-    prefill role:  WAITING -> RUNNING -> FINISHED_PREFILL_DONE  (blocks kept for the handover)
-    decode role:   WAITING_FOR_KV -> RUNNING -> FINISHED_*      (blocks filled from a peer)
+Disaggregated (the connector decides which edges exist, engine/connectors.py):
+    remote_decode: WAITING -> RUNNING -> FINISHED_PREFILL_DONE  (blocks kept for the handover)
+    KV from a peer: WAITING_FOR_KV -> RUNNING -> FINISHED_*     (blocks filled from a peer)
 """
 from __future__ import annotations
 
@@ -38,14 +38,16 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 of full blocks
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     num_preemptions: int = 0
     generator: object | None = None  # torch.Generator when params.seed is set
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
-    kv_transfer: object | None = None  # decode role: TransferRecord of the KV it received
+    remote_decode: bool = False  # stops after its first token; a decode instance continues it
+    kv_transfer: object | None = None  # TransferRecord of the KV it received from a prefill instance
+    kv_outcome: str | None = None  # that transfer's end for the client: ok | recomputed | failed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,5 +87,6 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    kv_descriptor: object | None = None  # prefill role: where a decode instance can pull the KV
-    kv_transfer: object | None = None  # decode role: the TransferRecord of this request's KV
+    kv_descriptor: object | None = None  # "prefill_done": where a decode instance can pull the KV
+    kv_transfer: object | None = None  # the TransferRecord of the KV this request received
+    kv_outcome: str | None = None  # ok | recomputed | failed, decided by the decode connector

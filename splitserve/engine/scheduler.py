@@ -16,8 +16,9 @@ A request's path:
       one even if it alone exceeds the budget); otherwise the step decodes every running
       request. A long prompt therefore stalls every running stream for its whole prefill.
   update() advances num_computed_tokens, appends sampled tokens, and retires finished
-  requests, freeing their blocks (or, on a prefill-role instance, keeping them for the
-  handover to a decode instance).
+  requests from the running batch; the engine then asks its connector whether their blocks
+  are freed or kept for a handover. A `remote_decode` request (marked by a prefill connector)
+  finishes after its first token.
 """
 from __future__ import annotations
 
@@ -186,11 +187,10 @@ class Scheduler:
                 self.blocks.publish_computed(request)
         for request in finished:
             self.running.remove(request)
-            if request.status is not RequestStatus.FINISHED_PREFILL_DONE:
-                self.blocks.free(request)
         return finished
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    @staticmethod
+    def _stop_status(request: Request, token: int) -> RequestStatus | None:
         params = request.params
         n = request.num_output_tokens
         if n >= params.min_tokens:
@@ -200,6 +200,6 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if n >= params.max_tokens or request.num_tokens >= request.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        if self.config.role == "prefill":
+        if request.remote_decode:
             return RequestStatus.FINISHED_PREFILL_DONE
         return None

@@ -7,12 +7,15 @@
     DELETE /admin/instances/{id}   drains one: no new requests; once its requests (and, for a
                                    prefill instance, the KV it still holds) are gone it is told
                                    to shut down
+    POST   /admin/instances/{id}/role  {"role": ...}: live role change (role_change.py); 200 once
+                                   it serves in the new role, 409 with the reason when refused
+                                   (e.g. it would leave no instance able to decode)
 
 An engine on another host joins without any call: `splitserve engine --role decode --connect
 <engine_address> ...` says hello and the router starts using it. Instances that die or go
-silent are taken out by the engine client's watchdog. Like the rest of the API these routes
-have no authentication: keep --host on loopback (the default) or behind a proxy that guards
-/admin.
+silent are taken out by the engine client's watchdog. Who may call these routes (the admin
+key, Host checking) and how many engines POST may start (--max-instances, free memory) is
+decided in front of them: see http_guard.py and instance_budget.py.
 """
 from __future__ import annotations
 
@@ -24,11 +27,17 @@ from pydantic import BaseModel, ConfigDict
 from splitserve.config import ROLES
 from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.openai_schema import ApiError
+from splitserve.frontend.role_change import RoleChangeRefused
 
 SpawnEngine = Callable[[str], str]  # role -> the new engine's id
 
 
 class AddInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+
+
+class ChangeRole(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: str
 
@@ -41,6 +50,7 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             load = client.router.instances.get(engine_id)
             rows.append({"id": engine_id, "role": inst.hello.role, "alive": inst.alive, "pid": inst.hello.pid,
                          "draining": bool(load and load.draining),
+                         "changing_role": bool(load and load.changing_role),
                          "num_requests": load.num_requests if load else 0,
                          "outstanding_tokens": load.outstanding_tokens if load else 0})
         return {"engine_address": client.address, "instances": rows}
@@ -65,3 +75,12 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             raise ApiError(409, f"engine instance {engine_id!r} is not alive", param="engine_id")
         client.drain(engine_id)
         return {"id": engine_id, "status": "draining"}
+
+    @app.post("/admin/instances/{engine_id}/role")
+    async def change_role(engine_id: str, body: ChangeRole):
+        try:
+            await client.change_role(engine_id, body.role)
+        except RoleChangeRefused as e:
+            raise ApiError(e.status, str(e), "not_found_error" if e.status == 404 else "invalid_request_error",
+                           param="role" if e.status == 400 else "engine_id") from None
+        return {"id": engine_id, "role": body.role, "status": "serving"}

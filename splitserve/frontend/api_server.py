@@ -7,6 +7,7 @@ user input never gets that far.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import time
@@ -19,10 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.frontend.admin import SpawnEngine, add_admin_routes
 from splitserve.frontend.engine_client import EngineClient
+from splitserve.frontend.http_guard import (ADMIN_PREFIX, HttpGuardMiddleware, http_guard_from_args,
+                                            uvicorn_limits)
+from splitserve.frontend.instance_budget import InstanceBudget
+from splitserve.frontend.limits import RequestLimitsMiddleware
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.security import ApiKeyMiddleware, api_keys_from_args
 from splitserve.frontend.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,22 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     param = ".".join(loc) or None
     where = f"{param}: " if param else "body: "
     return ApiError(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
+
+
+def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engine: SpawnEngine | None,
+                     args: argparse.Namespace) -> tuple[object, dict]:
+    """The app `serve` runs, inside its guards (outermost first: Host + admin gate, API key, body
+    limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag."""
+    api_keys = api_keys_from_args(args)
+    guard = http_guard_from_args(args, api_keys)
+    if spawn_engine is not None:
+        spawn_engine = InstanceBudget(spawn_engine, client, guard.max_instances,
+                                      startup_timeout_s=args.startup_timeout)
+    app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine),
+                                  args.max_request_bytes, body_timeout_s=guard.timeout_request_headers)
+    if api_keys:
+        app = ApiKeyMiddleware(app, api_keys, exempt_prefix=ADMIN_PREFIX if guard.admin_keys else None)
+    return HttpGuardMiddleware(app, guard), uvicorn_limits(guard)
 
 
 def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
@@ -86,7 +108,7 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest):
         serving.check_model(body.model)
-        text, token_ids = serving.render_chat(body)
+        text, token_ids = await serving.render_chat(body)
         return {"prompt": text, "prompt_token_ids": token_ids, "count": len(token_ids)}
 
     @app.post("/tokenize")
@@ -95,16 +117,16 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            _, tokens = serving.render_chat(body)
+            _, tokens = await serving.render_chat(body)
         else:
-            tokens = renderer.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": client.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
-        return {"prompt": renderer.detokenize(body.tokens)}
+        return {"prompt": await serving.detokenize(body.tokens)}
 
     @app.get("/v1/models")
     async def models():

@@ -1,7 +1,9 @@
 """`splitserve serve`: start N engine processes and the frontend, and stop them all cleanly.
 
     this process = the frontend (asyncio: uvicorn + EngineClient)
-      ├─ spawn engine-0 .. engine-N-1  (`splitserve engine --connect <frontend> --parent-pid <us>`)
+      ├─ build each engine's EngineConfig once, spawn engine-0 .. engine-N-1
+      │    (`splitserve engine --connect <frontend> --parent-pid <us> --config-stdin`, the config
+      │    msgspec-encoded on its stdin: never turned back into flags)
       ├─ load the tokenizer while they load the model
       ├─ wait until every engine said hello, then serve HTTP and print the URL
       └─ SIGINT/SIGTERM: stop HTTP, tell engines to shut down, wait, then terminate stragglers
@@ -18,12 +20,15 @@ import signal
 import subprocess
 import sys
 
-from splitserve.frontend.engine_proc import add_engine_arguments
-from splitserve.frontend.limits import RequestLimitsMiddleware, add_limit_arguments, check_limit_args
-from splitserve.frontend.security import (ApiKeyMiddleware, add_api_key_arguments, add_engine_link_arguments,
-                                          api_keys_from_args, engine_link_from_args)
+from splitserve.config import EngineConfig
+from splitserve.engine.process import add_engine_arguments, engine_config_from_args
+from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_from_args
+from splitserve.frontend.limits import add_limit_arguments, check_limit_args
+from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
+                                          engine_link_from_args)
 from splitserve.frontend.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
+from splitserve.protocol import encode_engine_config
 
 log = logging.getLogger("splitserve.serve")
 
@@ -61,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a message (engines send one every 0.25 s) before an engine is "
                         "declared dead and its requests are retried or failed")
     add_api_key_arguments(p)
+    add_http_guard_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
 
@@ -124,17 +130,6 @@ def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(f"engine-{i}", "colocated") for i in range(args.instances)]
 
 
-def kv_flags(args: argparse.Namespace) -> list[str]:
-    """The --kv-* flags, forwarded to prefill and decode engines."""
-    cmd = ["--kv-transport", args.kv_transport, "--kv-lease-s", str(args.kv_lease_s),
-           "--kv-fault-rate", str(args.kv_fault_rate), "--kv-delay-ms", str(args.kv_delay_ms),
-           "--kv-host", args.kv_host, "--kv-port", str(args.kv_port), "--kv-seed", str(args.kv_seed),
-           "--kv-failure-policy", args.kv_failure_policy]
-    if args.kv_secret_file is not None:
-        cmd += ["--kv-secret-file", str(args.kv_secret_file)]
-    return cmd
-
-
 def engine_env(args: argparse.Namespace, num_engines: int) -> dict[str, str]:
     """The environment engines start with: OpenMP must learn its wait policy before torch loads."""
     env = dict(os.environ)
@@ -150,24 +145,26 @@ def engine_env(args: argparse.Namespace, num_engines: int) -> dict[str, str]:
     return env
 
 
-def engine_command(args: argparse.Namespace, engine_id: str, address: str, cpus: str | None,
-                   role: str = "colocated") -> list[str]:
-    cmd = [sys.executable, "-m", "splitserve.cli", "engine", "--connect", address, "--engine-id", engine_id,
-           "--role", role, "--parent-pid", str(os.getpid()), "--device", args.device,
-           "--prefill-policy", args.prefill_policy, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
-           "--block-size", str(args.block_size), "--seed", str(args.seed), "--weight-format", args.weight_format]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.threads_per_instance:
-        cmd += ["--threads-per-instance", str(args.threads_per_instance)]
+def engine_command(args: argparse.Namespace, address: str, cpus: str | None) -> list[str]:
+    """The engine's process settings; its EngineConfig goes to its stdin (start_engine_process)."""
+    cmd = [sys.executable, "-m", "splitserve.cli", "engine", "--connect", address, "--parent-pid", str(os.getpid()),
+           "--config-stdin"]
     if cpus:
         cmd += ["--cpus", cpus]
     if args.engine_secret_file is not None:
         cmd += ["--engine-secret-file", str(args.engine_secret_file)]
-    if role != "colocated":
-        cmd += kv_flags(args)
     return cmd
+
+
+def start_engine_process(args: argparse.Namespace, config: EngineConfig, address: str, cpus: str | None,
+                 env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen(engine_command(args, address, cpus), env=env, stdin=subprocess.PIPE)
+    try:
+        proc.stdin.write(encode_engine_config(config))  # also keeps a --kv-secret-file's secret out of `ps`
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; wait_ready reports its exit code
+    return proc
 
 
 def load_renderer(model: str | None):
@@ -194,7 +191,7 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splitserve.frontend.api_server import build_app
+    from splitserve.frontend.api_server import build_server_app
     from splitserve.frontend.engine_client import EngineClient
     from splitserve.frontend.metrics import FrontendMetrics
     from splitserve.frontend.router import Router
@@ -219,8 +216,8 @@ async def serve(args: argparse.Namespace) -> int:
     processes = []
     try:
         for (engine_id, role), cores in zip(roles, cpus):
-            proc = subprocess.Popen(engine_command(args, engine_id, client.address, cores, role),
-                                    env=engine_env(args, len(roles)))
+            proc = start_engine_process(args, engine_config_from_args(args, role, engine_id), client.address, cores,
+                                engine_env(args, len(roles)))
             processes.append(proc)
             client.attach_process(engine_id, proc)
         client.start()
@@ -232,19 +229,15 @@ async def serve(args: argparse.Namespace) -> int:
         def spawn_engine(role: str) -> str:  # POST /admin/instances
             counters[role] = counters.get(role, 0) + 1
             engine_id = f"{role}-added-{counters[role]}"
-            proc = subprocess.Popen(engine_command(args, engine_id, client.address, None, role),
-                                    env=engine_env(args, len(roles)))
+            proc = start_engine_process(args, engine_config_from_args(args, role, engine_id), client.address, None,
+                                engine_env(args, len(roles)))
             processes.append(proc)
             client.attach_process(engine_id, proc)
             return engine_id
 
-        app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine),
-                                      args.max_request_bytes)
-        api_keys = api_keys_from_args(args)
-        if api_keys:
-            app = ApiKeyMiddleware(app, api_keys)
+        app, http_limits = build_server_app(client, metrics, spawn_engine, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                                lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
         server = uvicorn.Server(config)
 
         async def announce() -> None:
@@ -269,10 +262,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         check_limit_args(args)
-        api_keys_from_args(args)  # an unreadable key file or a bad key fails here, before any engine starts
+        # an unreadable key file or a bad key fails here, before any engine starts
+        http_guard_from_args(args, api_keys_from_args(args))
         engine_link_from_args(args, args.engine_address, "--engine-address")
-        if args.prefill:
-            kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
+        kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ mid-stream).
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import msgspec
 from fastapi import HTTPException
@@ -42,8 +43,10 @@ async def _send_error(send, status: int, message: str, code: str) -> None:
 
 
 class RequestLimitsMiddleware:
-    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 body_timeout_s: float | None = None) -> None:
         self.app, self.max_request_bytes = app, max_request_bytes
+        self.body_timeout_s = body_timeout_s  # longest wait for the next piece of a body (slow uploads)
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's limit of {self.max_request_bytes} bytes; "
@@ -64,14 +67,23 @@ class RequestLimitsMiddleware:
             return await _send_error(send, 400, "the Content-Length header is not a number", "bad_request")
         if declared > self.max_request_bytes:
             return await _send_error(send, 413, self._too_large(), "request_too_large")
-        size = 0
+        size, body_done = 0, False
 
         async def counting_receive():
             # The body passes through untouched; only its size is counted. A raised HTTPException
             # reaches the app's handler (FastAPI re-raises it from body parsing) as a JSON 413.
-            nonlocal size
-            message = await receive()
+            # Once the body is complete, receive() waits for a disconnect and must not time out.
+            nonlocal size, body_done
+            if body_done or self.body_timeout_s is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                except TimeoutError:
+                    raise HTTPException(408, f"the request body stalled for {self.body_timeout_s:g} s; "
+                                             "send it without pauses") from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 size += len(message.get("body", b""))
                 if size > self.max_request_bytes:
                     raise HTTPException(413, self._too_large())

@@ -26,6 +26,10 @@ class FrontendMetrics:
         self.requests = Counter("splitserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.retries = Counter("splitserve_request_retries", "Requests sent again to another instance because "
                                "theirs died before their first token", registry=r)
+        self.resumes = Counter("splitserve_request_resumes", "Streams resumed on another instance (prompt + "
+                               "tokens so far recomputed) because theirs died mid-stream", registry=r)
+        self.role_changes = Counter("splitserve_role_changes", "Live role changes of engine instances",
+                                    ["from_role", "to_role"], registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token",
@@ -73,7 +77,7 @@ class FrontendMetrics:
     def observe_transfer(self, report: KVTransferReport, outcome: str) -> None:
         self.kv_transfers.labels(outcome).inc()
         self.kv_transfer_bytes.inc(report.num_bytes)
-        if report.outcome == "done":
+        if report.outcome == "ok":
             self.kv_transfer_seconds.observe(report.seconds)
         else:
             self.kv_transfer_failures.labels(report.error_kind or "unknown").inc()
@@ -95,6 +99,17 @@ class FrontendMetrics:
     def set_alive(self, instance_id: str, role: str, alive: bool) -> None:
         self.alive.labels(instance_id, role).set(1 if alive else 0)
         self.role.labels(instance_id, role).set(1)
+
+    def set_role(self, instance_id: str, old: str, new: str) -> None:
+        """A live role change: the instance's series move to the new role label."""
+        for gauge in (self.queued, self.running, self.blocks_used, self.blocks_free, self.hit_rate,
+                      self.preemptions, self.outstanding, self.kv_lease_expiries, self.kv_held_blocks,
+                      self.kv_in_flight, self.role, self.alive):
+            try:
+                gauge.remove(instance_id, old)
+            except KeyError:
+                pass
+        self.set_alive(instance_id, new, True)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,18 +1,27 @@
 """The OpenAI-compatible HTTP request bodies and the error body, validated by pydantic.
 
 Strict types (a string where a number belongs is a 400, as with OpenAI), no NaN or
-infinity, and ranges checked here, so a handler only ever sees well-formed values. Fields
-OpenAI defines that we do not act on (user, presence_penalty...) are accepted and ignored.
+infinity, and ranges checked here, so a handler only ever sees well-formed values. Every
+number has both bounds: what the engine accepts and what the wire (msgspec: int64, or uint64
+for a seed) can carry, so no accepted value can fail later with a 500. Fields OpenAI defines
+that we do not act on (user, presence_penalty...) are accepted within OpenAI's ranges and
+ignored; unknown fields are ignored.
 """
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
+
+import annotated_types
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 16
-SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_STOP_TOKEN_IDS = 64
+MAX_COUNT = 2**31 - 1  # token counts, top_k: far past any context, well inside int64
+SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed and msgpack accept
+TOKEN_ID = Field(ge=0, le=MAX_COUNT)
 
 
 class ApiError(Exception):
@@ -56,18 +65,24 @@ class ChatMessage(_Body):
 
 class _GenerationFields(_Body):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1)
+    top_k: int = Field(0, ge=-1, le=MAX_COUNT)
     seed: int | None = Field(None, **SEED_RANGE)
     stop: str | list[str] | None = Field(None)
-    n: int = 1
+    stop_token_ids: list[Annotated[int, TOKEN_ID]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    logprobs: bool | int | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # accepted in OpenAI's (and vLLM's) ranges, not acted on
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2)
     # as in vLLM: each choice also carries the generated token ids; a stream then sends a chunk
     # for every engine step, even one whose text the detokenizer still holds back
     return_token_ids: bool = False
@@ -86,7 +101,7 @@ class _GenerationFields(_Body):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
 
@@ -114,7 +129,26 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, TOKEN_ID]]
+
+
+def numeric_bounds(schema: type[BaseModel]) -> dict[str, tuple[float | int, float | int]]:
+    """{field: (lowest, highest) accepted value} of every scalar numeric field (tests and the fuzzer)."""
+    bounds = {}
+    for name, info in schema.model_fields.items():
+        low = high = None
+        for meta in info.metadata:
+            if isinstance(meta, annotated_types.Ge):
+                low = meta.ge
+            elif isinstance(meta, annotated_types.Gt):
+                low = meta.gt + 1 if isinstance(meta.gt, int) else math.nextafter(meta.gt, math.inf)
+            elif isinstance(meta, annotated_types.Le):
+                high = meta.le
+            elif isinstance(meta, annotated_types.Lt):
+                high = meta.lt - 1 if isinstance(meta.lt, int) else math.nextafter(meta.lt, -math.inf)
+        if low is not None or high is not None:
+            bounds[name] = (low, high)
+    return bounds
 
 
 FinishReason = Literal["stop", "length"]

@@ -1,8 +1,8 @@
 """What the frontend keeps per request and per engine instance, and what a consumer reads.
 
-`EngineClient` (engine_client.py) owns these; `RequestStream` is the handle the HTTP layer
-iterates. `trial_report` turns an engine's KV-transfer record into the per-request report the
-trial reads (docs/internals.md, "Trial <-> server").
+The dispatcher (dispatcher.py) owns request states, the engine link (engine_link.py) the
+instances; `RequestStream` is the handle the HTTP layer iterates. `trial_report` puts an
+engine's KV-transfer report in the shape the trial reads (docs/internals.md, "Trial <-> server").
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from splitserve.frontend.render import OutputText
 from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, WireSamplingParams
 
 if TYPE_CHECKING:
-    from splitserve.frontend.engine_client import EngineClient
+    from splitserve.frontend.dispatcher import Dispatcher
 
 
 @dataclass(slots=True)
@@ -36,36 +36,43 @@ class GenerationEvent:
     token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
 
 
-def trial_report(report: KVTransferReport, finish_reason: str | None) -> dict:
-    """A decode instance's transfer report in the shape of docs/internals.md "Trial <-> server"."""
-    if report.outcome == "done":
-        outcome = "ok"
-    else:
-        outcome = "failed" if finish_reason == "error" else "recomputed"
-    out = {"bytes": report.num_bytes, "seconds": round(report.seconds, 6), "outcome": outcome, "retries": 0,
+def trial_report(report: KVTransferReport) -> dict:
+    """A decode instance's transfer report in the shape of docs/internals.md "Trial <-> server";
+    the outcome is the one the decode instance decided (ok | recomputed | failed)."""
+    out = {"bytes": report.num_bytes, "seconds": round(report.seconds, 6), "outcome": report.outcome, "retries": 0,
            "wait_seconds": round(report.wait_seconds, 6), "source": report.source_instance,
            "transport": report.transport}
-    if report.outcome != "done":
+    if report.outcome != "ok":
         out["error_kind"], out["error"] = report.error_kind, report.error
     return out
 
 
 @dataclass(slots=True)
 class RequestState:
-    request_id: str
-    instance_id: str
+    request_id: str  # inside the system: unique, and new at every dispatch (the client's id may repeat)
+    client_request_id: str  # X-Request-Id, echoed to the client
     output_text: OutputText
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    wire_params: WireSamplingParams
+    instance_id: str | None = None  # where it runs now; disaggregated: P until the handover, then D
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every token produced so far (a resume recomputes them)
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
-    num_retries: int = 0  # times it was sent again because its engine died before its first token
-    # disaggregated: instance_id is P until the handover, then D
+    num_retries: int = 0  # sent again because its engine died before its first token
+    num_resumes: int = 0  # sent again after tokens had streamed: prompt + tokens recomputed elsewhere
     decode_instance_id: str | None = None
     prefill_instance_id: str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    wire_params: WireSamplingParams | None = None
+    sent_prompt: list[int] = field(default_factory=list)  # what the current dispatch sent: the prompt,
+    sent_params: WireSamplingParams | None = None  # plus tokens recomputed on a resume; what remains of the answer
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
 
     def holders(self) -> list[str]:
         """Every instance that may hold this request's blocks now."""
@@ -75,19 +82,22 @@ class RequestState:
 
 @dataclass(slots=True)
 class Instance:
-    hello: EngineHello
+    hello: EngineHello  # its role is kept current across live role changes
     last_seen: float
     alive: bool = True
     stats: EngineStats | None = None
     process: subprocess.Popen | None = None
+    removed: bool = False  # out of rotation for good (drained, or silent long after its death)
+    dead_since: float | None = None
+    lost_request_ids: set[str] = field(default_factory=set)  # sent elsewhere when it was declared dead
 
 
 class RequestStream:
     """Async iterator of one request's events; closing it early aborts the request."""
 
-    def __init__(self, client: EngineClient, state: RequestState) -> None:
-        self._client, self._state, self._done = client, state, False
-        self.request_id = state.request_id
+    def __init__(self, dispatcher: Dispatcher, state: RequestState) -> None:
+        self._dispatcher, self._state, self._done = dispatcher, state, False
+        self.request_id = state.client_request_id
         self.num_prompt_tokens = state.num_prompt_tokens
 
     def __aiter__(self) -> RequestStream:
@@ -104,4 +114,4 @@ class RequestStream:
         """Safe to call from a cancelled task: it never awaits."""
         if not self._done:
             self._done = True
-            self._client.abort(self.request_id)
+            self._dispatcher.abort(self._state)

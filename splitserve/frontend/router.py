@@ -13,7 +13,7 @@ With prefix affinity on (`serve --prefix-affinity`), a prompt whose first AFFINI
 tokens were seen before goes back to the instance that prefilled them (its prefix cache holds
 them) unless that one is AFFINITY_SLACK_TOKENS busier than the least loaded. A
 request is registered on both at once, so admission limits hold on both sides. A drained
-instance takes no new requests; a dead one is out of rotation.
+instance, or one changing its role, takes no new requests; a dead one is out of rotation.
 """
 from __future__ import annotations
 
@@ -31,12 +31,16 @@ def prefix_key(prompt_token_ids: list[int]) -> int | None:
     return hash(tuple(prompt_token_ids[:AFFINITY_TOKENS]))
 
 
-class NoInstanceAvailable(RuntimeError):
-    """Every live instance is at its admission limit, or none is alive."""
+PREFILL_CAPABLE = ("prefill", "colocated")
+DECODE_CAPABLE = ("decode", "colocated")
 
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+
+class NoInstanceAvailable(RuntimeError):
+    """Every live instance is at its admission limit (429), or none able to serve is alive (503)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, status: int = 429) -> None:
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.status = retry_after_s, status
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class InstanceLoad:
     alive: bool = True
     max_requests: int = 1 << 30  # admission limit: running slots + bounded queue
     draining: bool = False  # takes no new requests (admin DELETE); leaves once empty
+    changing_role: bool = False  # takes no new requests until its new connector is in place
     num_free_blocks: int = 0  # as last reported by the engine
     outstanding_tokens: int = 0
     # request_id -> its outstanding tokens (so progress and the end are O(1))
@@ -84,6 +89,21 @@ class Router:
     def drain(self, instance_id: str) -> None:
         self.instances[instance_id].draining = True
 
+    def set_changing_role(self, instance_id: str, changing: bool) -> None:
+        self.instances[instance_id].changing_role = changing
+
+    def set_role(self, instance_id: str, role: str) -> None:
+        self.instances[instance_id].role = role
+
+    def serving(self) -> dict[str, str]:
+        """instance -> role, of the live instances that are not being drained."""
+        return {x.instance_id: x.role for x in self.instances.values() if x.alive and not x.draining}
+
+    def plays(self, instance_id: str | None, role: str) -> bool:
+        """Alive and serving as `role` now (for a request it already admitted: no capacity check)."""
+        load = self.instances.get(instance_id)
+        return load is not None and load.alive and not load.changing_role and load.role == role
+
     def remove(self, instance_id: str) -> None:
         self.instances.pop(instance_id, None)
 
@@ -95,8 +115,8 @@ class Router:
     def _open(self, role: str) -> list[InstanceLoad]:
         live = [x for x in self.instances.values() if x.alive and not x.draining and x.role == role]
         if not live:
-            raise NoInstanceAvailable(f"no {role} engine instance is alive", retry_after_s=5)
-        open_ = [x for x in live if x.num_requests < x.max_requests]
+            raise NoInstanceAvailable(f"no {role} engine instance is alive", retry_after_s=5, status=503)
+        open_ = [x for x in live if x.num_requests < x.max_requests and not x.changing_role]
         if not open_:
             raise NoInstanceAvailable(f"every {role} engine instance's queue is full; retry later")
         return open_
@@ -121,7 +141,7 @@ class Router:
             missing = {"prefill", "decode"} - live_roles
             if missing:
                 raise NoInstanceAvailable(f"no {missing.pop()} engine instance is alive (a prefill and a "
-                                          f"decode instance are both needed)", retry_after_s=5) from None
+                                          f"decode instance are both needed)", retry_after_s=5, status=503) from None
         else:
             return RoutePlan(self._prefill_target(colocated, request.prefix_key).instance_id)
         prefill = self._prefill_target(self._open("prefill"), request.prefix_key)

@@ -70,11 +70,12 @@ def _unauthorized(message: str) -> tuple[dict, bytes]:
 class ApiKeyMiddleware:
     """ASGI middleware: 401 unless the request carries one of the keys (open routes excepted)."""
 
-    def __init__(self, app, keys: list[str]) -> None:
+    def __init__(self, app, keys: list[str], exempt_prefix: str | None = None) -> None:
         if not keys:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
         self._keys = [k.encode() for k in keys]
+        self._exempt_prefix = exempt_prefix  # routes guarded by another credential (the admin key)
 
     def _authorized(self, header: bytes | None) -> bool:
         if header is None:
@@ -87,7 +88,8 @@ class ApiKeyMiddleware:
         return sum(hmac.compare_digest(token, k) for k in self._keys) > 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES or (
+                self._exempt_prefix and scope["path"].startswith(self._exempt_prefix)):
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization")
         if self._authorized(header):

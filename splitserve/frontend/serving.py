@@ -5,12 +5,22 @@
 
 Everything a user can get wrong is caught here, before the request reaches an engine:
 model name, n, prompt length against the context and the KV cache, token ids, ranges.
+
+Large inputs are rendered and tokenized on a small thread pool, never on the event loop: a
+megabyte prompt takes most of a second to tokenize, and a burst of them on the loop once
+starved the engine watchdog until it declared healthy engines dead (vLLM moved tokenization
+to threads for the same reason); the Rust tokenizer releases the GIL while it works. Small
+ones (most requests) stay inline: they take microseconds, and a thread hop per request
+made them wait in the pool's queue, where overload piled up instead of getting its 429. The
+pool's queue is bounded too: past MAX_PENDING_RENDERS large inputs, 429.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,6 +33,8 @@ from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
 
 _json = msgspec.json.Encoder()
+INLINE_RENDER_CHARS = 16_384  # below this, rendering + tokenizing take well under a millisecond
+MAX_PENDING_RENDERS = 64
 Receive = Callable[[], Awaitable[dict]]  # the ASGI receive channel of the HTTP request
 
 
@@ -34,8 +46,24 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, renderer: Renderer) -> None:
+    def __init__(self, client: EngineClient, renderer: Renderer, render_threads: int | None = None) -> None:
         self.client, self.renderer = client, renderer
+        self._render_pool = ThreadPoolExecutor(render_threads or min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="render")
+        self._num_pending_renders = 0
+
+    async def off_loop(self, size: int, fn, *args):
+        """fn(*args) inline when `size` (characters, or ids) is small, else on the render pool."""
+        if size < INLINE_RENDER_CHARS:
+            return fn(*args)
+        if self._num_pending_renders >= MAX_PENDING_RENDERS:
+            raise ApiError(429, f"{MAX_PENDING_RENDERS} large prompts are already waiting to be tokenized; "
+                                "retry later", "rate_limit_error", code="render_queue_full", retry_after_s=1)
+        self._num_pending_renders += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+        finally:
+            self._num_pending_renders -= 1
 
     # ---- checks shared by every endpoint ------------------------------------------------
 
@@ -64,6 +92,10 @@ class OpenAIServing:
             raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
         if body.logprobs not in (None, False, 0):
             raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if body.top_logprobs:
+            raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+        stop_token_ids = list(body.stop_token_ids or [])
+        self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
         if num_prompt == 0:
             raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
@@ -79,17 +111,25 @@ class OpenAIServing:
                            param="min_tokens")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
-                              ignore_eos=body.ignore_eos)
+                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
 
-    def render_chat(self, body) -> tuple[str, list[int]]:
+    async def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
+        size = sum(len(str(m.get("content") or "")) for m in messages) + (len(str(body.tools)) if body.tools else 0)
         try:
-            rendered = self.renderer.render_chat(messages, body.add_generation_prompt, body.tools)
+            rendered = await self.off_loop(size, self.renderer.render_chat, messages, body.add_generation_prompt,
+                                           body.tools)
         except RenderError as e:
             raise ApiError(400, str(e), param=e.param) from None
         return rendered.text, rendered.token_ids
 
-    def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(len(text), self.renderer.tokenize, text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.off_loop(4 * len(token_ids), self.renderer.detokenize, token_ids)
+
+    async def completion_prompt_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -97,7 +137,7 @@ class OpenAIServing:
                                     f"send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.renderer.tokenize(prompt)
+            return await self.tokenize(prompt)
         self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
@@ -105,6 +145,8 @@ class OpenAIServing:
         try:
             return self.client.submit(request_id, token_ids, params, stop)
         except NoInstanceAvailable as e:
+            if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
+                raise ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s) from None
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
                            retry_after_s=e.retry_after_s) from None
         except ValueError as e:
@@ -114,7 +156,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
-        _, token_ids = self.render_chat(body)
+        _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
@@ -127,7 +169,7 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        token_ids = self.completion_prompt_ids(body)
+        token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,

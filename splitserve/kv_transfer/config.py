@@ -16,9 +16,14 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # the prefill side's control/data socket; loopback unless told otherwise
     port: int = 0  # 0: pick a free port
     secret: bytes | None = None  # when set, peers must prove they know it (HMAC challenge)
-    connect_timeout_s: float = 5.0
-    io_timeout_s: float = 30.0
-    max_concurrent_transfers: int = 2  # decode-side puller threads
+    # Per-peer timeouts, well below the lease: a hung (not dead) prefill instance must fail its
+    # own transfers quickly instead of holding pullers that other transfers wait for.
+    connect_timeout_s: float = 3.0
+    handshake_timeout_s: float = 3.0  # the whole handshake, both sides (slow-drip peers)
+    io_timeout_s: float = 10.0  # longest silence inside a transfer
+    max_concurrent_transfers: int = 4  # decode-side puller threads, all sources together
+    max_transfers_per_source: int = 2  # of those, at most this many talk to one prefill instance
+    max_peers: int = 64  # prefill side: connections served at once; more are closed on accept
     seed: int = 0  # for fault injection, so a trial can be replayed
 
     def __post_init__(self) -> None:
@@ -42,12 +47,12 @@ class KVTransferConfig:
             raise ValueError(f"kv host {self.host!r} is reachable from other machines: without a "
                              "secret anyone there could read or release KV blocks; set a kv "
                              "secret (--kv-secret-file) or bind to 127.0.0.1")
-        for name in ("connect_timeout_s", "io_timeout_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "io_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv {name} must be positive, got {getattr(self, name)}")
-        if self.max_concurrent_transfers <= 0:
-            raise ValueError("kv max_concurrent_transfers must be positive, "
-                             f"got {self.max_concurrent_transfers}")
+        for name in ("max_concurrent_transfers", "max_transfers_per_source", "max_peers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv {name} must be positive, got {getattr(self, name)}")
 
 
 def is_loopback(host: str) -> bool:

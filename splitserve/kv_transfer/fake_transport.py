@@ -39,7 +39,7 @@ class FakeTransport(KVTransport):
     def pull(self, descriptor: TransferDescriptor, dst_kv, dst_block_ids, on_layer,
              first_block: int = 0) -> int:
         sender = self.network.sender(descriptor.source.instance_id)
-        begin = sender.peer_begin(descriptor.request_id)
+        begin = sender.peer_begin(descriptor.request_id, descriptor.access_token)
         if not begin.ok:
             raise SourceGone(begin.error)
         check_layout(descriptor, dst_kv, len(begin.block_ids), dst_block_ids)
@@ -51,13 +51,14 @@ class FakeTransport(KVTransport):
 
         num_bytes = copy_blocks_by_layer(sender.kv, begin.block_ids[first_block:], dst_kv,
                                          dst_block_ids[first_block:], hooks)
-        confirm = sender.peer_confirm(descriptor.request_id)
+        confirm = sender.peer_confirm(descriptor.request_id, descriptor.access_token)
         if not confirm.ok:
             raise SourceGone(confirm.error)
         return num_bytes
 
     def release(self, descriptor: TransferDescriptor) -> None:
         try:
-            self.network.sender(descriptor.source.instance_id).peer_abort(descriptor.request_id)
+            self.network.sender(descriptor.source.instance_id).peer_abort(descriptor.request_id,
+                                                                      descriptor.access_token)
         except NetworkError:
             pass  # unreachable: its lease will free the blocks

@@ -34,6 +34,7 @@ class TransferDescriptor(msgspec.Struct, frozen=True):
     request_id: str
     num_tokens: int  # tokens whose KV is in the blocks
     num_blocks: int
+    access_token: bytes = b""  # random per hold; every request about these blocks must carry it
 
 
 class TransferOutcome(str, enum.Enum):
@@ -87,19 +88,23 @@ class Welcome(msgspec.Struct, tag="welcome"):
 
 class Begin(msgspec.Struct, tag="begin"):
     request_id: str
+    token: bytes = b""  # the descriptor's access_token
 
 
 class Fetch(msgspec.Struct, tag="fetch"):
     request_id: str
     first_block: int = 0  # skip blocks the puller already has
+    token: bytes = b""  # the descriptor's access_token
 
 
 class Confirm(msgspec.Struct, tag="confirm"):
     request_id: str
+    token: bytes = b""  # the descriptor's access_token
 
 
 class Abort(msgspec.Struct, tag="abort"):
     request_id: str
+    token: bytes = b""  # the descriptor's access_token
 
 
 class Reply(msgspec.Struct, tag="reply"):

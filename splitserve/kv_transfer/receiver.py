@@ -6,7 +6,10 @@ A request's path on a decode instance, before it can join the decode batch:
     poll()                   engine thread, once per step:
         - PENDING: ask the block manager for destination blocks (`allocate`); if there is
           no room yet the transfer stays queued, in arrival order; if it can never fit,
-          FAILED with the allocator's message. Leading blocks the decode side's own prefix
+          FAILED with the allocator's message. A transfer whose source already has
+          `max_transfers_per_source` transfers moving waits without blocking the others:
+          a hung prefill instance ties up at most that many pullers, each for at most its
+          handshake/io timeout, and transfers from other sources go on. Leading blocks the decode side's own prefix
           cache already holds (`DestinationBlocks.num_cached`) are not pulled.
         - then TRANSFERRING on a puller thread: the transport copies the blocks layer
           by layer and confirms receipt to the prefill instance
@@ -32,7 +35,7 @@ import torch
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import TransferDescriptor, TransferOutcome, TransferRecord
 from splitserve.kv_transfer.transport import (FaultInjector, InjectedFault, KVTransport,
-                                              TransferCancelled, TransferError)
+                                              TransferCancelled, TransferError, descriptor_problem)
 
 
 
@@ -86,6 +89,8 @@ class KVReceiver:
         self._stats = ReceiverStats()
         self._pullers = ThreadPoolExecutor(config.max_concurrent_transfers,
                                            thread_name_prefix="kv-pull")
+        # Releases (best effort, to maybe-unreachable sources) never take a puller.
+        self._releasers = ThreadPoolExecutor(1, thread_name_prefix="kv-release")
 
     # --- engine thread -------------------------------------------------------------------
 
@@ -95,13 +100,19 @@ class KVReceiver:
             raise ValueError(f"a transfer for request {request_id!r} is already in progress")
         record = TransferRecord(request_id, descriptor.source.instance_id, self.transport.name,
                                 queued_at=self._clock())
-        self._pending[request_id] = _Transfer(descriptor, record)
+        transfer = _Transfer(descriptor, record)
+        problem = descriptor_problem(descriptor, self.kv, self.transport.name)
+        if problem is not None:  # ends at the next poll like any failure: the failure policy applies
+            self._end(transfer, TransferOutcome.FAILED, f"bad KV descriptor: {problem}", kind="bad_descriptor")
+            self._ended.append(record)
+            return
+        self._pending[request_id] = transfer
 
     def abort(self, request_id: str) -> bool:
         if (transfer := self._pending.pop(request_id, None)) is not None:
             self._end(transfer, TransferOutcome.ABORTED, "aborted while waiting for blocks")
             self._ended.append(transfer.record)
-            self._pullers.submit(self.transport.release, transfer.descriptor)
+            self._releasers.submit(self.transport.release, transfer.descriptor)
             return True
         if (transfer := self._active.get(request_id)) is not None:
             transfer.cancel.set()  # the puller stops before its next layer; poll() frees
@@ -114,22 +125,30 @@ class KVReceiver:
             if transfer.future.done():
                 del self._active[request_id]
                 ended.append(self._finish(transfer))
+        per_source: dict[str, int] = {}
+        for transfer in self._active.values():
+            source = transfer.descriptor.source.instance_id
+            per_source[source] = per_source.get(source, 0) + 1
         for request_id, transfer in list(self._pending.items()):
             if len(self._active) >= self.config.max_concurrent_transfers:
                 break  # do not take blocks for transfers that would only wait for a puller
+            source = transfer.descriptor.source.instance_id
+            if per_source.get(source, 0) >= self.config.max_transfers_per_source:
+                continue  # its source is busy (or hung): let transfers from other sources by
             try:
                 blocks = self._allocate(request_id, transfer.descriptor.num_blocks)
             except ValueError as exc:  # can never fit: refuse explicitly
                 del self._pending[request_id]
                 self._end(transfer, TransferOutcome.FAILED, f"decode instance refused: {exc}",
                           kind="no_space")
-                self._pullers.submit(self.transport.release, transfer.descriptor)
+                self._releasers.submit(self.transport.release, transfer.descriptor)
                 ended.append(transfer.record)
                 continue
             if blocks is None:
                 break  # full for now; keep arrival order
             del self._pending[request_id]
             self._start(transfer, blocks)
+            per_source[source] = per_source.get(source, 0) + 1
         return ended
 
     def has_unfinished(self) -> bool:
@@ -148,6 +167,7 @@ class KVReceiver:
         for transfer in self._active.values():
             transfer.cancel.set()
         self._pullers.shutdown(wait=True)
+        self._releasers.shutdown(wait=False, cancel_futures=True)  # best effort; leases expire anyway
         self.transport.close()
 
     # --- internals -----------------------------------------------------------------------
@@ -220,10 +240,10 @@ class KVReceiver:
             aborted = isinstance(exc, TransferCancelled)
             record.outcome = TransferOutcome.ABORTED if aborted else TransferOutcome.FAILED
             record.error, record.error_kind = str(exc), exc.kind
-            self.transport.release(descriptor)
+            self._releasers.submit(self.transport.release, descriptor)
         except Exception as exc:  # a bug, but still never a silent failure
             record.outcome = TransferOutcome.FAILED
             record.error, record.error_kind = f"unexpected {type(exc).__name__}: {exc}", "bug"
-            self.transport.release(descriptor)
+            self._releasers.submit(self.transport.release, descriptor)
         finally:
             record.end = self._clock()

@@ -17,7 +17,9 @@ to it instead of freeing them itself.
 from __future__ import annotations
 
 import enum
+import hmac
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ class _Hold:
     block_ids: list[int]
     num_tokens: int
     deadline: float
+    token: bytes = b""
     confirmed: bool = False
     aborted_by_peer: bool = False
     num_begins: int = 0
@@ -105,10 +108,11 @@ class KVSender:
         with self._lock:
             if request_id in self._holds:
                 raise ValueError(f"request {request_id!r} already has blocks held for transfer")
+            token = secrets.token_bytes(16)
             self._holds[request_id] = _Hold(list(block_ids[:num_blocks]), num_tokens,
-                                            self._clock() + self.config.lease_s)
+                                            self._clock() + self.config.lease_s, token)
             self._stats.num_registered += 1
-        return TransferDescriptor(self.source_info, request_id, num_tokens, num_blocks)
+        return TransferDescriptor(self.source_info, request_id, num_tokens, num_blocks, token)
 
     def abort(self, request_id: str) -> Release | None:
         with self._lock:
@@ -150,10 +154,12 @@ class KVSender:
 
     # --- peer side: server thread or fake transport --------------------------------------
 
-    def _live_hold(self, request_id: str) -> _Hold | None:
+    def _live_hold(self, request_id: str, token: bytes) -> _Hold | None:
+        """The hold, if it is live and `token` is its access token (a wrong token looks exactly
+        like a missing hold, so a prober learns nothing)."""
         hold = self._holds.get(request_id)
         if (hold is None or hold.confirmed or hold.aborted_by_peer
-                or self._clock() >= hold.deadline):
+                or self._clock() >= hold.deadline or not hmac.compare_digest(token, hold.token)):
             return None  # an expired hold stays until poll() counts it
         return hold
 
@@ -162,28 +168,28 @@ class KVSender:
                                      f"KV of {request_id!r} (lease expired, aborted or already "
                                      "transferred)")
 
-    def peer_begin(self, request_id: str) -> Reply:
+    def peer_begin(self, request_id: str, token: bytes) -> Reply:
         with self._lock:
-            hold = self._live_hold(request_id)
+            hold = self._live_hold(request_id, token)
             if hold is None:
                 return self._gone(request_id)
             hold.num_begins += 1
             return Reply(ok=True, block_ids=list(hold.block_ids), num_tokens=hold.num_tokens)
 
-    def peer_confirm(self, request_id: str) -> Reply:
+    def peer_confirm(self, request_id: str, token: bytes) -> Reply:
         """Succeeds only if the blocks were never released, so what the peer read was intact."""
         with self._lock:
-            hold = self._live_hold(request_id)
+            hold = self._live_hold(request_id, token)
             if hold is None:
                 return self._gone(request_id)
             hold.confirmed = True
             self._stats.num_confirmed += 1
             return Reply(ok=True)
 
-    def peer_abort(self, request_id: str) -> Reply:
+    def peer_abort(self, request_id: str, token: bytes) -> Reply:
         """The decode side gave up: free now rather than at lease expiry."""
         with self._lock:
-            hold = self._live_hold(request_id)
+            hold = self._live_hold(request_id, token)
             if hold is None:
                 return Reply(ok=True)  # nothing left to release
             hold.aborted_by_peer = True  # poll() hands the blocks back

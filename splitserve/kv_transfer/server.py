@@ -1,8 +1,12 @@
 """The prefill side's socket: answers decode instances about held blocks and streams them.
 
 One listening socket per prefill instance (loopback unless configured otherwise), one
-thread per connected peer. Each peer authenticates first when a secret is set, then
-sends requests, each answered before the next:
+thread per connected peer, at most `max_peers` of them (more are closed on accept). Each
+peer finishes the handshake within `handshake_timeout_s` (authenticating when a secret is
+set; every later frame is then tagged, see wire.py), then sends requests, each answered
+before the next. Every request carries the transfer's access token from its descriptor
+(random, 16 bytes): without it a local process cannot touch another request's KV even
+when no secret is set.
 
     Begin(request_id)   -> Reply(block_ids, num_tokens)  or Reply(ok=False, error)
     Fetch(request_id, first_block) -> per layer: LayerHeader + that layer's blocks
@@ -86,6 +90,12 @@ class KVServer:
                 continue
             except OSError:
                 return  # listener closed
+            with self._peers_lock:
+                full = len(self._peers) >= self.config.max_peers
+            if full:
+                self.num_refused_peers += 1
+                sock.close()
+                continue
             conn = Connection(sock, self.config.io_timeout_s)
             thread = threading.Thread(target=self._serve_peer, args=(conn,),
                                       name="kv-server-peer", daemon=True)
@@ -97,7 +107,7 @@ class KVServer:
 
     def _serve_peer(self, conn: Connection) -> None:
         try:
-            server_handshake(conn, self.config.secret)
+            server_handshake(conn, self.config.secret, self.config.handshake_timeout_s)
             while not self._stop.is_set():
                 self._answer(conn, conn.recv())
         except AuthError as exc:
@@ -115,18 +125,18 @@ class KVServer:
     def _answer(self, conn: Connection, message) -> None:
         sender = self.sender
         if isinstance(message, Begin):
-            conn.send(sender.peer_begin(message.request_id))
+            conn.send(sender.peer_begin(message.request_id, message.token))
         elif isinstance(message, Confirm):
-            conn.send(sender.peer_confirm(message.request_id))
+            conn.send(sender.peer_confirm(message.request_id, message.token))
         elif isinstance(message, Abort):
-            conn.send(sender.peer_abort(message.request_id))
+            conn.send(sender.peer_abort(message.request_id, message.token))
         elif isinstance(message, Fetch):
-            self._stream(conn, message.request_id, message.first_block)
+            self._stream(conn, message.request_id, message.token, message.first_block)
         else:
             conn.send(Reply(ok=False, error=f"unexpected {type(message).__name__}"))
 
-    def _stream(self, conn: Connection, request_id: str, first_block: int) -> None:
-        reply = self.sender.peer_begin(request_id)
+    def _stream(self, conn: Connection, request_id: str, token: bytes, first_block: int) -> None:
+        reply = self.sender.peer_begin(request_id, token)
         if not reply.ok:
             conn.send(reply)
             return

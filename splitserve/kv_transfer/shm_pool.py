@@ -4,8 +4,13 @@ host can read a prefill instance's blocks without a socket in the way.
 The prefill instance allocates its whole pool here (`allocate_kv_pool`) instead of
 with torch.zeros; a decode instance attaches by name (`attach_kv_pool`, read-only
 mapping) and copies the blocks it needs once. Segments are files in /dev/shm named
-`splitserve-kv-<owner pid>-<instance>`: the owner unlinks on close and at interpreter
-exit, and `cleanup_stale_segments` removes those whose owner died without doing so.
+`splitserve-kv-<owner pid>-<instance>-<random>`: the owner unlinks on close and at
+interpreter exit, and `cleanup_stale_segments` removes those whose owner died without doing
+so (a prefill instance on start, a decode instance when it notices a source died).
+
+The random part makes a name unguessable, so another local user cannot pre-create it to
+block start-up (creation is O_EXCL, mode 0600, and never follows a symlink); attaching
+checks the name's form and that the segment belongs to our own user.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import math
 import mmap
 import os
 import re
+import secrets
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -23,14 +29,26 @@ import torch
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "splitserve-kv-"
 _STALE_RE = re.compile(rf"^{re.escape(SEGMENT_PREFIX)}(\d+)-")
+_NAME_RE = re.compile(rf"^{re.escape(SEGMENT_PREFIX)}\d+-[A-Za-z0-9_.-]{{1,200}}$")
 
 
 def segment_name(instance_id: str) -> str:
-    """A name that lets `cleanup_stale_segments` tell whether the owner is alive."""
+    """A fresh unguessable name that still tells `cleanup_stale_segments` who owns it."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", instance_id):
         raise ValueError(f"instance id {instance_id!r} cannot name a shared-memory segment; "
                          "use letters, digits, '.', '_' and '-'")
-    return f"{SEGMENT_PREFIX}{os.getpid()}-{instance_id}"
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{instance_id}-{secrets.token_hex(8)}"
+
+
+def segment_owner(name: str) -> int | None:
+    """The owner pid a segment name carries; None for a name that is not ours."""
+    match = _STALE_RE.match(name) if _NAME_RE.match(name) else None
+    return int(match.group(1)) if match else None
+
+
+def owner_alive(name: str) -> bool:
+    pid = segment_owner(name)
+    return pid is not None and _pid_alive(pid)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -87,7 +105,7 @@ def allocate_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, name: str,
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
     path = Path(shm_dir) / name
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         raise ValueError(f"shared-memory segment {path} already exists; another instance uses "
                          "this name, or a crashed one left it (see cleanup_stale_segments)") from None
@@ -109,16 +127,22 @@ def allocate_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, name: str,
 def attach_kv_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    shm_dir: Path = SHM_DIR) -> tuple[torch.Tensor, KVPoolHandle]:
     """Map another instance's pool read-only. Writing into the tensor is a bug (SIGSEGV)."""
+    if segment_owner(name) is None:
+        raise ValueError(f"{name!r} is not a splitserve shared-memory segment name")
     numel = _check_shape(shape)
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
     path = Path(shm_dir) / name
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
         raise ValueError(f"no shared-memory segment {path}: is the prefill instance on this "
                          "host and running with --kv-transport shm?") from None
     try:
-        actual = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if stat.st_uid != os.getuid():
+            raise ValueError(f"segment {path} belongs to uid {stat.st_uid}, not to us: refusing a "
+                             "pool another user could have planted")
+        actual = stat.st_size
         if actual != num_bytes:
             raise ValueError(f"segment {path} holds {actual} bytes but shape {tuple(shape)} of "
                              f"{dtype} needs {num_bytes}: the two instances disagree on the pool")

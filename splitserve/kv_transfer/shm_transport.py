@@ -3,7 +3,10 @@
 Per transfer: Begin over the prefill instance's control socket (it names the blocks
 and checks the lease), copy the blocks layer by layer from the read-only mapping into
 our pool, then Confirm (which fails if the blocks were released meanwhile, in which
-case what we copied is discarded). Mappings are attached once per source and kept.
+case what we copied is discarded). A mapping is attached once per source instance and kept
+while that instance lives: a restarted source (a new segment under the same instance id)
+replaces it, and one whose owner process died is unmapped and its segment removed, so
+restarts never pin another whole pool here.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch
 
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.kv_transfer.messages import Abort, Begin, Confirm, Reply, TransferDescriptor
-from splitserve.kv_transfer.shm_pool import KVPoolHandle, attach_kv_pool, dtype_from_name
+from splitserve.kv_transfer.shm_pool import (KVPoolHandle, attach_kv_pool, cleanup_stale_segments,
+                                             dtype_from_name, owner_alive)
 from splitserve.kv_transfer.transport import (KVTransport, NetworkError, SourceGone, TransferError,
                                               check_layout, copy_blocks_by_layer)
 from splitserve.kv_transfer.wire import Connection, connect
@@ -35,7 +39,7 @@ def control_call(conn: Connection, message) -> Reply:
 def open_control(config: KVTransferConfig, descriptor: TransferDescriptor) -> Connection:
     source = descriptor.source
     return connect(source.host, source.port, config.secret, config.connect_timeout_s,
-                   config.io_timeout_s)
+                   config.io_timeout_s, config.handshake_timeout_s)
 
 
 def release_over_control(config: KVTransferConfig, descriptor: TransferDescriptor) -> None:
@@ -44,7 +48,7 @@ def release_over_control(config: KVTransferConfig, descriptor: TransferDescripto
     except TransferError:
         return  # unreachable: its lease will free the blocks
     try:
-        control_call(conn, Abort(descriptor.request_id))
+        control_call(conn, Abort(descriptor.request_id, descriptor.access_token))
     except TransferError:
         pass
     finally:
@@ -56,7 +60,7 @@ class ShmTransport(KVTransport):
 
     def __init__(self, config: KVTransferConfig):
         self.config = config
-        self._pools: dict[str, tuple[torch.Tensor, KVPoolHandle]] = {}
+        self._pools: dict[str, tuple[str, torch.Tensor, KVPoolHandle]] = {}  # instance -> (segment, ...)
         self._lock = threading.Lock()
 
     def _source_pool(self, descriptor: TransferDescriptor) -> torch.Tensor:
@@ -65,25 +69,39 @@ class ShmTransport(KVTransport):
             raise TransferError(f"prefill instance {source.instance_id} offers no shared-memory "
                                 "pool; use the tcp transport, or run it with --kv-transport shm")
         with self._lock:
-            if source.shm_name not in self._pools:
+            self._unmap_dead_sources()
+            mapped = self._pools.get(source.instance_id)
+            if mapped is not None and mapped[0] != source.shm_name:  # the source restarted
+                self._pools.pop(source.instance_id)[2].close()
+                mapped = None
+            if mapped is None:
                 try:
-                    self._pools[source.shm_name] = attach_kv_pool(
-                        source.shm_name, tuple(source.kv_shape), dtype_from_name(source.dtype))
+                    kv, handle = attach_kv_pool(source.shm_name, tuple(source.kv_shape),
+                                                dtype_from_name(source.dtype))
                 except ValueError as exc:
                     raise TransferError(str(exc)) from None
-            return self._pools[source.shm_name][0]
+                mapped = self._pools[source.instance_id] = (source.shm_name, kv, handle)
+            return mapped[1]
+
+    def _unmap_dead_sources(self) -> None:
+        """Under the lock. A puller still copying from a dropped pool keeps it mapped until done."""
+        dead = [i for i, (name, _, _) in self._pools.items() if not owner_alive(name)]
+        for instance_id in dead:
+            self._pools.pop(instance_id)[2].close()
+        if dead:
+            cleanup_stale_segments()  # a SIGKILLed owner could not remove its segment itself
 
     def pull(self, descriptor, dst_kv, dst_block_ids, on_layer, first_block: int = 0) -> int:
         src_kv = self._source_pool(descriptor)
         conn = open_control(self.config, descriptor)
         try:
-            begin = control_call(conn, Begin(descriptor.request_id))
+            begin = control_call(conn, Begin(descriptor.request_id, descriptor.access_token))
             if not begin.ok:
                 raise SourceGone(begin.error)
             check_layout(descriptor, dst_kv, len(begin.block_ids), dst_block_ids)
             num_bytes = copy_blocks_by_layer(src_kv, begin.block_ids[first_block:], dst_kv,
                                              dst_block_ids[first_block:], on_layer)
-            confirm = control_call(conn, Confirm(descriptor.request_id))
+            confirm = control_call(conn, Confirm(descriptor.request_id, descriptor.access_token))
             if not confirm.ok:
                 raise SourceGone(confirm.error)
             return num_bytes
@@ -96,5 +114,5 @@ class ShmTransport(KVTransport):
     def close(self) -> None:
         with self._lock:
             pools, self._pools = self._pools, {}
-        for _, handle in pools.values():
+        for _, _, handle in pools.values():
             handle.close()

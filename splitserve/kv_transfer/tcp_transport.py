@@ -29,9 +29,9 @@ class TcpTransport(KVTransport):
         check_layout(descriptor, dst_kv, descriptor.num_blocks, dst_block_ids)
         conn = open_control(self.config, descriptor)
         try:
-            conn.send(Fetch(descriptor.request_id, first_block))
+            conn.send(Fetch(descriptor.request_id, first_block, descriptor.access_token))
             num_bytes = self._receive_layers(conn, dst_kv, dst_block_ids[first_block:], on_layer)
-            confirm = control_call(conn, Confirm(descriptor.request_id))
+            confirm = control_call(conn, Confirm(descriptor.request_id, descriptor.access_token))
             if not confirm.ok:
                 raise SourceGone(confirm.error)
             return num_bytes

@@ -22,6 +22,7 @@ import torch
 
 from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.messages import TransferDescriptor
+from splitserve.kv_transfer.shm_pool import segment_owner
 
 LayerHook = Callable[[int], None]
 
@@ -96,6 +97,35 @@ def check_layout(descriptor: TransferDescriptor, dst_kv: torch.Tensor,
     if num_src_blocks != len(dst_block_ids):
         raise TransferError(f"source holds {num_src_blocks} blocks for {descriptor.request_id!r} "
                             f"but {len(dst_block_ids)} destination blocks were allocated")
+
+
+def descriptor_problem(descriptor: TransferDescriptor, dst_kv: torch.Tensor, transport: str) -> str | None:
+    """Why a descriptor cannot be acted on, or None. It crossed two processes and the frontend:
+    checked before any block is allocated or any socket or segment is opened."""
+    source = descriptor.source
+    shape = tuple(source.kv_shape)
+    if source.transport != transport:
+        return f"the descriptor is for the {source.transport!r} transport; this instance uses {transport!r}"
+    if len(shape) != layout.NUM_DIMS or any(not 0 < int(d) < 2**31 for d in shape):
+        return f"the descriptor's kv_shape {shape} is not a valid pool shape"
+    if layout.without_blocks(shape) != layout.without_blocks(tuple(dst_kv.shape)):
+        return (f"prefill and decode instances disagree on the KV layout: {shape} vs {tuple(dst_kv.shape)}; "
+                "run both with the same model and block size")
+    if source.dtype != str(dst_kv.dtype).removeprefix("torch."):
+        return f"kv dtype differs: source {source.dtype}, destination {dst_kv.dtype}"
+    block_size = layout.block_size(shape)
+    # (more blocks than this instance's whole pool is not malformed: allocate refuses it as no_space)
+    if not (0 < descriptor.num_tokens and descriptor.num_blocks == -(-descriptor.num_tokens // block_size)
+            and descriptor.num_blocks <= shape[layout.BLOCK_DIM]):
+        return (f"the descriptor's {descriptor.num_blocks} blocks for {descriptor.num_tokens} tokens do not fit "
+                f"blocks of {block_size} in the source's pool of {shape[layout.BLOCK_DIM]} blocks")
+    if transport != "fake" and (not source.host or not 0 < source.port < 65536):
+        return f"the descriptor's address {source.host!r}:{source.port} cannot be dialled"
+    if transport == "shm" and segment_owner(source.shm_name) is None:
+        return f"the descriptor's segment name {source.shm_name!r} is not a splitserve segment name"
+    if len(descriptor.access_token) > 64:
+        return "the descriptor's access token is longer than any this version issues"
+    return None
 
 
 def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prompt this long or longer counts as a long input (default 1000)")
     p.add_argument("--window-s", type=float, default=10.0, help="window for the peak/mean rate (default 10 s)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    p.add_argument("--profile", default=None, metavar="PROFILE_JSON",
+                   help="a `splitserve profile` file: also estimate how often a long prefill would meet "
+                        "requests arriving or answers streaming, and recommend an arrangement")
+    p.add_argument("--threads", type=int, default=1, help="threads per instance for --profile (default 1)")
 
 
 def read_requests(path: pathlib.Path, fmt: str = "auto") -> list[TraceRecord]:
@@ -87,9 +91,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve workload analyze: file {str(path)!r} not found", file=sys.stderr)
         return 2
     try:
-        result = analyze(read_requests(path, args.format), args.long_input_tokens, args.window_s)
-    except TraceError as exc:
+        records = read_requests(path, args.format)
+        result = analyze(records, args.long_input_tokens, args.window_s)
+        if args.profile:
+            from splitserve.control.overlap import analyze_records
+            from splitserve.control.profile_file import load_profile
+
+            result["overlap"] = analyze_records(records, load_profile(args.profile), args.long_input_tokens,
+                                                args.threads)
+    except (TraceError, ValueError, OSError) as exc:  # ProfileError is a ValueError
         print(f"splitserve workload analyze: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if args.json else render(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(render(result))
+    if "overlap" in result:
+        from splitserve.control.overlap import render_overlap
+
+        print(render_overlap(result["overlap"]))
     return 0

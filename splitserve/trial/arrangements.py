@@ -29,6 +29,7 @@ class LaunchError(RuntimeError):
 class Endpoint:
     base_url: str
     model: str | None  # the id /v1/models reports, sent with every request
+    pid: int | None = None  # the launched server's process (None for an external URL)
 
 
 def free_port() -> int:
@@ -71,8 +72,10 @@ def _tail(path: pathlib.Path | None, num_lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup_timeout_s: float = 300.0):
-    """Yield a ready Endpoint for the arrangement; stop the server (if we started it) on exit."""
+def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup_timeout_s: float = 300.0,
+             cpus: list[int] | None = None):
+    """Yield a ready Endpoint for the arrangement; stop the server (if we started it) on exit.
+    `cpus`: pin the server before it starts, so every process it spawns (its engines) inherits them."""
     if arr.url is not None:
         base_url = arr.url.rstrip("/")
         yield Endpoint(base_url, wait_ready(base_url, 30.0))
@@ -80,12 +83,15 @@ def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{arr.name}.log"
+    if log_path.exists():  # a repeat: keep every launch's log
+        log_path = log_dir / f"{arr.name}.{len(list(log_dir.glob(arr.name + '.*log')))}.log"
     with open(log_path, "wb") as log:
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         proc = subprocess.Popen(server_command(arr, port, model), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        yield Endpoint(base_url, wait_ready(base_url, startup_timeout_s, proc, log_path))
+        yield Endpoint(base_url, wait_ready(base_url, startup_timeout_s, proc, log_path), proc.pid)
     finally:
         stop_process_group(proc)
 

@@ -1,9 +1,13 @@
 """The load generator: send each planned request on schedule, stream the answer, time every token.
 
 One asyncio task per request sleeps until its scheduled second, then POSTs a streaming
-`/v1/completions` with the prompt as token ids, `max_tokens` and `ignore_eos`. Each SSE chunk
-with a choice is stamped on arrival; it carries one token unless it says otherwise (`token_ids`
-or `num_tokens`), and the usage block's completion_tokens is the final count.
+`/v1/completions` with the prompt as token ids, `max_tokens`, `ignore_eos` and
+`return_token_ids` (as vLLM names it). Each SSE chunk with a choice is stamped on arrival; a
+server that names the chunk's `token_ids` gives per-token timing (a token whose text is held
+back still arrives in its own chunk); one that cannot is timed per chunk, one token per text
+chunk, and the record says so (`token_timing`). The usage block's completion_tokens is the
+final count. An unexpected error in one request becomes that request's failure, never the
+end of the replay.
 The final chunk may carry a `splitserve` object with the server's per-request KV-transfer
 report (see docs/internals.md, "Trial <-> server"). Nothing here decides what is good: it
 only records what happened (metrics.py judges).
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from typing import Awaitable, Callable, Sequence
 
@@ -26,7 +31,8 @@ START_LEAD_S = 0.2  # let every task reach its sleep before the first request is
 
 def completion_body(req: PlannedRequest, model: str | None) -> dict:
     body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     if model:
         body["model"] = model
     return body
@@ -42,9 +48,12 @@ def _tokens_in_chunk(choice: dict) -> int:
 
 
 async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None, req: PlannedRequest,
-                     t0: float, timeout_s: float, clock: Callable[[], float] = time.perf_counter
-                     ) -> RequestRecord:
+                     t0: float, timeout_s: float, clock: Callable[[], float] = time.perf_counter,
+                     live: dict[int, RequestRecord] | None = None) -> RequestRecord:
+    """`live` (if given) sees the record while it streams: a watchdog may judge it before it ends."""
     rec = RequestRecord(req.index, req.class_name, req.num_prompt_tokens, req.max_tokens, req.send_at_s)
+    if live is not None:
+        live[req.index] = rec
     await asyncio.sleep(max(0.0, t0 + req.send_at_s - clock()))
     rec.sent_s = clock() - t0
     try:
@@ -58,6 +67,11 @@ async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         # the stream broke after it started: the client saw an interrupted answer
         rec.error_kind, rec.error_message = "cancelled", f"{type(exc).__name__}: {exc}"
+    except asyncio.CancelledError:
+        # a capacity probe that has already failed stops its remaining requests
+        rec.error_kind, rec.error_message = "probe_stopped", "the probe stopped once it could no longer pass"
+    except Exception as exc:  # an odd response (a chunk of the wrong shape) fails this request only
+        rec.error_kind, rec.error_message = "cancelled", f"unreadable response: {type(exc).__name__}: {exc}"
     rec.finished_s = clock() - t0
     return rec
 
@@ -89,6 +103,8 @@ async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clo
                 rec.error_kind, rec.error_message = "cancelled", str(chunk["error"])[:300]
                 return
             for choice in chunk.get("choices") or []:
+                if isinstance(choice.get("token_ids"), list):
+                    rec.token_timing = "token"
                 rec.token_times_s.extend([now] * _tokens_in_chunk(choice))
                 if choice.get("finish_reason"):
                     rec.finish_reason = choice["finish_reason"]
@@ -113,22 +129,52 @@ def _read_report(report: object, rec: RequestRecord) -> None:
 
 async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,
                    model: str | None = None, on_done: Callable[[RequestRecord], None] | None = None,
-                   side_tasks: Sequence[Callable[[float], Awaitable[object]]] = ()) -> list[RequestRecord]:
+                   side_tasks: Sequence[Callable[[float], Awaitable[object]]] = (),
+                   stop: asyncio.Event | None = None,
+                   live: dict[int, RequestRecord] | None = None) -> list[RequestRecord]:
     """Send every request at its scheduled second; return records in request order.
-    side_tasks (e.g. scheduled faults) are started with the same zero time t0 and awaited too."""
+    side_tasks (e.g. scheduled faults) are started with the same zero time t0 and awaited too;
+    one that raises is reported on stderr and loses no request's record. Setting `stop` (from
+    on_done) cancels every request still due or streaming: they are recorded as probe_stopped."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter() + START_LEAD_S
+        records = [RequestRecord(r.index, r.class_name, r.num_prompt_tokens, r.max_tokens, r.send_at_s)
+                   for r in requests]
 
-        async def one(req):
-            rec = await stream_one(client, base_url, model, req, t0, timeout_s)
+        async def one(n, req):
+            try:
+                records[n] = await stream_one(client, base_url, model, req, t0, timeout_s, live=live)
+            except asyncio.CancelledError:
+                records[n].error_kind = "probe_stopped"
+                records[n].error_message = "the probe stopped once it could no longer pass"
+                records[n].finished_s = time.perf_counter() - t0
+                return
             if on_done is not None:
-                on_done(rec)
-            return rec
+                on_done(records[n])
 
-        results = await asyncio.gather(*(one(r) for r in requests), *(task(t0) for task in side_tasks))
-        return list(results[:len(requests)])
+        tasks = [asyncio.ensure_future(one(n, r)) for n, r in enumerate(requests)]
+        sides = [asyncio.ensure_future(task(t0)) for task in side_tasks]
+        watcher = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        pending = set(tasks)
+        while pending:
+            wait_on = pending | ({watcher} if watcher is not None else set())
+            await asyncio.wait(wait_on, return_when=asyncio.FIRST_COMPLETED)
+            pending = {t for t in pending if not t.done()}
+            if watcher is not None and watcher.done():
+                for t in pending:
+                    t.cancel()
+                for t in sides:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                break
+        if watcher is not None:
+            watcher.cancel()
+        for outcome in await asyncio.gather(*sides, return_exceptions=True):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                print(f"splitserve trial: a scheduled side task failed: {outcome!r}", file=sys.stderr)
+        return records
 
 
 def http_tokenizer(base_url: str) -> Callable[[str], list[int]]:

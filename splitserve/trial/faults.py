@@ -30,6 +30,7 @@ from splitserve.trial.metrics import RequestRecord, request_metrics
 from splitserve.trial.spec import SLO, FaultSpec
 
 ADMIN_POLL_S = 0.05
+OUT_OF_ROTATION_TIMEOUT_S = 30.0   # a server that never notices a dead engine must not hang the trial
 REJOIN_TIMEOUT_S = 300.0
 
 
@@ -62,7 +63,12 @@ async def inject_fault(base_url: str, fault: FaultSpec, t0: float, multiplier: f
             event["instance"], event["pid"] = victim["id"], victim["pid"]
             os.kill(int(victim["pid"]), signal.SIGKILL)
             event["killed_s"] = clock() - t0
+            deadline = clock() + OUT_OF_ROTATION_TIMEOUT_S
             while not await _is_out(http, base_url, victim["id"]):
+                if clock() >= deadline:
+                    event["error"] = (f"the server still listed {victim['id']} as alive "
+                                      f"{OUT_OF_ROTATION_TIMEOUT_S:.0f} s after it was killed")
+                    return event
                 await asyncio.sleep(ADMIN_POLL_S)
             event["out_of_rotation_s"] = clock() - t0
             if fault.restart_after_s is None:

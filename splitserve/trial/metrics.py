@@ -7,10 +7,18 @@ here is a pure function of records, so every metric can be checked on hand-made 
 Definitions (also in docs/benchmarks.md):
 - TTFT: first token arrival - send time. Client lag: send time - scheduled time.
 - inter-token gaps: differences of consecutive token arrival times; TPOT: (last - first) / (n - 1).
+- a stream that froze and then failed (timed out, was cut) has one more gap: from its last
+  token to the failure. A frozen stream is the worst pause a user sees.
 - a pause is a gap longer than the pause threshold; time stalled sums those whole gaps.
 - a request is *complete* if it ended without error with every token it asked for, and *good*
   if it is complete and meets every SLO: TTFT, its own gap percentile, its longest gap, end-to-end.
-- attainment: good / all requests; goodput: good / trial duration (start to last finish).
+- TTFT percentiles count a request that failed before its first token as infinitely late, so an
+  arrangement cannot improve its TTFT by failing its slowest requests.
+- attainment: good / all requests; goodput: attainment x offered rate, where the offered rate
+  is (requests - 1) / scheduled span of the arrivals: the same denominator for every arrangement
+  replaying the same plan (a drowned arrangement's long makespan must not lower its goodput).
+- recovered: requests retried on another instance or whose KV transfer failed and was
+  recomputed, but which completed; counted apart from terminal failures.
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ import numpy as np
 from splitserve.trial.spec import SLO
 
 FAILURE_KINDS = ("http_error", "timeout", "connection_error", "cancelled", "truncated",
-                 "kv_transfer_failed")
+                 "probe_stopped")
+FROZEN_FAILURES = ("timeout", "cancelled", "connection_error", "probe_stopped")  # ended mid-stream
 KV_OK_OUTCOMES = ("ok", "success")
 
 
@@ -42,6 +51,7 @@ class RequestRecord:
     http_status: int | None = None
     kv_transfer: dict | None = None          # {bytes, seconds, outcome, retries} from the server
     retries: int = 0
+    token_timing: str = "chunk"              # "token": the server named each chunk's token ids
 
 
 @dataclass(slots=True)
@@ -67,9 +77,17 @@ def percentile(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if values.size else None
 
 
+def stream_gaps(rec: RequestRecord) -> np.ndarray:
+    """Inter-token gaps, plus the freeze from the last token to a mid-stream failure."""
+    times = list(rec.token_times_s)
+    if times and rec.error_kind in FROZEN_FAILURES and rec.finished_s is not None and rec.finished_s > times[-1]:
+        times.append(rec.finished_s)
+    return np.diff(times) if len(times) > 1 else np.zeros(0)  # [num_gaps]
+
+
 def request_metrics(rec: RequestRecord, slo: SLO, pause_threshold_s: float) -> RequestMetrics:
     times = rec.token_times_s
-    gaps = np.diff(times) if len(times) > 1 else np.zeros(0)  # [num_tokens - 1]
+    gaps = stream_gaps(rec)
     sent = rec.sent_s if rec.sent_s is not None else rec.scheduled_s
     end = times[-1] if times else rec.finished_s
     pauses = gaps[gaps > pause_threshold_s]
@@ -80,7 +98,7 @@ def request_metrics(rec: RequestRecord, slo: SLO, pause_threshold_s: float) -> R
     return RequestMetrics(
         ttft_s=times[0] - sent if times else None,
         tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-        e2e_s=end - sent if end is not None else None,
+        e2e_s=end - sent if end is not None and rec.sent_s is not None else None,  # never sent: no e2e
         gap_percentile_s=float(np.percentile(gaps, slo.gap_percentile)) if gaps.size else 0.0,
         longest_pause_s=float(gaps.max()) if gaps.size else 0.0,
         num_pauses=int(pauses.size),
@@ -100,38 +118,87 @@ def _pcts(values, qs=(50, 90, 99)) -> dict:
     return {f"p{q}": percentile(values, q) for q in qs}
 
 
+def failed_as_infinite(values: list[float], num_failed: int, qs=(50, 90, 99)) -> dict:
+    """Percentiles with `num_failed` values at +infinity: a request that never got its first token
+    is later than any that did. Interpolating towards infinity gives infinity, never NaN."""
+    pool = sorted(values) + [float("inf")] * num_failed
+    out = {}
+    for q in qs:
+        if not pool:
+            out[f"p{q}"] = None
+            continue
+        with np.errstate(invalid="ignore"):
+            v = float(np.percentile(pool, q))
+        out[f"p{q}"] = float("inf") if np.isnan(v) else v
+    out["num_failed"] = num_failed
+    return out
+
+
+def scheduled_span(records: list[RequestRecord]) -> float:
+    times = [r.scheduled_s for r in records]
+    return max(times) - min(times) if times else 0.0
+
+
+def offered_rate(records: list[RequestRecord]) -> float | None:
+    span = scheduled_span(records)
+    return (len(records) - 1) / span if span > 0 else None
+
+
+def _group(records, per, good, idx: list[int]) -> dict:
+    failures: dict[str, int] = {}
+    for i in idx:
+        if per[i].failure is not None:
+            failures[per[i].failure] = failures.get(per[i].failure, 0) + 1
+    complete = [i for i in idx if per[i].complete]
+    return {
+        "num_requests": len(idx),
+        "attainment": sum(good[i] for i in idx) / len(idx) if idx else 0.0,
+        "ttft_s": failed_as_infinite([per[i].ttft_s for i in idx if per[i].ttft_s is not None],
+                                     sum(per[i].ttft_s is None and not per[i].complete for i in idx)),
+        "longest_pause_s": _pcts([per[i].longest_pause_s for i in idx]),
+        "failures": failures,
+        # completed, but only after the server recovered them: not failures, not invisible either
+        "recovered": {"retried": sum(records[i].retries > 0 for i in complete),
+                      "kv_recomputed": sum(per[i].kv_failed for i in complete)},
+    }
+
+
 def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,
-              slo_scales=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)) -> dict:
-    """Every number the report shows for one arrangement, as plain JSON-ready data."""
+              slo_scales=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0),
+              phase_starts_s: list[float] | None = None) -> dict:
+    """Every number the report shows for one arrangement, as plain JSON-ready data.
+    phase_starts_s: when each phase of a `phases` spec starts (in the records' time), for
+    attainment per phase."""
     per = [request_metrics(r, slo, pause_threshold_s) for r in records]
     good = [is_good(m, slo) for m in per]
     ends = [r.token_times_s[-1] if r.token_times_s else (r.finished_s or r.scheduled_s) for r in records]
-    duration = max(ends + [r.scheduled_s for r in records], default=0.0)
-    all_gaps = [g for r in records for g in np.diff(r.token_times_s)]
+    all_gaps = [g for r in records for g in stream_gaps(r)]
     streams = [m for r, m in zip(records, per) if len(r.token_times_s) > 1]
-    failures = {kind: 0 for kind in FAILURE_KINDS}
-    for m in per:
-        if m.failure is not None:
-            failures[m.failure] = failures.get(m.failure, 0) + 1
-        if m.kv_failed:
-            failures["kv_transfer_failed"] += 1
+    overall = _group(records, per, good, list(range(len(records))))
+    failures = {kind: 0 for kind in FAILURE_KINDS} | overall["failures"]
     kv = [r.kv_transfer for r in records if r.kv_transfer]
-    by_class = {}
-    for name in sorted({r.class_name for r in records}):
-        idx = [i for i, r in enumerate(records) if r.class_name == name]
-        by_class[name] = {
-            "num_requests": len(idx),
-            "attainment": sum(good[i] for i in idx) / len(idx),
-            "ttft_s": _pcts([per[i].ttft_s for i in idx if per[i].ttft_s is not None]),
-            "longest_pause_s": _pcts([per[i].longest_pause_s for i in idx])}
+    by_class = {name: _group(records, per, good, [i for i, r in enumerate(records) if r.class_name == name])
+                for name in sorted({r.class_name for r in records})}
+    by_phase = []
+    if phase_starts_s:
+        bounds = list(phase_starts_s) + [float("inf")]
+        for n, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            idx = [i for i, r in enumerate(records) if lo <= r.scheduled_s < hi]
+            by_phase.append({"phase": n, "start_s": lo, **_group(records, per, good, idx)})
+    attainment = sum(good) / len(records) if records else 0.0
+    rate = offered_rate(records)
+    timed = [r.token_timing for r in records if r.token_times_s]
     return {
         "num_requests": len(records),
         "num_good": int(sum(good)),
         "num_complete": sum(m.complete for m in per),
-        "attainment": sum(good) / len(records) if records else 0.0,
-        "goodput_rps": sum(good) / duration if duration > 0 else 0.0,
-        "duration_s": duration,
-        "ttft_s": _pcts([m.ttft_s for m in per if m.ttft_s is not None]),
+        "attainment": attainment,
+        "offered_rate_rps": rate,
+        "goodput_rps": attainment * rate if rate is not None else 0.0,
+        "duration_s": scheduled_span(records),
+        "makespan_s": max(ends, default=0.0),
+        "token_timing": "token" if timed and all(t == "token" for t in timed) else "chunk",
+        "ttft_s": overall["ttft_s"],
         "tpot_s": _pcts([m.tpot_s for m in per if m.tpot_s is not None]),
         "gap_s": _pcts(all_gaps, (50, 90, 99, 99.9)),
         "e2e_s": _pcts([m.e2e_s for m in per if m.e2e_s is not None]),
@@ -143,12 +210,15 @@ def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,
         "client_lag_s": {**_pcts([m.client_lag_s for m in per]),
                          "max": max((m.client_lag_s for m in per), default=None)},
         "failures": failures,
+        "recovered": overall["recovered"],
         "retries": sum(r.retries for r in records),
         "kv_transfer": {"num_reports": len(kv),
                         "bytes": sum(int(k.get("bytes", 0)) for k in kv),
                         "seconds": sum(float(k.get("seconds", 0.0)) for k in kv),
-                        "retries": sum(int(k.get("retries", 0)) for k in kv)},
+                        "retries": sum(int(k.get("retries", 0)) for k in kv),
+                        "failed": sum(m.kv_failed for m in per)},
         "by_class": by_class,
+        "by_phase": by_phase,
         "attainment_vs_slo_scale": [
             {"scale": s, "attainment": (sum(is_good(m, slo.scaled(s)) for m in per) / len(per)) if per else 0.0}
             for s in slo_scales],

@@ -15,13 +15,25 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.trial.verdict import fmt_seconds, main_summary
+from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
+# Rows measured per repeat: median (min-max) when the trial repeated.
+SPREAD_ROWS = [
+    ("attainment", "attainment", lambda x: f"{x:.0%}"),
+    ("goodput (req/s)", "goodput_rps", lambda x: f"{x:.3f}"),
+    ("TTFT p99", "ttft_p99_s", fmt_seconds),
+    ("TPOT p50", "tpot_p50_s", fmt_seconds),
+    ("gap p99", "gap_p99_s", fmt_seconds),
+    ("longest pause p99", "longest_pause_p99_s", fmt_seconds),
+]
+
+# Rows from the first repeat's run at the compared rate.
 ROWS = [
-    ("attainment", lambda s: f"{s['attainment']:.0%}"),
-    ("goodput (req/s)", lambda s: f"{s['goodput_rps']:.3f}"),
+    ("offered rate (req/s)", lambda s: f"{s['offered_rate_rps']:.3f}" if s.get("offered_rate_rps") else "n/a"),
     ("good / requests", lambda s: f"{s['num_good']} / {s['num_requests']}"),
     ("attainment by class", lambda s: ", ".join(f"{name} {c['attainment']:.0%}" for name, c in s["by_class"].items())),
+    ("attainment by phase", lambda s: ", ".join(f"#{p['phase'] + 1} {p['attainment']:.0%}" for p in s["by_phase"])
+                                      if s.get("by_phase") else "-"),
     ("TTFT p50 / p99", lambda s: f"{fmt_seconds(s['ttft_s']['p50'])} / {fmt_seconds(s['ttft_s']['p99'])}"),
     ("TPOT p50 / p99", lambda s: f"{fmt_seconds(s['tpot_s']['p50'])} / {fmt_seconds(s['tpot_s']['p99'])}"),
     ("gap p50 / p99", lambda s: f"{fmt_seconds(s['gap_s']['p50'])} / {fmt_seconds(s['gap_s']['p99'])}"),
@@ -29,11 +41,14 @@ ROWS = [
                                           f"{fmt_seconds(s['longest_pause_s']['max'])}"),
     ("streams interrupted", lambda s: f"{s['interrupted_share']:.0%}"),
     ("time stalled (total)", lambda s: f"{s['stalled_s_total']:.1f} s"),
-    ("failures", lambda s: ", ".join(f"{k} {v}" for k, v in s["failures"].items() if v) or "none"),
-    ("retries", lambda s: str(s["retries"])),
+    ("failures (terminal)", lambda s: ", ".join(f"{k} {v}" for k, v in s["failures"].items() if v) or "none"),
+    ("recovered: retried / KV recomputed",
+     lambda s: f"{s['recovered']['retried']} / {s['recovered']['kv_recomputed']}"),
+    ("timing", lambda s: "per token" if s.get("token_timing") == "token" else
+                         "per chunk (the server sent no token ids)"),
     ("faults: lost / failed after / recovery", lambda s: fault_cell(s.get("faults"))),
-    ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s"
-                           if s["kv_transfer"]["num_reports"] else "-"),
+    ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s, "
+                           f"{s['kv_transfer']['failed']} failed" if s["kv_transfer"]["num_reports"] else "-"),
     ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
                                        f"{fmt_seconds(s['client_lag_s']['max'])}"),
 ]
@@ -57,27 +72,61 @@ PLOT_TITLES = {
     "gap_cdf": "Inter-token gaps (CDF)",
     "pauses": "Each stream's pauses against long-prompt arrivals",
     "attainment_vs_slo": "Attainment as every SLO is scaled",
-    "sweep": "Attainment against offered request rate (--sweep)",
+    "sweep": "Attainment against offered request rate (capacity probes and --sweep)",
 }
 
 
-def table(doc: dict) -> Table:
-    t = Table(title=f"trial {doc['trial']} (seed {doc['seed']})")
-    t.add_column("metric")
-    arrangements = [a for a in doc["arrangements"]]
-    for a in arrangements:
-        t.add_column(a["name"], justify="right")
+def rows(doc: dict) -> list[tuple[str, list[str]]]:
+    """(label, one cell per arrangement): the table, in the terminal and in the HTML report."""
+    arrs, reps, m = doc["arrangements"], doc.get("repeat", 1), equal_rate(doc)
+    out = []
+    if any(a.get("capacity_rps") for a in arrs):
+        out.append((f"capacity (req/s, >= {doc['slo'].get('attainment', 0.9):.0%} good)",
+                    [fmt_capacity(a, reps) for a in arrs]))
+    stats = [stats_at(a, m) if m is not None else None for a in arrs]
+    suffix = f", median (min-max) of {reps}" if reps > 1 else ""
+    missing = ["failed" if a["error"] else "not run at this rate" for a in arrs]
+    for label, key, fmt in SPREAD_ROWS:
+        out.append((label + suffix, [fmt_spread(st[key], fmt, reps) if st else gone
+                                     for st, gone in zip(stats, missing)]))
     for label, cell in ROWS:
-        t.add_row(label, *[cell(main_summary(a)) if main_summary(a) else "failed" for a in arrangements])
-    if doc["sweep"]:
-        t.add_row("sweep: max rate >= target", *[
-            f"{a['sweep_capacity_rps']:.2f} req/s" if a["sweep_capacity_rps"] else "none" for a in arrangements])
+        out.append((label, [cell(main_summary(a, m)) if main_summary(a, m) else gone
+                            for a, gone in zip(arrs, missing)]))
+    out.append(("engines", [a["resources"]["describe"] if a.get("resources") else "-" for a in arrs]))
+    out.append(("affinity read back", [_affinity(a) for a in arrs]))
+    return out
+
+
+def _affinity(a: dict) -> str:
+    launches = a.get("launches") or []
+    if not launches or not launches[0]["processes"]:
+        return "-"
+    sets = {tuple(p["cpus"]) for launch in launches for p in launch["processes"]}
+    count = sum(len(launch["processes"]) for launch in launches)
+    return f"{count} processes on cores {' / '.join(','.join(map(str, s)) for s in sorted(sets))}"
+
+
+def table(doc: dict) -> Table:
+    m = equal_rate(doc)
+    title = f"trial {doc['trial']} (seed {doc['seed']}, {doc.get('repeat', 1)} repeat(s))"
+    if m is not None:
+        title += f"; fixed-rate rows at x{m:.3g} of the spec's rate"
+    t = Table(title=title)
+    t.add_column("metric")
+    for a in doc["arrangements"]:
+        t.add_column(a["name"], justify="right")
+    for label, cells in rows(doc):
+        t.add_row(label, *cells)
     return t
 
 
 def print_summary(doc: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(doc))
+    if doc.get("cpus") is not None:
+        console.print(f"Cores {doc['cpus']}: {doc['placement']}. KV cache {doc['kv_cache_memory_total']} per "
+                      f"arrangement, split between its instances. Order per repeat: {doc['order']}.",
+                      markup=False, highlight=False)
     console.print(doc["verdict"])
 
 
@@ -94,11 +143,11 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _main_requests(a: dict) -> list[dict]:
+def _main_requests(a: dict, m: float | None) -> list[dict]:
     for run in a["runs"]:
-        if run["rate_multiplier"] == 1.0:
+        if run.get("purpose", "fixed") in ("fixed", "sweep") and run["rate_multiplier"] == m:
             return run["requests"]
-    return a["runs"][0]["requests"] if a["runs"] else []
+    return []
 
 
 def plots(doc: dict) -> dict[str, str]:
@@ -108,67 +157,65 @@ def plots(doc: dict) -> dict[str, str]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    ran = [a for a in doc["arrangements"] if a["runs"]]
+    m = equal_rate(doc)
+    ran = [a for a in doc["arrangements"] if _main_requests(a, m)]
     out = {}
-    for key, title, values_of in (
-            ("ttft_cdf", "TTFT (s), CDF", lambda reqs: [r["token_times_s"][0] - r["sent_s"] for r in reqs
-                                                       if r["token_times_s"]]),
-            ("gap_cdf", "inter-token gap (s), CDF", lambda reqs: [g for r in reqs
-                                                                   for g in np.diff(r["token_times_s"])])):
+    if ran:  # a trial whose searches held nothing has no whole-plan run to draw
+        for key, title, values_of in (
+                ("ttft_cdf", "TTFT (s), CDF", lambda reqs: [r["token_times_s"][0] - r["sent_s"] for r in reqs
+                                                           if r["token_times_s"]]),
+                ("gap_cdf", "inter-token gap (s), CDF", lambda reqs: [g for r in reqs
+                                                                       for g in np.diff(r["token_times_s"])])):
+            fig, ax = plt.subplots(figsize=(6.5, 3.5))
+            for a in ran:
+                values = np.sort(values_of(_main_requests(a, m)))
+                if values.size:
+                    ax.plot(values, np.arange(1, values.size + 1) / values.size, label=a["name"])
+            ax.set_xscale("log")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            out[key] = _png(fig)
+        fig, axes = plt.subplots(len(ran), 1, figsize=(8, 2.2 * max(len(ran), 1)), sharex=True, squeeze=False)
+        long_classes = _long_classes(doc)
+        for ax, a in zip(axes[:, 0], ran):
+            for r in _main_requests(a, m):
+                times = r["token_times_s"]
+                if times:
+                    ax.plot([times[0], times[-1]], [r["index"]] * 2, color="0.8", lw=1)
+                for t0, t1 in zip(times, times[1:]):
+                    if t1 - t0 > doc["pause_threshold_s"]:
+                        ax.plot([t0, t1], [r["index"]] * 2, color="red", lw=2.5)
+            for p in doc["plan"]:
+                if p["class"] in long_classes:
+                    ax.axvline(p["send_at_s"] / m, color="tab:blue", alpha=0.35, lw=1)
+            ax.set_ylabel(a["name"], fontsize=8)
+        axes[-1, 0].set_xlabel(f"seconds (grey: streaming, red: pause > {doc['pause_threshold_s']} s, "
+                               f"blue: long-prompt arrival)")
+        out["pauses"] = _png(fig)
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for a in ran:
-            values = np.sort(values_of(_main_requests(a)))
-            if values.size:
-                ax.plot(values, np.arange(1, values.size + 1) / values.size, label=a["name"])
-        ax.set_xscale("log")
-        ax.set_title(title)
+            curve = main_summary(a, m)["attainment_vs_slo_scale"]
+            ax.plot([c["scale"] for c in curve], [c["attainment"] for c in curve], marker="o", label=a["name"])
+        ax.set_xlabel("SLO scale (x every deadline)")
+        ax.set_ylabel("attainment")
         ax.grid(alpha=0.3)
         ax.legend()
-        out[key] = _png(fig)
-    fig, axes = plt.subplots(len(ran), 1, figsize=(8, 2.2 * max(len(ran), 1)), sharex=True, squeeze=False)
-    long_classes = _long_classes(doc)
-    for ax, a in zip(axes[:, 0], ran):
-        for r in _main_requests(a):
-            times = r["token_times_s"]
-            if times:
-                ax.plot([times[0], times[-1]], [r["index"]] * 2, color="0.8", lw=1)
-            for t0, t1 in zip(times, times[1:]):
-                if t1 - t0 > doc["pause_threshold_s"]:
-                    ax.plot([t0, t1], [r["index"]] * 2, color="red", lw=2.5)
-        for p in doc["plan"]:
-            if p["class"] in long_classes:
-                ax.axvline(p["send_at_s"] / _rate(a), color="tab:blue", alpha=0.35, lw=1)
-        ax.set_ylabel(a["name"], fontsize=8)
-    axes[-1, 0].set_xlabel(f"seconds (grey: streaming, red: pause > {doc['pause_threshold_s']} s, "
-                           f"blue: long-prompt arrival)")
-    out["pauses"] = _png(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    for a in ran:
-        curve = main_summary(a)["attainment_vs_slo_scale"]
-        ax.plot([c["scale"] for c in curve], [c["attainment"] for c in curve], marker="o", label=a["name"])
-    ax.set_xlabel("SLO scale (x every deadline)")
-    ax.set_ylabel("attainment")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    out["attainment_vs_slo"] = _png(fig)
-    if doc["sweep"]:
+        out["attainment_vs_slo"] = _png(fig)
+    if doc["sweep"] or any(a.get("capacity") for a in doc["arrangements"]):
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
-        for a in ran:
-            pts = [(r["summary"]["offered_rate_rps"], r["summary"]["attainment"]) for r in a["runs"]
-                   if r["summary"]["offered_rate_rps"]]
+        for a in doc["arrangements"]:
+            pts = sorted((r["summary"]["offered_rate_rps"], r["summary"]["attainment"]) for r in a["runs"]
+                         if r["summary"].get("offered_rate_rps") and r.get("purpose") != "tune")
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=a["name"])
+        ax.set_xscale("log")
         ax.set_xlabel("offered rate (req/s)")
         ax.set_ylabel("attainment")
         ax.grid(alpha=0.3)
         ax.legend()
         out["sweep"] = _png(fig)
     return out
-
-
-def _rate(a: dict) -> float:
-    runs = [r for r in a["runs"] if r["rate_multiplier"] == 1.0]
-    return 1.0 if runs or not a["runs"] else a["runs"][0]["rate_multiplier"]
 
 
 def _long_classes(doc: dict) -> set[str]:
@@ -183,12 +230,34 @@ def _long_classes(doc: dict) -> set[str]:
     return {c for c, v in by_class.items() if sum(v) / len(v) >= 2 * mean or c in ("long", "document")}
 
 
+def _method_html(doc: dict) -> str:
+    """The calibration, the tuning grid and every capacity probe, as measured."""
+    parts = []
+    cal = doc.get("calibration")
+    if cal:
+        parts.append(f"<p>Calibration: {html.escape(cal['reference'])} held "
+                     f"{cal['capacity_rps'] or 0:.3f} req/s; the fixed rate is {cal['fraction_of_capacity']:g} x its "
+                     f"capacity (x{cal.get('rate_multiplier') or 0:.3g} of the nominal rate). "
+                     f"{html.escape(cal.get('note', ''))}</p>")
+    tuning = doc.get("tuning")
+    if tuning:
+        cells = ", ".join(f"{html.escape(p['name'])}: {p['attainment']:.0%}" if p["attainment"] is not None
+                          else f"{html.escape(p['name'])}: failed" for p in tuning["points"])
+        parts.append(f"<p>Colocated grid at x{tuning['rate_multiplier']:.3g}: {cells}; best: "
+                     f"{html.escape(str(tuning['best']))}.</p>")
+    for a in doc["arrangements"]:
+        for c in a.get("capacity", []):
+            probes = ", ".join(f"{p['offered_rate_rps'] or 0:.3f} req/s {p['attainment']:.0%} ({p['seconds']:.0f} s)"
+                               for p in c["probes"])
+            parts.append(f"<p>{html.escape(a['name'])} capacity search (repeat {c['repeat'] + 1}, stopped by "
+                         f"{c['stopped_by']}): {probes}</p>")
+    return "".join(parts)
+
+
 def write_html(doc: dict, path: pathlib.Path) -> None:
     images = plots(doc)
-    rows = "".join(
-        f"<tr><th>{html.escape(label)}</th>" + "".join(
-            f"<td>{html.escape(cell(main_summary(a)) if main_summary(a) else 'failed')}</td>"
-            for a in doc["arrangements"]) + "</tr>" for label, cell in ROWS)
+    body = "".join(f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+                   + "</tr>" for label, cells in rows(doc))
     head = "".join(f"<th>{html.escape(a['name'])}</th>" for a in doc["arrangements"])
     errors = "".join(f"<div class=err><b>{html.escape(a['name'])} failed:</b>"
                      f"<pre>{html.escape(a['error'])}</pre></div>" for a in doc["arrangements"] if a["error"])
@@ -204,7 +273,11 @@ th:first-child{{text-align:left}}table{{border-collapse:collapse}}tr:nth-child(e
 inter-token gap &le; {slo['gap_s']} s, longest pause &le; {slo['max_pause_s']} s, end-to-end &le; {slo['e2e_s']} s;
 pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Verdict</h2><p class="verdict">{html.escape(doc['verdict'])}</p>{errors}
-<h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{rows}</table>
+<h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
+{_method_html(doc)}
+<p>Resources: {html.escape(doc.get('placement', ''))}; cores {doc.get('cpus')}; KV cache
+{html.escape(str(doc.get('kv_cache_memory_total')))} per arrangement, split between its instances.
+Order of the runs per repeat: {html.escape(str(doc.get('order')))}.</p>
 <h2>Plots</h2>{figures}
 <p>Every request's timeline is in results.json next to this file.</p></body></html>"""
     path.write_text(page)

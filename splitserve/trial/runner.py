@@ -1,25 +1,42 @@
-"""One trial: plan the workload once, then replay it against each arrangement in turn.
+"""One trial: plan the workload once, then replay it against each arrangement, repeat after repeat.
 
 The plan (arrival times, classes, prompt token ids, answer lengths) is fixed by the seed
-before the first request is sent, and every arrangement gets the very same plan after the
-same warm-up. A sweep replays the plan compressed in time (rate x 0.5, x1, x2, ...) until
-attainment drops below the target, so the highest passing rate is the arrangement's goodput
-capacity (DistServe's definition).
+before the first request is sent. Each (arrangement, repeat) is one launch of its server,
+pinned to the same cores, with the same warm-up; on it the trial runs, in this order:
+  1. the capacity search (capacity.py), when the spec has `capacity:` or the run is the
+     calibration: the reference of a `rate: {fraction_of_capacity}` spec, first in repeat 0;
+  2. the fixed-rate run: the whole plan at the spec's rate (or its share of the reference's
+     capacity), the same rate for every arrangement;
+  3. with --sweep, the plan compressed by each of the sweep's multipliers.
+Repeats rotate the order (ABCD, BCDA, CDAB, ...) so no arrangement always runs first, on a
+cold machine, or last, on a warm one. With `tune:`, the colocated grid is tried after the
+first launch (tuning.py); the best setting joins the trial. With `capacity.budget_s` the
+searches and the fixed-rate run's length follow the time budget (budget.py).
+Within one launch every replay gets its own prompt text (the server's prefix cache must not
+remember the last one): the fixed-rate run always replays the plan itself, the k-th probe and
+the k-th sweep step the same other text in every launch, so arrangements see identical requests.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import pathlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from splitserve.trial.arrangements import Endpoint, LaunchError, launched
 from splitserve.trial.arrivals import Arrival, generate_arrivals
+from splitserve.trial.budget import SEARCH_SHARE, Budget
+from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
-from splitserve.trial.metrics import RequestRecord, summarize
-from splitserve.trial.spec import Arrangement, TrialSpec
+from splitserve.trial.method import CapacitySpec
+from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, summarize
+from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
+                                        with_kv_split)
+from splitserve.trial.tuning import tune_colocated
+from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
                                       workload_streams)
 
@@ -32,6 +49,8 @@ class RunResult:
     summary: dict
     records: list[RequestRecord]
     server_counters: dict
+    repeat: int = 0
+    purpose: str = "fixed"                 # fixed | sweep | probe | tune
 
 
 @dataclass(slots=True)
@@ -39,14 +58,13 @@ class ArrangementResult:
     name: str
     runs: list[RunResult] = field(default_factory=list)
     error: str | None = None
+    capacity: list[dict] = field(default_factory=list)   # one search per repeat
+    launches: list[dict] = field(default_factory=list)   # per repeat: affinity read back, kv split
 
     @property
     def main_run(self) -> RunResult | None:
-        """The run at the spec's own rate (x1), or the first run of a sweep without one."""
-        for run in self.runs:
-            if run.rate_multiplier == 1.0:
-                return run
-        return self.runs[0] if self.runs else None
+        """The first repeat's fixed-rate run, or the first run of any kind."""
+        return next((r for r in self.runs if r.purpose == "fixed"), self.runs[0] if self.runs else None)
 
 
 def local_tokenizer(model: str | None):
@@ -56,11 +74,24 @@ def local_tokenizer(model: str | None):
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def rotation(names: list[str], repeat: int) -> list[str]:
+    """Repeat r runs the arrangements starting from the r-th: ABCD, BCDA, CDAB, ..."""
+    k = repeat % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 class Trial:
-    def __init__(self, spec: TrialSpec, out_dir: pathlib.Path, progress: Progress | None = None):
+    def __init__(self, spec: TrialSpec, out_dir: pathlib.Path, progress: Progress | None = None,
+                 on_update: Callable[["Trial"], None] | None = None):
         self.spec = spec
+        check_named(spec)
         self.out_dir = pathlib.Path(out_dir)
         self.progress = progress
+        self.on_update = on_update        # after every run: results.json is written as it goes
+        check_equal(spec)
+        self.resources = {a.name: arrangement_resources(with_kv_split(a, spec.kv_cache_memory))
+                          for a in spec.arrangements}
+        self.cpus = core_set(spec.cores)
         arrival_rng, self.content_rng = workload_streams(spec.seed)
         self.arrivals: list[Arrival] = generate_arrivals(spec.arrivals, arrival_rng)
         if not self.arrivals:
@@ -68,6 +99,27 @@ class Trial:
         self.plan: list[PlannedRequest] | None = None
         self.source: PromptSource | None = None
         self._recuts: dict[int, list[PlannedRequest]] = {}
+        rel = spec.arrivals.relative_rate
+        self.main_multiplier: float | None = None if rel else 1.0
+        self.calibration: dict | None = None
+        self.tuning: dict | None = None
+        self.order: list[list[str]] = []
+        self.results: dict[str, ArrangementResult] = {}
+        self.arrangements = list(spec.arrangements)
+        if rel:  # the calibration comes first
+            self.arrangements.sort(key=lambda a: a.name != rel.reference)
+        self.budget = Budget(None, 1, 1.0)
+        self.num_fixed: int | None = None   # requests per fixed-rate run (the budget may cut the plan)
+
+    @property
+    def phase_starts_s(self) -> list[float] | None:
+        if self.spec.arrivals.pattern != "phases":
+            return None
+        starts, t = [], 0.0
+        for phase in self.spec.arrivals.phases:
+            starts.append(t)
+            t += phase.duration_s
+        return starts
 
     def _ensure_plan(self, endpoint: Endpoint) -> list[PlannedRequest]:
         if self.plan is None:
@@ -78,73 +130,216 @@ class Trial:
         return self.plan
 
     def plan_for_run(self, run: int) -> list[PlannedRequest]:
-        """Replay `run` of each arrangement: run 0 is the plan itself; later runs of a sweep (and
-        the warm-up, run -1) get the same requests with fresh prompt text, so no replay finds
-        the previous one's prompts in the server's prefix cache. Every arrangement gets the same."""
+        """Replay `run` of a launch: 0 is the plan itself (the fixed-rate run); probes and sweep
+        steps get the same requests with other prompt text (content stream `run`)."""
         if run == 0:
             return self.plan
         if run not in self._recuts:
             self._recuts[run] = recut(self.plan, self.spec, self.source, content_stream(self.spec.seed, run))
         return self._recuts[run]
 
-    def run(self, sweep: bool = False) -> list[ArrangementResult]:
-        multipliers = [1.0]
-        if sweep:
-            multipliers = self.spec.sweep.rate_multipliers if self.spec.sweep else [0.5, 1.0, 1.5, 2.0, 3.0]
-        results = []
-        for arr in self.spec.arrangements:
-            results.append(self._run_arrangement(arr, multipliers, sweep))
-        return results
+    def run(self, sweep: bool = False, repeat: int = 1, capacity: bool = False) -> list[ArrangementResult]:
+        search = capacity or self.spec.capacity is not None
+        rel, tune = self.spec.arrivals.relative_rate, self.spec.tune
+        grid = len(tune.max_num_batched_tokens or [0]) * len(tune.instances_x_threads or [0]) if tune else 0
+        weight = len(self.arrangements) * repeat + (1 if rel else 0) + 0.5 * grid
+        self.budget = Budget(self.spec.capacity.budget_s if self.spec.capacity else None, repeat, weight)
+        for r in range(repeat):
+            names = rotation([a.name for a in self.arrangements], r)
+            self.order.append(names)
+            i = 0
+            while i < len(names):
+                arr = next(a for a in self.arrangements if a.name == names[i])
+                self._session(arr, r, search, sweep)
+                if r == 0 and self.spec.tune and self.tuning is None and self.main_multiplier:
+                    self.tuning = tune_colocated(self)
+                    if self.tuning.get("joins_as"):
+                        names.insert(i + 1, self.tuning["joins_as"])
+                        self.budget.weight_left += repeat  # it is launched in every repeat
+                    self._notify()
+                i += 1
+        return [self.results[a.name] for a in self.arrangements if a.name in self.results]
 
-    def _run_arrangement(self, arr: Arrangement, multipliers: list[float], sweep: bool) -> ArrangementResult:
-        result = ArrangementResult(arr.name)
-        target = self.spec.sweep.target_attainment if self.spec.sweep else 0.9
+    def _session(self, arr: Arrangement, repeat: int, search: bool, sweep: bool) -> None:
+        """One launch of one arrangement: [capacity search], fixed-rate run, [sweep]."""
+        result = self.results.setdefault(arr.name, ArrangementResult(arr.name))
+        rel = self.spec.arrivals.relative_rate
+        # the reference calibrates first; if it holds no rate at all, the next arrangement does
+        calibrating = rel is not None and self.main_multiplier is None
+        weight = 2.0 if calibrating else 1.0
+        share = self.budget.share(weight)
         try:
-            with launched(arr, self.spec.model, self.out_dir / "logs") as endpoint:
+            with launched(with_kv_split(arr, self.spec.kv_cache_memory), self.spec.model, self.out_dir / "logs",
+                          cpus=self.cpus if arr.url is None else None) as endpoint:
                 self._ensure_plan(endpoint)
-                self._warm_up(endpoint, self.plan_for_run(-1))
-                for i, multiplier in enumerate(multipliers):
-                    run = self._replay(endpoint, self.plan_for_run(i), multiplier, f"{arr.name} x{multiplier:g}")
-                    result.runs.append(run)
-                    if sweep and run.summary["attainment"] < target:
-                        break  # higher rates only do worse; the last passing rate is the answer
+                self._warm_up(endpoint)
+                result.launches.append({"repeat": repeat, "processes": read_affinity(endpoint.pid)
+                                        if endpoint.pid else [], "cpus": self.cpus if arr.url is None else None})
+                if search or calibrating:
+                    self._search(endpoint, arr, result, repeat, calibrating,
+                                 SEARCH_SHARE * share if share is not None else None)
+                if self.main_multiplier is None:
+                    return  # no fixed rate yet: the reference held nothing (or never launched)
+                if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
+                    rate = offered_rate_of(self.plan) * self.main_multiplier
+                    self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
+                result.runs.append(self._replay(endpoint, self.plan_for_run(0)[: self.num_fixed],
+                                                self.main_multiplier, f"{arr.name} fixed rate (repeat {repeat + 1})",
+                                                repeat, "fixed"))
+                self._notify()
+                if sweep:
+                    target = self.spec.sweep.target_attainment if self.spec.sweep else self.spec.slo.attainment
+                    steps = self.spec.sweep.rate_multipliers if self.spec.sweep else [0.5, 1.0, 1.5, 2.0, 3.0]
+                    for k, m in enumerate(x for x in steps if x != self.main_multiplier):
+                        run = self._replay(endpoint, self.plan_for_run(100 + k), m, f"{arr.name} x{m:g}", repeat,
+                                           "sweep")
+                        result.runs.append(run)
+                        self._notify()
+                        if run.summary["attainment"] < target:
+                            break  # higher rates only do worse
         except LaunchError as exc:
             result.error = str(exc)
-        return result
+        finally:
+            self.budget.spent(weight)
+            self._notify()
 
-    def _warm_up(self, endpoint: Endpoint, plan: list[PlannedRequest]) -> None:
-        """Same warm-up for every arrangement: the first few planned requests, one at a time
-        (with their own prompt text, so the measured run does not start on cached prompts)."""
-        for req in plan[: self.spec.warmup_requests]:
+    def _search(self, endpoint: Endpoint, arr: Arrangement, result: ArrangementResult, repeat: int,
+                calibrating: bool, budget: float | None) -> None:
+        cap_spec = self.spec.capacity or CapacitySpec()
+        rel = self.spec.arrivals.relative_rate
+        if self.main_multiplier is None or rel is None:
+            start = 1.0
+        else:  # start at the reference's capacity: the answer is usually near it
+            start = self.main_multiplier / rel.fraction_of_capacity
+        found_runs: list[RunResult] = []
+
+        def probe(m: float) -> Probe:
+            run = self._probe(endpoint, arr.name, m, repeat, cap_spec.probe_requests, 1 + len(found_runs))
+            found_runs.append(run)
+            result.runs.append(run)
+            self._notify()
+            return Probe(m, run.summary["attainment"], run.summary["offered_rate_rps"], run.summary["wall_s"])
+
+        found = search_capacity(probe, start, self.spec.slo.attainment, cap_spec.precision, cap_spec.grow,
+                                cap_spec.max_probes, budget, cap_spec.min_multiplier)
+        result.capacity.append({"repeat": repeat, **found.to_dict()})
+        if calibrating:
+            held_nothing = (self.calibration or {}).get("held_nothing", [])
+            self.calibration = {"reference": arr.name, "fraction_of_capacity": rel.fraction_of_capacity,
+                                **found.to_dict(), "held_nothing": held_nothing}
+            if found.passed is None:
+                lowest = min(p.multiplier for p in found.probes)
+                held_nothing.append(arr.name)
+                self.calibration["note"] = (
+                    f"{', '.join(held_nothing)} kept fewer than {self.spec.slo.attainment:.0%} of requests good at "
+                    f"every rate tried, down to x{lowest:.3g} of the nominal rate; the fixed rate follows the "
+                    f"first arrangement that holds one")
+                return
+            self.main_multiplier = rel.fraction_of_capacity * found.passed.multiplier
+            self.calibration["rate_multiplier"] = self.main_multiplier
+            if held_nothing:
+                self.calibration["note"] = (f"{', '.join(held_nothing)} held no rate tried, so the fixed rate is "
+                                            f"{rel.fraction_of_capacity:g} x {arr.name}'s capacity instead")
+
+    def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
+               run: int) -> RunResult:
+        """The plan's first `num` requests at `multiplier`, stopped as soon as it cannot pass: once
+        more requests than the target allows are bad, finished or not (a watchdog judges streams
+        in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
+        plan = self.plan_for_run(run)[:num]
+        slo = self.spec.slo
+        allowed_bad = int((1.0 - slo.attainment) * len(plan) + 1e-9)
+        stop, live, bad, finished = asyncio.Event(), {}, set(), set()
+        on_progress = self.progress(f"{name} probe x{multiplier:.3g}", len(plan)) if self.progress else None
+
+        def judge(index: int) -> None:
+            bad.add(index)
+            if len(bad) > allowed_bad:
+                stop.set()
+
+        def on_done(rec: RequestRecord) -> None:
+            finished.add(rec.index)
+            if not is_good(request_metrics(rec, slo, self.spec.pause_threshold_s), slo):
+                judge(rec.index)
+            if on_progress:
+                on_progress(rec)
+
+        async def watchdog(t0: float) -> None:
+            while not stop.is_set() and len(finished) < len(plan):
+                now = time.perf_counter() - t0
+                for index, rec in list(live.items()):
+                    if index in finished or index in bad or rec.sent_s is None:
+                        continue
+                    times = rec.token_times_s
+                    if ((not times and now - rec.sent_s > slo.ttft_s) or now - rec.sent_s > slo.e2e_s
+                            or (times and now - times[-1] > slo.max_pause_s)):
+                        judge(index)
+                await asyncio.sleep(0.1)
+
+        timeout = min(self.spec.request_timeout_s, slo.e2e_s + 1.0)
+        return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop,
+                            [watchdog], live)
+
+    def _warm_up(self, endpoint: Endpoint) -> None:
+        """Same warm-up for every launch: the first few planned requests, one at a time, with
+        their own prompt text (content stream -1), so no measured replay starts on cached prompts."""
+        if self.plan is None:
+            return
+        warm_plan = recut(self.plan[: self.spec.warmup_requests], self.spec, self.source,
+                          content_stream(self.spec.seed, -1))
+        for req in warm_plan:
             warm = dataclasses.replace(req, send_at_s=0.0, max_tokens=min(req.max_tokens, 8))
             asyncio.run(run_load(endpoint.base_url, [warm], self.spec.request_timeout_s, endpoint.model))
 
-    def _replay(self, endpoint: Endpoint, plan: list[PlannedRequest], multiplier: float, label: str) -> RunResult:
+    def _replay(self, endpoint: Endpoint, plan: list[PlannedRequest], multiplier: float, label: str | None,
+                repeat: int, purpose: str, timeout_s: float | None = None, on_done=None,
+                stop: asyncio.Event | None = None, watchers=(), live=None) -> RunResult:
         timed = [dataclasses.replace(r, send_at_s=r.send_at_s / multiplier) for r in plan]
-        on_done = self.progress(label, len(timed)) if self.progress else None
+        if on_done is None and self.progress and label:
+            on_done = self.progress(label, len(timed))
         before = scrape_counters(endpoint.base_url)
         fault_events: list[dict] = []
+        faults = self.spec.faults if purpose == "fixed" else []
 
         def scheduled(fault):
             async def run(t0: float) -> None:
                 fault_events.append(await inject_fault(endpoint.base_url, fault, t0, multiplier))
             return run
 
-        records = asyncio.run(run_load(endpoint.base_url, timed, self.spec.request_timeout_s,
-                                       endpoint.model, on_done, [scheduled(f) for f in self.spec.faults]))
+        started = time.monotonic()
+        records = asyncio.run(run_load(endpoint.base_url, timed, timeout_s or self.spec.request_timeout_s,
+                                       endpoint.model, on_done, [*(scheduled(f) for f in faults), *watchers],
+                                       stop, live))
+        wall = time.monotonic() - started
         counters = counter_deltas(before, scrape_counters(endpoint.base_url))
-        summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s)
-        if self.spec.faults:
+        phases = [t / multiplier for t in self.phase_starts_s] if self.phase_starts_s else None
+        summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s, phase_starts_s=phases)
+        if faults:
             fault_events.sort(key=lambda e: e["at_s"])
             summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s)
         summary["rate_multiplier"] = multiplier
-        summary["offered_rate_rps"] = (len(timed) - 1) / timed[-1].send_at_s if timed[-1].send_at_s > 0 else None
-        return RunResult(multiplier, summary, records, counters)
+        summary["wall_s"] = wall
+        summary["stopped_early"] = bool(stop is not None and stop.is_set())
+        return RunResult(multiplier, summary, records, counters, repeat, purpose)
+
+    def _notify(self) -> None:
+        if self.on_update is not None:
+            self.on_update(self)
 
 
-def sweep_capacity(result: ArrangementResult, target: float) -> float | None:
-    """The highest offered rate (requests/s) whose attainment met the target, if any did."""
-    passing = [r.summary["offered_rate_rps"] for r in result.runs
-               if r.summary["attainment"] >= target and r.summary["offered_rate_rps"] is not None]
-    return max(passing) if passing else None
+def offered_rate_of(plan: list[PlannedRequest]) -> float | None:
+    span = plan[-1].send_at_s - plan[0].send_at_s if plan else 0.0
+    return (len(plan) - 1) / span if span > 0 else None
+
+
+def check_named(spec: TrialSpec) -> None:
+    """--only or --url may have removed the arrangement the rate or the tuning refers to."""
+    names = [a.name for a in spec.arrangements]
+    rel = spec.arrivals.relative_rate
+    if rel is not None and rel.reference not in names:
+        raise SpecError(f"arrivals.rate.reference: {rel.reference!r} is not among the arrangements run "
+                        f"({names}); keep it in --only, or give the rate in requests/s")
+    if spec.tune is not None and spec.tune.base not in names:
+        raise SpecError(f"tune.base: {spec.tune.base!r} is not among the arrangements run ({names}); "
+                        "keep it in --only")
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from splitserve.trial.method import (CapacitySpec, RelativeRate, TuneSpec, read_capacity, read_relative_rate,
+                                    read_tune)
 from splitserve.trial.section import Section, SpecError, read_length_dist, LengthDist
 
 ARRIVAL_PATTERNS = ("constant", "poisson", "gamma", "on_off", "phases", "trace")
@@ -57,6 +59,7 @@ class ArrivalSpec:
     long_input_tokens: int = 1000          # trace: a prompt this long or longer is class "long"
     max_prompt_tokens: int | None = None   # trace: clip prompts (small models, short contexts)
     max_answer_tokens: int | None = None
+    relative_rate: RelativeRate | None = None  # rate: {fraction_of_capacity, reference, nominal}
 
 
 @dataclass(slots=True)
@@ -66,10 +69,11 @@ class SLO:
     e2e_s: float
     max_pause_s: float
     gap_percentile: float = 99.0
+    attainment: float = 0.9                # share of requests that must be good to "hold" a rate
 
     def scaled(self, factor: float) -> "SLO":
         return SLO(self.ttft_s * factor, self.gap_s * factor, self.e2e_s * factor,
-                   self.max_pause_s * factor, self.gap_percentile)
+                   self.max_pause_s * factor, self.gap_percentile, self.attainment)
 
 
 @dataclass(slots=True)
@@ -79,6 +83,7 @@ class Arrangement:
     command: list[str] | None = None       # any server command; "{port}" is substituted
     url: str | None = None                 # an external endpoint, not launched
     cores: int | None = None               # total threads the arrangement uses
+    grid_point: bool = False               # made by `tune:`, not written in the spec
 
 
 @dataclass(slots=True)
@@ -114,7 +119,17 @@ class TrialSpec:
     sweep: SweepSpec | None = None
     faults: list[FaultSpec] = field(default_factory=list)
     source: pathlib.Path | None = None
+    capacity: CapacitySpec | None = None
+    tune: TuneSpec | None = None
+    kv_cache_memory: str = "1GiB"          # total KV pool per arrangement, split between its instances
+    allow_unequal_cores: bool = False
 
+    @property
+    def cores(self) -> int | None:
+        """The cores every arrangement uses (instances x threads, or `cores`; checked equal when read)."""
+        from splitserve.trial.resources import arrangement_resources  # it reads Arrangement from here
+
+        return next((c for c in (arrangement_resources(a).cores for a in self.arrangements) if c), None)
 
 def load_spec(path: str | pathlib.Path) -> TrialSpec:
     path = pathlib.Path(path)
@@ -135,8 +150,8 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
     classes, mix = _read_workload(top.section("workload"))
     arrivals = _read_arrivals(top.section("arrivals"), classes, base_dir)
     slo = _read_slo(top.section("slo"))
-    arrangements = _read_arrangements(top.list("arrangements"),
-                                      allow_unequal_cores=top.bool("allow_unequal_cores", default=False))
+    allow_unequal = top.bool("allow_unequal_cores", default=False)
+    arrangements = _read_arrangements(top.list("arrangements"))
     spec = TrialSpec(
         name=name, seed=seed, classes=classes, mix=mix, arrivals=arrivals, slo=slo,
         arrangements=arrangements,
@@ -147,9 +162,14 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
         tokenizer=top.choice("tokenizer", TOKENIZER_SOURCES, default="server"),
         sweep=_read_sweep(top.section("sweep", required=False)),
         faults=_read_faults(top.list("faults")),
-        source=source)
+        source=source,
+        capacity=read_capacity(top.section("capacity", required=False)),
+        tune=read_tune(top.section("tune", required=False)),
+        kv_cache_memory=top.str("kv_cache_memory", default="1GiB"),
+        allow_unequal_cores=allow_unequal)
     max_context = top.int("max_context_tokens", default=None, minimum=1)
     top.finish()
+    _check_method(spec)
     for i, arr in enumerate(spec.arrangements):
         if spec.faults and arr.url is not None:
             raise SpecError(f"faults: arrangements[{i}] ({arr.name}) is an external URL; the trial can only "
@@ -201,7 +221,11 @@ def _read_arrivals(sec: Section, classes: dict, base_dir: pathlib.Path) -> Arriv
     pattern = sec.choice("pattern", ARRIVAL_PATTERNS)
     spec = ArrivalSpec(pattern=pattern)
     if pattern in ("constant", "poisson", "gamma", "on_off"):
-        spec.rate = sec.float("rate", positive=True)
+        if isinstance(sec.raw.get("rate"), dict):
+            spec.relative_rate = read_relative_rate(sec.section("rate"))
+            spec.rate = spec.relative_rate.nominal
+        else:
+            spec.rate = sec.float("rate", positive=True)
     if pattern in ("constant", "poisson", "gamma"):
         spec.num_requests = sec.int("num_requests", default=None, minimum=1)
         spec.duration_s = sec.float("duration_s", default=None, positive=True)
@@ -254,8 +278,11 @@ def _read_arrivals(sec: Section, classes: dict, base_dir: pathlib.Path) -> Arriv
 def _read_slo(sec: Section) -> SLO:
     slo = SLO(ttft_s=sec.float("ttft_s", positive=True), gap_s=sec.float("gap_s", positive=True),
               e2e_s=sec.float("e2e_s", positive=True), max_pause_s=sec.float("max_pause_s", positive=True),
-              gap_percentile=sec.float("gap_percentile", default=99.0, positive=True))
+              gap_percentile=sec.float("gap_percentile", default=99.0, positive=True),
+              attainment=sec.float("attainment", default=0.9, positive=True))
     sec.finish()
+    if slo.attainment > 1:
+        raise SpecError(f"slo.attainment: a share of requests in (0, 1], got {slo.attainment}")
     if slo.gap_percentile > 100:
         raise SpecError(f"slo.gap_percentile: a percentile in (0, 100], got {slo.gap_percentile}")
     if slo.e2e_s <= slo.ttft_s:
@@ -279,7 +306,7 @@ DEFAULT_ARRANGEMENTS = [
 ]
 
 
-def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrangement]:
+def _read_arrangements(raw_list: list) -> list[Arrangement]:
     raw_list = raw_list or DEFAULT_ARRANGEMENTS
     out = []
     for i, raw in enumerate(raw_list):
@@ -303,11 +330,7 @@ def _read_arrangements(raw_list: list, allow_unequal_cores: bool) -> list[Arrang
     names = [a.name for a in out]
     if len(set(names)) != len(names):
         raise SpecError(f"arrangements: names must be unique, got {names}")
-    cores = {a.name: a.cores for a in out if a.cores is not None}
-    if len(set(cores.values())) > 1 and not allow_unequal_cores:
-        raise SpecError(f"arrangements[].cores: arrangements must use equal total cores to be compared, "
-                        f"got {cores}; fix the cores or set allow_unequal_cores: true")
-    return out
+    return out  # equal cores and KV memory: resources.check_equal, once the spec is whole
 
 
 FAULT_TARGETS = ("prefill", "decode", "any")
@@ -333,8 +356,28 @@ def _read_sweep(sec: Section) -> SweepSpec | None:
     multipliers = [float(x) for x in sec.list("rate_multipliers")] or [0.5, 1.0, 1.5, 2.0, 3.0]
     if any(m <= 0 for m in multipliers):
         raise SpecError(f"sweep.rate_multipliers: all must be positive, got {multipliers}")
-    target = sec.float("target_attainment", default=0.9, positive=True)
+    target = sec.float("target_attainment", default=0.9, positive=True)  # kept for old specs
     if target > 1:
         raise SpecError(f"sweep.target_attainment: a fraction in (0, 1], got {target}")
     sec.finish()
     return SweepSpec(sorted(multipliers), target)
+
+
+def _check_method(spec: TrialSpec) -> None:
+    """Cross-section checks: the reference and the tuning base name arrangements."""
+    from splitserve.config import parse_size
+
+    names = [a.name for a in spec.arrangements]
+    rel = spec.arrivals.relative_rate
+    if rel is not None and rel.reference not in names:
+        raise SpecError(f"arrivals.rate.reference: no arrangement named {rel.reference!r}; "
+                        f"the spec has {names}")
+    if spec.tune is not None and spec.tune.base not in names:
+        raise SpecError(f"tune.base: no arrangement named {spec.tune.base!r}; the spec has {names}")
+    try:
+        parse_size(spec.kv_cache_memory)
+    except ValueError as exc:
+        raise SpecError(f"kv_cache_memory: {exc}") from None
+    from splitserve.trial.resources import check_equal  # it reads Arrangement from here
+
+    check_equal(spec)

@@ -1,6 +1,6 @@
 """Parsers for public request traces: each row becomes (arrival second, prompt tokens, answer tokens).
 
-Formats (see /work/shared/traces/README.md):
+Formats (examples/traces/README.md says where each comes from):
 - azure:    CSV `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as ISO date-times
             (Azure LLM inference trace 2023, Patel et al., Splitwise, ISCA 2024, CC-BY 4.0).
 - burstgpt: CSV `Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,

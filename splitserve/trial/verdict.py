@@ -1,169 +1,184 @@
-"""The trial's results as one JSON document, and the paragraph that answers the buyer's question.
+"""The paragraph that answers the buyer's question, read from a results document alone.
 
-`results_document` gathers the spec's essentials, the plan, and for each arrangement every
-run's summary and every request's timeline. `verdict` reads only that document, so a saved
-results.json can be re-judged without rerunning anything.
+Every sentence states a measured number; none explains a mechanism the trial did not measure.
+The headline is capacity within the SLOs when the trial searched it; the fixed-rate run is
+compared only at a rate every arrangement ran. With repeats a winner is named only when the
+ranges (min-max over repeats) do not overlap; else "no clear difference".
 """
 from __future__ import annotations
 
-import dataclasses
-import re
+from splitserve.trial.capacity import clear_winner
+from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
-from splitserve.trial.runner import ArrangementResult, sweep_capacity
-from splitserve.trial.spec import Arrangement, TrialSpec
-from splitserve.trial.workload import PlannedRequest
+SEPARATED, COLOCATED = "separated", "colocated"
 
 
-def arrangement_kind(arr: Arrangement) -> str:
-    """'separated' when prefill and decode run on different instances, else 'colocated' or 'external'."""
-    args = arr.serve_args or arr.command or []
-    if "--prefill" in args or re.search(r"\d+P\d+D", arr.name):
-        return "separated"
-    return "external" if arr.url else "colocated"
+def _rps(x: float) -> str:
+    return f"{x:.2f} req/s"
 
 
-def results_document(spec: TrialSpec, plan: list[PlannedRequest] | None,
-                     results: list[ArrangementResult], sweep: bool) -> dict:
-    by_name = {a.name: a for a in spec.arrangements}
-    target = spec.sweep.target_attainment if spec.sweep else 0.9
-    doc = {
-        "trial": spec.name,
-        "seed": spec.seed,
-        "spec_path": str(spec.source) if spec.source else None,
-        "model": spec.model,
-        "slo": dataclasses.asdict(spec.slo),
-        "pause_threshold_s": spec.pause_threshold_s,
-        "sweep": sweep,
-        "plan": [{"index": r.index, "class": r.class_name, "send_at_s": r.send_at_s,
-                  "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens} for r in plan or []],
-        "arrangements": [],
-    }
-    for res in results:
-        arr = by_name[res.name]
-        doc["arrangements"].append({
-            "name": res.name,
-            "kind": arrangement_kind(arr),
-            "launch": {"serve": arr.serve_args, "command": arr.command, "url": arr.url, "cores": arr.cores},
-            "error": res.error,
-            "sweep_capacity_rps": sweep_capacity(res, target) if sweep else None,
-            "runs": [{"rate_multiplier": run.rate_multiplier, "summary": run.summary,
-                      "server_counters": run.server_counters,
-                      "requests": [dataclasses.asdict(r) for r in run.records]} for run in res.runs],
-        })
-    doc["verdict"] = verdict(doc)
-    return doc
-
-
-def main_summary(arr_doc: dict) -> dict | None:
-    runs = arr_doc["runs"]
-    for run in runs:
-        if run["rate_multiplier"] == 1.0:
-            return run["summary"]
-    return runs[0]["summary"] if runs else None
-
-
-def fmt_seconds(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b <= 0:
-        return "n/a"
-    return f"{a / b:.1f}x"
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
 
 
 def verdict(doc: dict) -> str:
-    ran = [(a, main_summary(a)) for a in doc["arrangements"] if main_summary(a) is not None]
-    failed = [a["name"] for a in doc["arrangements"] if a["error"]]
-    note = f" Arrangements that failed to start: {', '.join(failed)} (see their logs)." if failed else ""
-    if not ran:
+    arrs = doc["arrangements"]
+    failed = [a["name"] for a in arrs if a["error"]]
+    note = f" Arrangements that failed: {', '.join(failed)} (see their logs)." if failed else ""
+    capacity = _capacity_part(doc)
+    fixed, fixed_answer = _fixed_part(doc, headline=capacity is None)
+    if capacity is None and fixed is None:
         return "No arrangement completed a run, so there is no verdict." + note
-    ranked = sorted(ran, key=lambda p: (p[1]["goodput_rps"], p[1]["attainment"]), reverse=True)
-    best, best_s = ranked[0]
-    separated = [p for p in ranked if p[0]["kind"] == "separated"]
-    colocated = [p for p in ranked if p[0]["kind"] == "colocated"]
-    head = (f"For this workload, {best['name']} met the most deadlines: {best_s['attainment']:.0%} of requests "
-            f"good, goodput {best_s['goodput_rps']:.2f} req/s.")
-    if not separated or not colocated:
-        others = "; ".join(f"{a['name']} {s['attainment']:.0%}" for a, s in ranked[1:])
-        return head + (f" Others: {others}." if others else "") + _warnings(ran) + note
-    sep, sep_s = separated[0]
-    col, col_s = colocated[0]
-    gap_ratio = _ratio(col_s["gap_s"]["p99"], sep_s["gap_s"]["p99"])
-    facts = (f" p99 inter-token gap: {sep['name']} {fmt_seconds(sep_s['gap_s']['p99'])} vs {col['name']} "
-             f"{fmt_seconds(col_s['gap_s']['p99'])} ({gap_ratio}); streams interrupted by a pause: "
-             f"{sep_s['interrupted_share']:.0%} vs {col_s['interrupted_share']:.0%}; p99 TTFT "
-             f"{fmt_seconds(sep_s['ttft_s']['p99'])} vs {fmt_seconds(col_s['ttft_s']['p99'])}.")
-    kv = sep_s["kv_transfer"]
-    if kv["num_reports"]:
-        facts += (f" {sep['name']} moved {kv['bytes'] / 1e6:.1f} MB of KV cache in {kv['seconds']:.2f} s "
-                  f"({sep_s['failures']['kv_transfer_failed']} failed transfers).")
-    winner = _clear_winner(sep_s, col_s)
-    if all(s["attainment"] < 0.5 for _, s in ran):
-        head = (f"No arrangement met half its deadlines at this load; the most was {best['name']} "
-                f"({best_s['attainment']:.0%} good).")
-        answer = " Separate prefill: no verdict from an overloaded run."
-    elif winner == "separated":
-        answer = (f" Separate prefill: yes. Decode steps on {sep['name']} never wait behind a long prompt's "
-                  f"prefill, so answers keep streaming while documents arrive; that outweighs giving each "
-                  f"phase only part of the cores (goodput {sep_s['goodput_rps']:.2f} vs {col_s['goodput_rps']:.2f} "
-                  f"req/s for the best colocated arrangement, {col['name']}).")
-    elif winner == "colocated":
-        answer = (f" Separate prefill: no. {col['name']} met more deadlines "
-                  f"(goodput {col_s['goodput_rps']:.2f} vs {sep_s['goodput_rps']:.2f} req/s): here prefill "
-                  f"interference costs colocated decoding less than splitting the cores costs the separated "
-                  f"arrangement{_split_cost(sep, sep_s, col_s)}.")
+    cal = doc.get("calibration") or {}
+    if cal.get("note"):
+        note = f" Calibration: {cal['note']}." + note
+    if capacity is not None:
+        text, answer = capacity
+        return text + answer + (" " + fixed + fixed_answer if fixed else "") + _tuned(doc) + _warnings(doc) + note
+    return fixed + fixed_answer + _tuned(doc) + _warnings(doc) + note
+
+
+def _best(arrs: list[dict], kind: str, key) -> dict | None:
+    cands = [a for a in arrs if a["kind"] == kind and key(a) is not None]
+    return max(cands, key=key) if cands else None
+
+
+def _capacity_part(doc: dict) -> tuple[str, str] | None:
+    searched = [a for a in doc["arrangements"] if a.get("capacity_rps")]
+    if not searched:
+        return None
+    reps = doc.get("repeat", 1)
+    target = doc["slo"].get("attainment", 0.9)
+    listing = "; ".join(f"{a['name']} {fmt_capacity(a, reps)}" for a in
+                        sorted(searched, key=lambda a: -(a["capacity_rps"]["median"] or 0)))
+    spread_note = "; median, min-max over repeats" if reps > 1 else ""
+    text = (f"Capacity within the SLOs (the highest rate at which at least {_pct(target)} of requests met "
+            f"every SLO{spread_note}): {listing}.")
+    open_ended = [a["name"] for a in searched if any(c["failed_rps"] is None for c in a.get("capacity", []))]
+    if open_ended:
+        text += (f" For {', '.join(open_ended)} the search ran out of probes or time before a rate failed: "
+                 f"a lower bound.")
+    if all(not a["capacity_rps"]["max"] for a in searched):
+        return text, (" No arrangement held any rate tried within the SLOs, so there is no verdict on "
+                      "separating prefill: on this machine these SLOs are out of reach for this workload (or the "
+                      "machine was busy); loosen the SLOs, shorten the requests, or rerun on a quiet machine.")
+    key = lambda a: a["capacity_rps"]["median"]  # noqa: E731
+    sep, col = _best(searched, SEPARATED, key), _best(searched, COLOCATED, key)
+    if sep is None or col is None:
+        return text, ""
+    s, c = sep["capacity_rps"], col["capacity_rps"]
+    ratio = f"{s['median'] / c['median']:.2f}x" if c["median"] else "more than any colocated setting held"
+    resolution = doc.get("capacity_precision", 0.1) if reps <= 1 else 0.0
+    winner = clear_winner(s, c, resolution)
+    loser = {1: col, -1: sep}.get(winner)
+    if loser is not None and loser["name"] in open_ended:
+        # a lower bound that lost may be higher still: no verdict until its search finds a failing rate
+        return text, (f" Separate prefill: no clear difference yet. {loser['name']} held every rate its search "
+                      f"tried, so its capacity may exceed the other's; raise capacity.max_probes or budget_s.")
+    if winner > 0:
+        answer = (f" Separate prefill: yes. {sep['name']} holds {fmt_spread(s, _rps, reps)} within the SLOs, the "
+                  f"best colocated ({col['name']}) {fmt_spread(c, _rps, reps)}: {ratio}.")
+    elif winner < 0:
+        back = f"{c['median'] / s['median']:.2f}x" if s["median"] else "while the separated one held none"
+        answer = (f" Separate prefill: no. The best colocated ({col['name']}) holds {fmt_spread(c, _rps, reps)} "
+                  f"within the SLOs, {sep['name']} {fmt_spread(s, _rps, reps)}: {back}.")
     else:
-        head = (f"For this workload, {sep['name']} and {col['name']} met about as many deadlines "
-                f"({sep_s['attainment']:.0%} vs {col_s['attainment']:.0%}, goodput {sep_s['goodput_rps']:.2f} vs "
-                f"{col_s['goodput_rps']:.2f} req/s).")
-        answer = (" Separate prefill: not at this load — no clear difference, so the simpler colocated setup "
-                  "is the default; run --sweep to see which one holds more load. Tails:")
-    return head + answer + facts + _warnings(ran) + note
+        why = ("their ranges over repeats overlap" if reps > 1 else
+               f"they differ by less than the search's precision ({resolution:.0%})")
+        answer = (f" Separate prefill: no clear difference. {sep['name']} {fmt_spread(s, _rps, reps)} against "
+                  f"{col['name']} {fmt_spread(c, _rps, reps)}: {why}; the simpler colocated setup is the default.")
+    return text, answer
 
 
-def _clear_winner(sep_s: dict, col_s: dict) -> str | None:
-    """'separated' or 'colocated' when one met clearly more deadlines (5 points of attainment or 10%
-    more goodput), else None: one request more out of twenty is noise, not a verdict."""
-    diff = sep_s["attainment"] - col_s["attainment"]
-    if abs(diff) >= 0.05:
-        return "separated" if diff > 0 else "colocated"
-    low, high = sorted((sep_s["goodput_rps"], col_s["goodput_rps"]))
-    if high > 0 and high >= 1.10 * low:
-        return "separated" if sep_s["goodput_rps"] > col_s["goodput_rps"] else "colocated"
-    return None
+def _fixed_part(doc: dict, headline: bool = True) -> tuple[str | None, str]:
+    """The fixed-rate comparison; with a capacity headline it only says who met more deadlines."""
+    m = equal_rate(doc)
+    if m is None:
+        return None, ""
+    reps = doc.get("repeat", 1)
+    ran = [(a, stats_at(a, m), main_summary(a, m)) for a in doc["arrangements"]]
+    ran = [(a, st, s) for a, st, s in ran if st is not None]
+    rate = ran[0][2].get("offered_rate_rps")
+    at = f"At {_rps(rate)} offered (x{m:.3g} of the spec's rate)" if rate else f"At x{m:.3g} of the spec's rate"
+    listing = "; ".join(f"{a['name']} {fmt_spread(st['attainment'], _pct, reps)} good, goodput "
+                        f"{fmt_spread(st['goodput_rps'], _rps, reps)}" for a, st, _ in ran)
+    text = f"{at}: {listing}."
+    key = lambda a: stats_at(a, m)["attainment"]["median"] if stats_at(a, m) else None  # noqa: E731
+    arrs = [a for a, _, _ in ran]
+    sep, col = _best(arrs, SEPARATED, key), _best(arrs, COLOCATED, key)
+    if all(st["attainment"]["max"] < 0.5 for _, st, _ in ran):
+        return text, " Separate prefill: no verdict from an overloaded run." if headline else ""
+    if sep is None or col is None:
+        return text, ""
+    s_st, c_st = stats_at(sep, m), stats_at(col, m)
+    if reps > 1:
+        winner = clear_winner(s_st["attainment"], c_st["attainment"]) or clear_winner(s_st["goodput_rps"],
+                                                                                      c_st["goodput_rps"])
+    else:  # one run: a difference of one request in twenty is noise
+        diff = s_st["attainment"]["median"] - c_st["attainment"]["median"]
+        winner = (1 if diff > 0 else -1) if abs(diff) >= 0.05 else 0
+    facts = (f" p99 inter-token gap {sep['name']} {fmt_seconds(s_st['gap_p99_s']['median'])} vs {col['name']} "
+             f"{fmt_seconds(c_st['gap_p99_s']['median'])}; longest pause p99 "
+             f"{fmt_seconds(s_st['longest_pause_p99_s']['median'])} vs "
+             f"{fmt_seconds(c_st['longest_pause_p99_s']['median'])}; streams interrupted by a pause "
+             f"{_pct(s_st['interrupted_share']['median'])} vs {_pct(c_st['interrupted_share']['median'])}; "
+             f"p99 TTFT {fmt_seconds(s_st['ttft_p99_s']['median'])} vs {fmt_seconds(c_st['ttft_p99_s']['median'])}.")
+    if not headline:
+        who = {1: f"{sep['name']} met more deadlines than {col['name']}",
+               -1: f"{col['name']} met more deadlines than {sep['name']}"}.get(winner, "no clear difference")
+        return text + facts, f" At this rate: {who}."
+    if winner > 0:
+        answer = f" Separate prefill: yes at this rate: {sep['name']} met more deadlines than {col['name']}."
+    elif winner < 0:
+        answer = (f" Separate prefill: no at this rate: {col['name']} met more deadlines than {sep['name']}"
+                  f"{_split_cost(main_summary(sep, m), main_summary(col, m))}.")
+    else:
+        answer = (f" Separate prefill: not at this load: {sep['name']} and {col['name']} met about as many "
+                  f"deadlines, so the simpler colocated setup is the default; search the capacity "
+                  f"(capacity: in the spec) to see which holds more load.")
+    return text + facts, answer
 
 
-def _split_cost(sep: dict, sep_s: dict, col_s: dict) -> str:
-    """Which half of the split arrangement paid for having fewer cores, from the numbers."""
+def _split_cost(sep_s: dict, col_s: dict) -> str:
+    """Where the separated arrangement measured worse, from the numbers."""
     costs = []
     if (sep_s["ttft_s"]["p99"] or 0) > (col_s["ttft_s"]["p99"] or 0):
-        costs.append(f"its prefill instance, with fewer threads, gave later first tokens (p99 TTFT "
-                     f"{fmt_seconds(sep_s['ttft_s']['p99'])} vs {fmt_seconds(col_s['ttft_s']['p99'])})")
+        costs.append(f"its p99 TTFT was {fmt_seconds(sep_s['ttft_s']['p99'])} against "
+                     f"{fmt_seconds(col_s['ttft_s']['p99'])}")
     if (sep_s["tpot_s"]["p50"] or 0) > (col_s["tpot_s"]["p50"] or 0):
-        costs.append(f"its decode instance, with fewer threads, took longer per token (median TPOT "
-                     f"{fmt_seconds(sep_s['tpot_s']['p50'])} vs {fmt_seconds(col_s['tpot_s']['p50'])})")
-    if sep_s["failures"]["kv_transfer_failed"]:
-        costs.append(f"{sep_s['failures']['kv_transfer_failed']} KV transfers failed")
+        costs.append(f"its median TPOT {fmt_seconds(sep_s['tpot_s']['p50'])} against "
+                     f"{fmt_seconds(col_s['tpot_s']['p50'])}")
+    if sep_s["kv_transfer"].get("failed"):
+        costs.append(f"{sep_s['kv_transfer']['failed']} KV transfers failed")
     return ": " + "; ".join(costs) if costs else ""
 
 
-def _warnings(ran: list[tuple[dict, dict]]) -> str:
+def _tuned(doc: dict) -> str:
+    tuning = doc.get("tuning")
+    if not tuning or not tuning.get("best"):
+        return ""
+    tried = ", ".join(f"{p['name']} {_pct(p['attainment'])}" for p in tuning["points"] if p["attainment"] is not None)
+    joined = (f"it joined the trial as {tuning['joins_as']}" if tuning.get("joins_as") else
+              f"that is {tuning['base']} itself")
+    return (f" Colocated settings tried at x{tuning['rate_multiplier']:.3g} of the nominal rate (the reference's "
+            f"capacity), share of requests good: {tried}; the best is {tuning['best']}, and {joined}.")
+
+
+def _warnings(doc: dict) -> str:
     """Say when the comparison itself is weak: the load generator lagged, or every arrangement drowned."""
+    m = equal_rate(doc)
+    ran = [(a, main_summary(a, m)) for a in doc["arrangements"] if main_summary(a, m)]
     out = ""
-    lag = max((s["client_lag_s"]["max"] or 0.0) for _, s in ran)
+    lag = max(((s["client_lag_s"]["max"] or 0.0) for _, s in ran), default=0.0)
     if lag > 0.5:
         out += (f" Warning: the load generator sent some requests up to {fmt_seconds(lag)} late, so offered "
                 f"load was lower than planned.")
-    if all(s["attainment"] < 0.5 for _, s in ran):
+    if ran and all(s["attainment"] < 0.5 for _, s in ran):
         worst = []
         for a, s in ran:
             kind, count = max(s["failures"].items(), key=lambda kv: kv[1])
-            worst.append(f"{a['name']} {count}/{s['num_requests']} {kind}" if count else
-                         f"{a['name']} misses SLOs")
-        out += (f" Warning: every arrangement met fewer than half its deadlines ({'; '.join(worst)}): "
-                f"the comparison says little; for timeouts and missed SLOs lower the rate, loosen the SLOs or "
-                f"run --sweep; for errors read the servers' logs.")
+            worst.append(f"{a['name']} {count}/{s['num_requests']} {kind}" if count else f"{a['name']} misses SLOs")
+        out += (f" Warning: every arrangement met fewer than half its deadlines ({'; '.join(worst)}): the "
+                f"comparison says little; search the capacity (capacity: in the spec), or state the rate as a "
+                f"share of it (rate: {{fraction_of_capacity: 0.7, reference: ...}}).")
     return out

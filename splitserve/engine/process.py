@@ -1,14 +1,17 @@
 """One engine instance as a process: a busy loop around EngineCore, with socket I/O on threads.
 
     input thread:  DEALER <id>/in  --decode--> inbox (queue.Queue)
-    main thread:   drain inbox -> add/abort -> core.step() -> outbox
+    main thread:   drain inbox -> add/abort/set-role -> core.step() -> outbox
     output thread: outbox --encode--> DEALER <id>/out   (and a heartbeat when idle)
 
 A long forward pass never blocks receiving: aborts queue up in the inbox and are applied
-before the next step. `splitserve serve` starts these; `splitserve engine --role R --connect ADDR`
-starts one by hand (it joins a running frontend with its hello). Prefill and decode roles take
-the `--kv-*` flags; their KV threads live inside the core (engine/kv_handover.py), and while
-only transfers are in flight the loop waits briefly on the inbox instead of spinning.
+before the next step. `splitserve serve` starts these with `--config-stdin` and writes the
+EngineConfig it built (msgspec) to our stdin; `splitserve engine --role R --connect ADDR` starts
+one by hand from flags (it joins a running frontend with its hello). The KV threads live inside
+the core's connector (engine/connectors.py); while only transfers are in flight the loop waits
+briefly on the inbox instead of spinning. A SetRole swaps the connector once the old one is
+idle and is answered with RoleChanged. An error while handling one request fails that request,
+never this process.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ import zmq
 from splitserve.config import PREFILL_POLICIES, ROLES, CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.frontend.security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
-from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
-                                 KVStats, KVTransferReport, Shutdown, StepOutputs, TokenOutput, socket_identity)
+from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
+                                 RoleChanged, SetRole, Shutdown, StepOutputs, TokenOutput, decode_engine_config,
+                                 socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -39,23 +43,24 @@ PARENT_CHECK_INTERVAL_S = 1.0
 TRANSFER_POLL_S = 0.001
 
 
-def transfer_report(record) -> KVTransferReport | None:
-    """The wire subset of a kv_transfer TransferRecord."""
+def transfer_report(record, outcome: str | None) -> KVTransferReport | None:
+    """The wire subset of a kv_transfer TransferRecord, with the outcome the connector decided."""
     if record is None:
         return None
     wait = max(0.0, record.start - record.queued_at) if record.start and record.queued_at else 0.0
-    return KVTransferReport(record.outcome.value, record.source_instance, record.transport, record.num_bytes,
+    return KVTransferReport(outcome or "failed", record.source_instance, record.transport, record.num_bytes,
                             record.seconds, wait, record.error, record.error_kind)
 
 
 def to_wire(o) -> TokenOutput:
     """An engine RequestOutput as the frontend gets it."""
     return TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
-                       o.num_cached_tokens, o.error, False, o.kv_descriptor, transfer_report(o.kv_transfer))
+                       o.num_cached_tokens, o.error, False, o.kv_descriptor,
+                       transfer_report(o.kv_transfer, o.kv_outcome))
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments an engine needs; `serve` shares them and forwards them to its engines."""
+    """Arguments an engine needs; `serve` shares them and builds each engine's EngineConfig from them."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine (serve's default: its cores / engines)")
@@ -80,19 +85,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=ROLES, default="colocated")
     p.add_argument("--cpus", default=None, help="pin to these cores, e.g. '0,1' or '2-3'")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--config-stdin", action="store_true",
+                   help="read the EngineConfig (msgpack, as `serve` writes it) from stdin instead of the flags")
     add_engine_link_arguments(p)
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
                             instance_id: str = "engine-0") -> EngineConfig:
-    kv = kv_config_from_args(args) if role != "colocated" else None
+    """Every instance gets the KV settings, whatever its first role: a live role change may need them."""
     return EngineConfig(
-        instance_id=instance_id, kv_transfer=kv, kv_failure_policy=args.kv_failure_policy,
+        instance_id=instance_id, role=role, kv_transfer=kv_config_from_args(args),
+        kv_failure_policy=args.kv_failure_policy,
         model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
-        weight_format=args.weight_format, cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
+        weight_format=args.weight_format,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_policy=args.prefill_policy, role=role))
+                                  prefill_policy=args.prefill_policy))
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -107,9 +116,9 @@ def parse_cpus(text: str) -> set[int]:
 
 
 class EngineProcess:
-    def __init__(self, core, engine_id: str, role: str, connect: str, parent_pid: int | None = None,
+    def __init__(self, core, engine_id: str, connect: str, parent_pid: int | None = None,
                  link: EngineLinkSecurity | None = None) -> None:
-        self.core, self.engine_id, self.role = core, engine_id, role
+        self.core, self.engine_id = core, engine_id
         self.connect, self.parent_pid, self.link = connect, parent_pid, link
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
@@ -128,7 +137,7 @@ class EngineProcess:
     def hello(self) -> EngineHello:
         stats = self.core.stats()
         mc = self.core.model_config
-        return EngineHello(self.engine_id, self.role, self.core.model_name, self.core.max_model_len,
+        return EngineHello(self.engine_id, self.core.role, self.core.model_name, self.core.max_model_len,
                            mc.vocab_size, stats.num_blocks_total, stats.block_size,
                            self.core.config.scheduler.max_num_seqs, os.getpid())
 
@@ -157,19 +166,6 @@ class EngineProcess:
             sock.send(codec.encode(message))
         sock.close()
 
-    def _stats(self) -> EngineStats:
-        s = self.core.stats()
-        sender, receiver = s.kv_sender or {}, s.kv_receiver or {}
-        kv = None
-        if s.kv_sender is not None or s.kv_receiver is not None:
-            kv = KVStats(sender.get("num_lease_expiries", 0), sender.get("num_held_blocks", 0),
-                         sender.get("num_confirmed", 0), receiver.get("num_done", 0),
-                         receiver.get("num_failed", 0), receiver.get("num_pending", 0),
-                         receiver.get("num_transferring", 0))
-        return EngineStats(self.engine_id, self.role, s.num_waiting, s.num_running, s.num_blocks_total,
-                           s.num_free_blocks, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_preemptions, s.num_steps, kv)
-
     def _reject(self, request_id: str, why: str) -> TokenOutput:
         return TokenOutput(request_id, [], True, "error", error=why, rejected=True)
 
@@ -180,7 +176,32 @@ class EngineProcess:
                                   kv_descriptor=msg.kv_descriptor, first_token_ids=msg.first_token_ids or None)
         except (ValueError, TypeError) as e:
             return self._reject(msg.request_id, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug met by one request must not end the engine
+            log.exception("engine %s: adding request %s failed", self.engine_id, msg.request_id)
+            self.core.abort_request(msg.request_id)
+            return TokenOutput(msg.request_id, [], True, "error", error=f"engine error: {type(e).__name__}: {e}")
         return None
+
+    def _set_role(self, role: str) -> None:
+        try:
+            self.core.change_role(role)
+        except ValueError as e:
+            self.outbox.put(RoleChanged(self.engine_id, self.core.role, str(e)))
+            return
+        self._swap_role()
+
+    def _swap_role(self) -> None:
+        if self.core.pending_role is None:
+            self.outbox.put(RoleChanged(self.engine_id, self.core.role))
+            return
+        try:
+            swapped = self.core.try_swap_role()
+        except ValueError as e:
+            self.outbox.put(RoleChanged(self.engine_id, self.core.role, str(e)))
+            return
+        if swapped:
+            self.outbox.put(RoleChanged(self.engine_id, self.core.role))
+            self.outbox.put(self.core.stats())
 
     def _apply(self, message) -> list[TokenOutput]:
         rejected = []
@@ -190,11 +211,27 @@ class EngineProcess:
                 rejected.append(out)
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
-                self.core.abort_request(request_id)
+                try:
+                    self.core.abort_request(request_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("engine %s: aborting request %s failed", self.engine_id, request_id)
+        elif isinstance(message, SetRole):
+            self._set_role(message.role)
         elif isinstance(message, Shutdown):
             log.info("engine %s: shutdown requested (%s)", self.engine_id, message.reason)
             self.stopping.set()
         return rejected
+
+    def _step(self) -> list:
+        try:
+            return self.core.step()
+        except Exception as e:  # noqa: BLE001 - fail what is in flight, keep serving
+            log.exception("engine %s: step failed; failing every request in flight", self.engine_id)
+            outputs = []
+            for request_id in list(self.core.requests):
+                self.core.abort_request(request_id)
+                outputs.append(TokenOutput(request_id, [], True, "error", error=f"engine error: {type(e).__name__}: {e}"))
+            return outputs
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -222,9 +259,11 @@ class EngineProcess:
                     outputs += self._apply(self.inbox.get_nowait())
             except queue.Empty:
                 pass
+            if self.core.pending_role is not None:
+                self._swap_role()
             if self.core.has_unfinished_requests() and not self.stopping.is_set():
                 changed = True
-                outputs += [to_wire(o) for o in self.core.step()]
+                outputs += [to_wire(o) for o in self._step()]
                 if not self.core.scheduler.has_unfinished():
                     # Only KV transfers in flight (puller threads, a held lease): wait a little for
                     # them or for a message instead of spinning a core the other engines need.
@@ -236,7 +275,7 @@ class EngineProcess:
                 self.outbox.put(StepOutputs(self.engine_id, outputs))
             now = time.monotonic()
             if changed and now >= next_stats:
-                self.outbox.put(self._stats())
+                self.outbox.put(self.core.stats())
                 next_stats, changed = now + STATS_INTERVAL_S, False
             if now >= next_parent_check:
                 next_parent_check = now + PARENT_CHECK_INTERVAL_S
@@ -255,14 +294,24 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cpus:
         os.sched_setaffinity(0, parse_cpus(args.cpus))
+    engine_id = args.engine_id or f"engine-{os.getpid()}"
+    try:
+        if args.config_stdin:
+            config = decode_engine_config(sys.stdin.buffer.read())
+            engine_id = config.instance_id
+        else:
+            config = engine_config_from_args(args, args.role, engine_id)
+        link = engine_link_from_args(args, args.connect, "--connect")
+    except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
+        log.error("engine %s: %s", engine_id, e)
+        return 2
     import torch  # after pinning, so torch's thread pool starts on the allowed cores
 
-    if args.threads_per_instance:
-        torch.set_num_threads(args.threads_per_instance)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
         torch.set_num_interop_threads(1)
     from splitserve.engine.core import EngineCore
 
-    engine_id = args.engine_id or f"engine-{os.getpid()}"
     process: EngineProcess | None = None
 
     def stop(signum, frame) -> None:  # SIGTERM / SIGINT: finish the current step, then leave
@@ -276,14 +325,8 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    try:
-        config = engine_config_from_args(args, args.role, engine_id)
-        link = engine_link_from_args(args, args.connect, "--connect")
-    except ValueError as e:
-        log.error("engine %s: %s", engine_id, e)
-        return 2
     core = EngineCore(config)
-    process = EngineProcess(core, engine_id, args.role, args.connect, args.parent_pid, link)
-    log.info("engine %s (%s) connecting to %s", engine_id, args.role, args.connect)
+    process = EngineProcess(core, engine_id, args.connect, args.parent_pid, link)
+    log.info("engine %s (%s) connecting to %s", engine_id, config.role, args.connect)
     process.run()
     return 0

@@ -1,0 +1,64 @@
+"""Running the mix controller: every interval read the instances, decide, apply, log why.
+
+The frontend gives two callables: `views()` returns one InstanceView per instance, and
+`change_role(instance_id, role)` (async) performs a live role change. Every decision, change
+or not, goes to a bounded in-memory log that /metrics and the trial report can read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from splitserve.control.mix import Decision, InstanceView, MixController
+
+log = logging.getLogger(__name__)
+
+
+class MixLoop:
+    def __init__(self, controller: MixController, views: Callable[[], list[InstanceView]],
+                 change_role: Callable[[str, str], Awaitable[object]], interval_s: float = 2.0,
+                 max_log: int = 512, clock: Callable[[], float] = time.monotonic):
+        if interval_s <= 0:
+            raise ValueError(f"mix interval must be positive seconds, got {interval_s}")
+        self.controller, self.views, self.change_role = controller, views, change_role
+        self.interval_s, self.clock = interval_s, clock
+        self.decisions: deque[dict] = deque(maxlen=max_log)
+        self.num_role_changes = 0
+        self.num_failed_changes = 0
+        self._stopped = asyncio.Event()
+
+    async def run_once(self) -> Decision:
+        decision = self.controller.decide(self.views(), self.clock())
+        entry = decision.to_dict()
+        if decision.instance_id is not None:
+            try:
+                await self.change_role(decision.instance_id, decision.to_role)
+                self.num_role_changes += 1
+                entry["applied"] = True
+                log.info("mix: %s", decision.reason)
+            except Exception as exc:  # a refused or failed change must not stop the loop
+                self.num_failed_changes += 1
+                entry.update(applied=False, error=f"{type(exc).__name__}: {exc}")
+                log.warning("mix: change of %s to %s failed: %s", decision.instance_id, decision.to_role, exc)
+        else:
+            log.debug("mix: no change: %s", decision.reason)
+        self.decisions.append(entry)
+        return decision
+
+    async def run(self) -> None:
+        while not self._stopped.is_set():
+            await self.run_once()
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def changes(self) -> list[dict]:
+        """The timeline of role changes (applied or failed), oldest first: for the trial report."""
+        return [d for d in self.decisions if d["instance_id"] is not None]

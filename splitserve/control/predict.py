@@ -1,0 +1,230 @@
+"""Predict one arrangement on one workload: build its instances from a profile, simulate, score.
+
+The workload comes from a trial spec (the same arrival times as the trial: the spec's seed
+spawns the same arrival stream; lengths are drawn from the same distributions) or from a
+trial's results.json (its exact plan). Scores follow trial/metrics.py's definitions: TTFT,
+each request's gap percentile and longest gap, end to end, and attainment = the share of
+requests meeting all four.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitserve.config import parse_size
+from splitserve.control.profile_file import Profile
+from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
+from splitserve.trial.arrivals import generate_arrivals
+from splitserve.trial.spec import SLO, TrialSpec
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # serve's --kv-cache-memory default, per engine
+
+
+@dataclass(slots=True, frozen=True)
+class Arrangement:
+    name: str
+    instances: tuple[InstanceSpec, ...]
+    transport: str = "shm"
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+
+    @property
+    def cores(self) -> int:
+        return sum(i.threads for i in self.instances)
+
+    @property
+    def kind(self) -> str:
+        return "separated" if any(i.role != "colocated" for i in self.instances) else "colocated"
+
+    @property
+    def launchable_with_serve(self) -> bool:
+        return len({i.threads for i in self.instances}) == 1
+
+    def serve_args(self) -> list[str]:
+        """The `splitserve serve` arguments that launch it (equal threads per instance only)."""
+        first = self.instances[0]
+        threads = {i.threads for i in self.instances}
+        args = (["--instances", str(len(self.instances))] if self.kind == "colocated" else
+                ["--prefill", str(sum(i.role == "prefill" for i in self.instances)),
+                 "--decode", str(sum(i.role == "decode" for i in self.instances)), "--kv-transport", self.transport])
+        if len(threads) == 1:
+            args += ["--threads-per-instance", str(first.threads)]
+        if self.kv_cache_bytes != DEFAULT_KV_CACHE_BYTES:
+            args += ["--kv-cache-memory", str(self.kv_cache_bytes)]
+        return args + ["--prefill-policy", first.policy, "--max-num-batched-tokens", str(first.budget)]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "cores": self.cores, "transport": self.transport,
+                "instances": [{"role": i.role, "threads": i.threads, "policy": i.policy, "budget": i.budget,
+                               "max_num_seqs": i.max_num_seqs} for i in self.instances],
+                "serve_args": self.serve_args(), "launchable_with_serve": self.launchable_with_serve}
+
+
+def _flag(args: list[str], name: str, default: str | None) -> str | None:
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else default
+
+
+def arrangement_from_serve_args(name: str, args: list[str], cores: int | None) -> Arrangement:
+    """The arrangement a trial launched with `serve` arguments (what compare.py re-simulates)."""
+    policy = _flag(args, "--prefill-policy", "chunked")
+    budget = int(_flag(args, "--max-num-batched-tokens", "256"))
+    seqs = int(_flag(args, "--max-num-seqs", "64"))
+    num_p, num_d = int(_flag(args, "--prefill", "0")), int(_flag(args, "--decode", "0"))
+    roles = ["prefill"] * num_p + ["decode"] * num_d if num_p or num_d else \
+        ["colocated"] * int(_flag(args, "--instances", "1"))
+    threads = _flag(args, "--threads-per-instance", None)
+    per = int(threads) if threads else max((cores or len(roles)) // len(roles), 1)
+    kv = _flag(args, "--kv-cache-memory", None)
+    return Arrangement(name, tuple(InstanceSpec(r, per, policy, budget, seqs) for r in roles),
+                       transport=_flag(args, "--kv-transport", "shm"),
+                       kv_cache_bytes=parse_size(kv) if kv else DEFAULT_KV_CACHE_BYTES)
+
+
+def requests_from_spec(spec: TrialSpec) -> list[SimRequest]:
+    arrival_seq, content_seq = np.random.SeedSequence(spec.seed).spawn(2)  # as trial/workload.workload_streams
+    arrivals = generate_arrivals(spec.arrivals, np.random.default_rng(arrival_seq))
+    rng = np.random.default_rng(content_seq)
+    names = list(spec.mix)
+    weights = np.asarray([spec.mix[n] for n in names], dtype=float)
+    weights /= weights.sum()
+    out = []
+    for index, a in enumerate(arrivals):
+        name = a.class_name or names[int(rng.choice(len(names), p=weights))]
+        cls = spec.classes.get(name)
+        prompt = a.prompt_tokens if a.prompt_tokens is not None else cls.prompt_tokens.sample(rng)
+        answer = a.answer_tokens if a.answer_tokens is not None else cls.answer_tokens.sample(rng)
+        rng.integers(0, 1 << 20)  # the trial draws a text offset here; keeps the stream in step
+        out.append(SimRequest(index, a.time_s, int(prompt), int(answer), name))
+    if not out:
+        raise ValueError("the spec's arrivals produced no requests; lengthen duration_s or raise rate")
+    return out
+
+
+def requests_from_results(doc: dict) -> list[SimRequest]:
+    """A trial's exact plan (results.json `plan`): send times, classes and lengths."""
+    return [SimRequest(p["index"], p["send_at_s"], p["num_prompt_tokens"], p["max_tokens"], p["class"])
+            for p in doc["plan"]]
+
+
+def tile(requests: list[SimRequest], min_requests: int) -> list[SimRequest]:
+    """The workload repeated back to back until it holds at least `min_requests`: a spec written
+    for a 2-core box holds too few requests to reach a steady state at a 16-core rate."""
+    if len(requests) >= min_requests or len(requests) < 2:
+        return requests
+    span = max(r.arrival_s for r in requests)
+    period = span + span / (len(requests) - 1)  # one mean gap between copies
+    copies = -(-min_requests // len(requests))
+    return [SimRequest(k * len(requests) + r.index, k * period + r.arrival_s, r.prompt_tokens, r.answer_tokens,
+                       r.class_name) for k in range(copies) for r in requests]
+
+
+def offered_rate(requests: list[SimRequest]) -> float:
+    last = max(r.arrival_s for r in requests)
+    return (len(requests) - 1) / last if last > 0 else float("inf")
+
+
+def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimRequest],
+             rate_multiplier: float = 1.0) -> tuple[list[SimRequest], list[Instance]]:
+    num_blocks = arrangement.kv_cache_bytes // (profile.kv_bytes_per_token * profile.block_size)
+    instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size)
+                 for i, s in enumerate(arrangement.instances)]
+    fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
+             for r in requests]
+    transport = arrangement.transport
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n))
+    return sim.run(fresh), instances
+
+
+def _pct_sorted(values: list[float], q: float) -> float:
+    """numpy's default (linear) percentile of an already sorted list."""
+    pos = (len(values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _pcts(values, qs=(50, 90, 99)) -> dict:
+    arr = np.asarray(values, dtype=float)
+    return {f"p{q}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+
+
+def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
+    ttft, gap_pct, longest, e2e, good, all_gaps = [], [], [], [], [], []
+    misses = {"TTFT": 0, "inter-token gap": 0, "longest pause": 0, "end-to-end time": 0}
+    for r in requests:
+        gaps = sorted(r.gaps)
+        all_gaps.extend(r.gaps)
+        t, e = r.first_s - r.arrival_s, r.finished_s - r.arrival_s
+        g = _pct_sorted(gaps, slo.gap_percentile) if gaps else 0.0
+        m = gaps[-1] if gaps else 0.0
+        ttft.append(t)
+        gap_pct.append(g)
+        longest.append(m)
+        e2e.append(e)
+        ok = (t <= slo.ttft_s, g <= slo.gap_s, m <= slo.max_pause_s, e <= slo.e2e_s)
+        for name, passed in zip(misses, ok):
+            misses[name] += not passed
+        good.append(all(ok))
+    duration = max(r.finished_s for r in requests)
+    by_class = {}
+    for name in sorted({r.class_name for r in requests}):
+        idx = [i for i, r in enumerate(requests) if r.class_name == name]
+        by_class[name] = {"num_requests": len(idx), "attainment": sum(good[i] for i in idx) / len(idx),
+                          "ttft_s": _pcts([ttft[i] for i in idx])}
+    return {"num_requests": len(requests), "attainment": sum(good) / len(requests),
+            "goodput_rps": sum(good) / duration if duration > 0 else 0.0, "duration_s": duration,
+            "ttft_s": _pcts(ttft), "gap_s": _pcts(all_gaps, (50, 90, 99)), "e2e_s": _pcts(e2e),
+            "longest_pause_s": {**_pcts(longest), "max": max(longest)}, "by_class": by_class,
+            "utilization": {i.name: round(i.busy_s / duration, 3) if duration > 0 else 0.0 for i in instances},
+            "num_preemptions": sum(i.num_preemptions for i in instances),
+            "missed": {k: v / len(requests) for k, v in misses.items()},
+            # how close the p99 request comes to its deadlines (1.0 = at the limit): the tie-breaker
+            "slo_usage_p99": max(float(np.percentile(ttft, 99)) / slo.ttft_s,
+                                 float(np.percentile(gap_pct, 99)) / slo.gap_s,
+                                 float(np.percentile(longest, 99)) / slo.max_pause_s),
+            "worst_slo": max(misses, key=misses.get) if any(misses.values()) else None}
+
+
+def predict(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
+            rate_multiplier: float = 1.0) -> dict:
+    done, instances = simulate(arrangement, profile, requests, rate_multiplier)
+    return score(done, instances, slo)
+
+
+def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
+             target: float, first: float = 1.0, steps: int = 6, max_multiplier: float = 16.0) -> float | None:
+    """The highest rate multiplier whose attainment meets `target` (bracket by doubling, then bisect).
+    Like the trial's sweep, it compresses the same finite workload: a handful of requests can be
+    absorbed at any rate, so the search stops at `max_multiplier` (a result equal to it is a floor)."""
+    ok = lambda m: predict(arrangement, profile, requests, slo, m)["attainment"] >= target  # noqa: E731
+    lo, hi = (first, None) if ok(first) else (None, first)
+    while lo is None:
+        hi /= 2
+        if hi < 1 / max_multiplier:
+            return None
+        lo = hi if ok(hi) else None
+    if hi is None:
+        hi = min(lo * 2, max_multiplier)
+        while hi > lo and ok(hi):
+            if hi >= max_multiplier:
+                return max_multiplier
+            lo, hi = hi, min(hi * 2, max_multiplier)
+        if hi <= lo:
+            return lo
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def name_of(instances: tuple[InstanceSpec, ...]) -> str:
+    """colocated-chunked256-2x1t, colocated-whole-1x2t, 1P1D-1t/1t (prefill threads / decode threads)."""
+    if all(i.role == "colocated" for i in instances):
+        first = instances[0]
+        policy = f"chunked{first.budget}" if first.policy == "chunked" else "whole"
+        return f"colocated-{policy}-{len(instances)}x{first.threads}t"
+    p = [i for i in instances if i.role == "prefill"]
+    d = [i for i in instances if i.role == "decode"]
+    return f"{len(p)}P{len(d)}D-{p[0].threads}t/{d[0].threads}t"
+

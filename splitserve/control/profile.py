@@ -1,0 +1,265 @@
+"""`splitserve profile [--model M] [--threads 1,2] [--quick] --out profile.json`: time one instance.
+
+Per thread count, one in-process EngineCore (public calls only: add_request, step,
+abort_request) runs steps whose contents we control, each timed `repeats` times:
+  prefill   one prompt of n tokens, whole (the step that yields its first token);
+  chunk     the last c tokens of a prompt whose first k tokens sit in the prefix cache: the step
+            a chunked prefill runs at offset k with budget c (RequestOutput.num_cached_tokens
+            says what was cached, so the sample's shape is read back, not assumed);
+  decode    B running requests at context L (one prompt shared through the prefix cache, so
+            setting up B x L tokens costs one prefill of L), several steps each;
+  mixed     B decodes plus a new prompt's whole prefill in one step (budget >= n + B).
+Also KV transfer per transport (control/kv_profile.py), the model load and engine start
+times, and the machine. Then the step model (control/stepmodel.py) is fitted and its error
+on the samples printed. Other processes' load distorts every figure: the load average at
+start and end is recorded next to them, every repeat is kept, and the fit uses each step's
+fastest repeat (load only ever adds time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import random
+import sys
+import time
+
+from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile, step_samples
+from splitserve.control.stepmodel import StepShape, fit_step_model, prefill_attn_ktok2
+
+FULL = {"prefill": [32, 128, 512, 1024], "chunks": [(512, 256), (1024, 256), (1024, 512)],
+        "decode_batch": [1, 4, 16], "decode_context": [64, 512, 1024], "mixed": [(8, 128), (8, 512)],
+        "decode_steps": 4, "transfer_tokens": [256, 1024, 2048], "repeats": 3}
+QUICK = {"prefill": [16, 48], "chunks": [(32, 16)], "decode_batch": [1, 4], "decode_context": [16, 48],
+         "mixed": [(2, 16)], "decode_steps": 2, "transfer_tokens": [16, 64], "repeats": 2}
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+             "asimd", "sve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts to profile (default 1,2)")
+    parser.add_argument("--quick", action="store_true", help="a tiny grid for tests and smoke runs (seconds)")
+    parser.add_argument("--repeats", type=int, default=None, help="times each step is measured (default 3; quick 2)")
+    parser.add_argument("--transports", default="shm,tcp", help="KV transports to time (default shm,tcp)")
+    parser.add_argument("--out", required=True, help="where to write profile.json")
+
+
+def parse_threads(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ProfileError(f"--threads: comma-separated whole numbers like 1,2; got {text!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise ProfileError(f"--threads: every thread count must be >= 1, got {text!r}")
+    if max(counts) > (os.cpu_count() or 1):
+        raise ProfileError(f"--threads: {max(counts)} threads exceed this machine's {os.cpu_count()} cores")
+    return sorted(set(counts))
+
+
+def machine_info() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    except OSError:
+        pass
+    import torch
+
+    return {"cpu_model": model, "flags": [f for f in CPU_FLAGS if f in flags], "num_cores": os.cpu_count(),
+            "platform": platform.platform(), "torch": torch.__version__,
+            "load_average_start": os.getloadavg()[0], "niceness": os.nice(0)}
+
+
+class StepTimer:
+    """Drives one EngineCore and records (shape, seconds) per controlled step."""
+
+    def __init__(self, core, repeats: int, log):
+        self.core, self.repeats, self.log = core, repeats, log
+        self.vocab = core.model_config.vocab_size
+        self.rng = random.Random(0)
+        self.samples: list[dict] = []
+        self._next = 0
+
+    def prompt(self, n: int) -> list[int]:
+        low = min(100, self.vocab // 2)  # past the special tokens of a real vocabulary
+        return [self.rng.randrange(low, self.vocab) for _ in range(n)]
+
+    def _add(self, prompt: list[int], max_tokens: int) -> str:
+        from splitserve.sampling import SamplingParams
+
+        request_id = f"profile-{self._next}"
+        self._next += 1
+        self.core.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return request_id
+
+    def _step(self):
+        start = time.perf_counter()
+        outputs = self.core.step()
+        return time.perf_counter() - start, outputs
+
+    def _record(self, kind: str, shape: StepShape, seconds: list[float]) -> None:
+        self.samples.append({"kind": kind, "prefill_tokens": shape.prefill_tokens,
+                             "prefill_attn_ktok2": round(shape.prefill_attn_ktok2, 3),
+                             "decode_seqs": shape.decode_seqs, "decode_kv_tokens": shape.decode_kv_tokens,
+                             "seconds": [round(s, 6) for s in seconds]})
+        self.log(f"  {kind:8} P={shape.prefill_tokens:5d} D={shape.decode_seqs:3d} KV={shape.decode_kv_tokens:6d}"
+                 f"  {min(seconds) * 1e3:8.1f} .. {max(seconds) * 1e3:8.1f} ms")
+
+    def prefill(self, prefix: list[int], n: int) -> tuple[float, StepShape]:
+        """One prompt (prefix + n fresh tokens) alone; returns the timed step and its shape."""
+        prompt = prefix + self.prompt(n)
+        self._add(prompt, 1)
+        seconds, outputs = self._step()
+        if len(outputs) != 1 or not outputs[0].finished:
+            raise RuntimeError("profile: a lone prompt did not prefill in one step at a budget above its length; "
+                               "the engine's scheduler no longer behaves as profile.py assumes")
+        cached = outputs[0].num_cached_tokens
+        return seconds, StepShape(len(prompt) - cached, prefill_attn_ktok2(cached, len(prompt) - cached))
+
+    def measure_prefill(self, n: int) -> None:
+        runs = [self.prefill([], n) for _ in range(self.repeats)]
+        self._record("prefill", runs[0][1], [s for s, _ in runs])
+
+    def measure_chunk(self, cached: int, chunk: int) -> None:
+        prefix = self.prompt(cached)
+        self._add(prefix, 1)  # puts the prefix in the prefix cache
+        while self.core.has_unfinished_requests():
+            self.core.step()
+        runs = [self.prefill(prefix, chunk) for _ in range(self.repeats)]
+        shapes = {shape for _, shape in runs}
+        if len(shapes) != 1:
+            raise RuntimeError(f"chunk samples at offset {cached} saw different cache hits: {shapes}")
+        self._record("chunk", runs[0][1], [s for s, _ in runs])
+
+    def measure_decode(self, batch: int, context: int, steps: int, new_prompt: int = 0) -> None:
+        """`batch` requests decoding at `context`; with new_prompt, one step also prefills a fresh prompt."""
+        shared = self.prompt(context)
+        max_tokens = steps + self.repeats + 8  # outlives the measured steps; a few go by during set-up
+        ids = [self._add(shared, max_tokens)]
+        lengths = {}
+        while len(lengths) < 1:
+            for out in self._step()[1]:
+                lengths[out.request_id] = context + len(out.new_token_ids)
+        ids += [self._add(shared, max_tokens) for _ in range(batch - 1)]
+        while len(lengths) < batch:  # the others prefill their uncached tail while the first decodes
+            for out in self._step()[1]:
+                lengths[out.request_id] = lengths.get(out.request_id, context) + len(out.new_token_ids)
+        seconds, kv = [], []
+        for _ in range(steps if not new_prompt else self.repeats):
+            fresh = None
+            if new_prompt:
+                fresh = self._add(self.prompt(new_prompt), 1)
+            kv.append(sum(lengths[r] for r in ids))  # a decode at length L attends to L tokens
+            step_s, outputs = self._step()
+            seconds.append(step_s)
+            got = {out.request_id for out in outputs}
+            if not set(ids) <= got or (fresh is not None and fresh not in got):
+                raise RuntimeError("profile: a step did not advance every running request (and the new prompt); "
+                                   "the engine's scheduler no longer behaves as profile.py assumes")
+            for r in ids:
+                lengths[r] += 1
+        for r in ids:
+            self.core.abort_request(r)
+        shape = StepShape(new_prompt, prefill_attn_ktok2(0, new_prompt), batch, round(sum(kv) / len(kv)))
+        self._record("mixed" if new_prompt else "decode", shape, seconds)
+
+
+def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats: int, log) -> dict:
+    import torch
+
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.core import EngineCore
+
+    torch.set_num_threads(threads)
+    longest = max(grid["prefill"] + [c + n for c, n in grid["chunks"]] + grid["decode_context"])
+    budget = max(longest, max(b + n for b, n in grid["mixed"])) + 64
+    max_batch = max(grid["decode_batch"] + [b for b, _ in grid["mixed"]])
+    kv_tokens = (max_batch + 2) * (max(grid["decode_context"]) + 64) + 4 * longest
+    memory = kv_tokens * loaded.config.kv_bytes_per_token
+    start = time.perf_counter()
+    core = EngineCore(EngineConfig(model=model, num_threads=threads,
+                                   cache=CacheConfig(kv_cache_memory=memory, enable_prefix_caching=True),
+                                   scheduler=SchedulerConfig(max_num_seqs=max_batch + 2, max_num_batched_tokens=budget)),
+                      loaded)
+    engine_s = time.perf_counter() - start
+    try:
+        timer = StepTimer(core, repeats, log)
+        timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
+        timer.samples.clear()
+        for n in grid["prefill"]:
+            timer.measure_prefill(n)
+        for cached, chunk in grid["chunks"]:
+            timer.measure_chunk(cached, chunk)
+        for context in grid["decode_context"]:
+            for batch in grid["decode_batch"]:
+                timer.measure_decode(batch, context, grid["decode_steps"])
+        for batch, n in grid["mixed"]:
+            timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
+    finally:
+        core.close()
+    report = fit_step_model(*step_samples(timer.samples))
+    log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
+    return {"samples": timer.samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
+            "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
+                    "max_abs_rel_error": report.max_abs_rel_error}}
+
+
+def measure(model: str | None, threads: list[int], quick: bool, repeats: int | None,
+            transports: list[str], log=print) -> dict:
+    import torch
+
+    from splitserve.control.kv_profile import measure_kv_transfer
+    from splitserve.models.loader import load_model
+
+    grid = QUICK if quick else FULL
+    repeats = repeats or grid["repeats"]
+    machine = machine_info()
+    start = time.perf_counter()
+    loaded = load_model(model)
+    load_s = time.perf_counter() - start
+    config = loaded.config
+    doc = {"format": FORMAT, "created_unix": time.time(), "quick": quick, "repeats": repeats,
+           "model": {"name": loaded.name, "kv_bytes_per_token": config.kv_bytes_per_token, "block_size": 16,
+                     "max_model_len": config.max_position_embeddings, "num_layers": config.num_layers},
+           "machine": machine, "threads": {}, "startup_s": {"load_model": load_s, "engine": {}}}
+    for t in threads:
+        log(f"threads={t}")
+        doc["threads"][str(t)] = profile_threads(loaded, model, t, grid, repeats, log)
+        doc["startup_s"]["engine"][str(t)] = doc["threads"][str(t)].pop("engine_start_s")
+    torch.set_num_threads(1)
+    log("KV transfer")
+    doc["kv_transfer"] = measure_kv_transfer(config, 16, grid["transfer_tokens"], repeats, tuple(transports))
+    for name, t in doc["kv_transfer"].items():
+        log(f"  {name}: latency {t['latency_s'] * 1e3:.2f} ms, {t['gb_per_s']:.2f} GB/s")
+    machine["load_average_end"] = os.getloadavg()[0]
+    parse_profile(doc)  # what we write must read back
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        threads = parse_threads(args.threads)
+        if args.repeats is not None and args.repeats < 1:
+            raise ProfileError(f"--repeats: must be >= 1, got {args.repeats}")
+        transports = [t for t in args.transports.split(",") if t]
+        bad = [t for t in transports if t not in ("shm", "tcp")]
+        if bad:
+            raise ProfileError(f"--transports: {bad[0]!r} is not shm or tcp")
+        out = pathlib.Path(args.out)
+        if not out.parent.is_dir():
+            raise ProfileError(f"--out: folder {str(out.parent)!r} does not exist")
+        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        doc = measure(args.model, threads, args.quick, args.repeats, transports, log)
+    except (ProfileError, ValueError, FileNotFoundError) as exc:
+        print(f"splitserve profile: {exc}", file=sys.stderr)
+        return 2
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0

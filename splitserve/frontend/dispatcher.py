@@ -1,0 +1,241 @@
+"""The dispatcher: where a request goes, its handover between stages, and its second chances.
+
+    submit --> _dispatch: router.pick --> GenerateRequest --link--> P (or a colocated instance)
+    P --> TokenOutput(first token, "prefill_done", kv_descriptor) --> the client gets the token now
+      --> _hand_over --> D: GenerateRequest(prompt, kv_descriptor, first_token_ids)  (D pulls the KV)
+    D --> TokenOutput(more tokens ..., the final one with the KV report) --> the client
+
+`_dispatch` is the one path that sends a request: the first time, a retry (its engine died before
+any token: sent again as is), a resume (its engine died mid-stream: prompt + the tokens so far
+are prefilled elsewhere and generation continues where it stopped, so a greedy stream goes on
+with the same tokens), and a request parked while an instance changed its role. Each dispatch
+gets a fresh internal request id (whatever X-Request-Id the client sent), so a stale engine can
+never collide with the new attempt, and nothing is registered with the router unless the send
+went out.
+
+An abort (client gone, stop string, even on the first token) goes to every instance that may
+hold the request's blocks: P while they are leased, D while it waits for or decodes the KV.
+Everything runs on the frontend's event loop (one thread): request state needs no locks.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import msgspec
+
+from splitserve.frontend.engine_link import EngineLink
+from splitserve.frontend.metrics import FrontendMetrics
+from splitserve.frontend.output_processor import OutputProcessor
+from splitserve.frontend.request_state import RequestState, RequestStream
+from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
+from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, RoleChanged, StepOutputs,
+                                 WireSamplingParams)
+from splitserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, link: EngineLink, router: Router, outputs: OutputProcessor, metrics: FrontendMetrics,
+                 max_queued_requests: int = 256, retry_on_engine_failure: int = 1) -> None:
+        self.link, self.router, self.outputs, self.metrics = link, router, outputs, metrics
+        self.max_queued_requests = max_queued_requests
+        self.retry_on_engine_failure = retry_on_engine_failure
+        self.requests: dict[str, RequestState] = {}  # by internal request id
+        self.parked: list[RequestState] = []  # no instance could take them while roles were changing
+        self.roles = None  # RoleChanger (role_change.py), which sets itself here
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def submit(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               stop: list[str]) -> RequestStream:
+        """Routes and sends one request. NoInstanceAvailable when no instance can take it;
+        ValueError when a parameter cannot be sent. Either way nothing stays registered."""
+        wire = WireSamplingParams(
+            max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
+            top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+        state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
+                             wire)
+        self._dispatch(state)
+        return RequestStream(self, state)
+
+    def _dispatch(self, state: RequestState) -> None:
+        """Sends the request (prompt + any tokens it already produced) to the instance(s) the
+        router picks; parks it if none can take it only because a role change is under way."""
+        prompt = state.prompt_token_ids + state.token_ids
+        n = len(state.token_ids)
+        wire = msgspec.structs.replace(state.wire_params, max_tokens=state.wire_params.max_tokens - n,
+                                       min_tokens=max(0, state.wire_params.min_tokens - n))
+        request_id = f"{state.client_request_id[:64]}.{next(self._ids)}"
+        try:
+            payload = self.link.encode(GenerateRequest(request_id, prompt, wire))
+        except (OverflowError, msgspec.EncodeError) as e:
+            raise ValueError(f"a sampling parameter is out of range: {e}") from None
+        routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt))
+        try:
+            plan = self.router.pick(routable)
+        except NoInstanceAvailable:
+            if self.roles is None or not self.roles.changing():
+                raise
+            state.request_id, state.instance_id = request_id, None
+            state.prefill_instance_id = state.decode_instance_id = None
+            self.parked.append(state)
+            return
+        self.link.send_encoded(plan.prefill_instance_id or plan.instance_id, payload)
+        # Only now, with the request on its way (and no await in between: no output can come
+        # before), does it take an admission slot.
+        self.router.on_start(plan, routable)
+        state.request_id, state.sent_prompt, state.sent_params = request_id, prompt, wire
+        self._set_plan(state, plan)
+        self.requests[request_id] = state
+
+    @staticmethod
+    def _set_plan(state: RequestState, plan: RoutePlan) -> None:
+        state.instance_id = plan.prefill_instance_id or plan.instance_id
+        state.prefill_instance_id = plan.prefill_instance_id
+        state.decode_instance_id = plan.instance_id if plan.prefill_instance_id is not None else None
+
+    def dispatch_parked(self) -> None:
+        parked, self.parked = self.parked, []
+        for state in parked:
+            try:
+                self._dispatch(state)
+            except (NoInstanceAvailable, ValueError) as e:
+                self._end(state, "error", f"no engine instance could take this request: {e}")
+
+    def abort(self, state: RequestState) -> None:
+        if state in self.parked:
+            self.parked.remove(state)
+        elif self.requests.pop(state.request_id, None) is None:
+            return
+        self._release(state)
+        self.metrics.requests.labels("abort").inc()
+        # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
+        state.queue.put_nowait(self.outputs.finish_event(state, "abort"))
+
+    def _release(self, state: RequestState, abort: bool = True) -> None:
+        """The request is over here: forget it in the router and, unless its engines finished it
+        themselves, abort it on every instance that may hold it (an unknown id is a no-op
+        there), so each frees its blocks."""
+        for instance_id in state.holders():
+            self.router.on_finish(instance_id, state.request_id)
+            inst = self.link.instances.get(instance_id)
+            if abort and inst is not None and inst.alive:
+                self.link.send(instance_id, AbortRequests([state.request_id]))
+
+    def _end(self, state: RequestState, reason: str, error: str | None = None) -> None:
+        """Ends a request the engines no longer hold (or that never reached one) with an event."""
+        self.requests.pop(state.request_id, None)
+        self._release(state)
+        self.metrics.requests.labels(reason).inc()
+        state.queue.put_nowait(self.outputs.finish_event(state, reason, error))
+
+    def _hand_over(self, state: RequestState, out) -> None:
+        """P finished the prompt: D pulls its KV and continues after the first token. If D can no
+        longer take it (dead, drained, changing role), the KV is dropped and the request resumes
+        by recomputing prompt + first token wherever the router sends it now."""
+        prefill_id = state.instance_id
+        self.router.on_finish(prefill_id, state.request_id)
+        if not self.router.plays(state.decode_instance_id, "decode"):
+            self._redispatch(state, f"decode instance {state.decode_instance_id} can no longer take it")
+            return
+        state.instance_id = state.decode_instance_id
+        self.link.send(state.instance_id, GenerateRequest(state.request_id, state.sent_prompt, state.sent_params,
+                                                          out.kv_descriptor, list(out.new_token_ids)))
+
+    def _redispatch(self, state: RequestState, why: str) -> None:
+        self.requests.pop(state.request_id, None)
+        self._release(state)
+        try:
+            self._dispatch(state)
+        except (NoInstanceAvailable, ValueError) as e:
+            self.metrics.requests.labels("error").inc()
+            state.queue.put_nowait(self.outputs.finish_event(state, "error", f"{why}, and {e}"))
+
+    # ---- the only loop over engine outputs ---------------------------------------------
+
+    def on_message(self, engine_id: str, message) -> None:
+        if isinstance(message, StepOutputs):
+            self._on_outputs(engine_id, message)
+        elif isinstance(message, EngineStats):
+            self.link.instances[engine_id].stats = message
+            self.metrics.observe_stats(message)
+            self.router.set_free_blocks(engine_id, message.num_free_blocks)
+        elif isinstance(message, RoleChanged) and self.roles is not None:
+            self.roles.on_role_changed(engine_id, message)
+
+    def _on_outputs(self, engine_id: str, message: StepOutputs) -> None:
+        for out in message.outputs:
+            state = self.requests.get(out.request_id)
+            if state is None or state.instance_id != engine_id:
+                continue  # aborted or stopped here while the engine was still stepping
+            is_first = not state.token_ids
+            processed = self.outputs.process(state, out)
+            event = processed.event
+            self.router.on_progress(engine_id, state.request_id, state.num_prompt_tokens if is_first else 0,
+                                    len(out.new_token_ids))
+            if event.finished:
+                self.requests.pop(state.request_id, None)
+                # An engine that ended the request itself holds nothing; otherwise (a stop string,
+                # even on a prefill instance's first token; an error) every holder is told to drop it.
+                self._release(state, abort=not processed.engine_done)
+                self.metrics.requests.labels("rejected" if out.rejected else event.finish_reason or "error").inc()
+                self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+                self.metrics.e2e.observe(time.monotonic() - state.arrival)
+            elif processed.handed_over:
+                self._hand_over(state, out)
+            state.queue.put_nowait(event)
+
+    # ---- instances coming and going ----------------------------------------------------
+
+    def on_ready(self, engine_id: str, rejoined: bool) -> None:
+        inst = self.link.instances[engine_id]
+        self.router.add_instance(engine_id, inst.hello.role, inst.hello.max_num_seqs + self.max_queued_requests)
+        self.metrics.set_alive(engine_id, inst.hello.role, True)
+        if self.parked:
+            self.dispatch_parked()
+
+    def on_dead(self, engine_id: str, why: str) -> None:
+        """Its requests go elsewhere: retried if no token reached the client, else resumed by
+        recomputing prompt + tokens so far; failed when out of second chances."""
+        inst = self.link.instances[engine_id]
+        self.metrics.set_alive(engine_id, inst.hello.role, False)
+        lost = self.router.mark_dead(engine_id)
+        inst.lost_request_ids.update(lost)
+        if self.roles is not None:
+            self.roles.on_dead(engine_id)  # a survivor may take over a role no one plays now
+        for request_id in lost:
+            state = self.requests.get(request_id)
+            if state is None or state.instance_id != engine_id:
+                continue  # it was only planned there (a decode instance to be): _hand_over re-routes
+            if state.num_completion_tokens >= state.wire_params.max_tokens:
+                self._end(state, "length")  # its last token arrived; only the finish was lost
+                continue
+            if state.num_retries + state.num_resumes >= self.retry_on_engine_failure:
+                self._end(state, "error", f"engine instance {engine_id} died ({why}) while serving this request")
+                continue
+            if state.token_ids:
+                state.num_resumes += 1
+                self.metrics.resumes.inc()
+                kind = f"resumed after {len(state.token_ids)} tokens"
+            else:
+                state.num_retries += 1
+                self.metrics.retries.inc()
+                kind = f"died before its first token; retry {state.num_retries}"
+            self._redispatch(state, f"engine instance {engine_id} died ({why})")
+            log.warning("request %s: engine %s %s on %s", state.client_request_id, engine_id, kind,
+                        state.instance_id or "(parked)")
+
+    def on_tick(self) -> None:
+        """Drained instances leave once they hold nothing (a prefill one may still lend KV)."""
+        for engine_id, inst in list(self.link.instances.items()):
+            load = self.router.instances.get(engine_id)
+            if not inst.alive or load is None or not load.draining or load.num_requests:
+                continue
+            kv = inst.stats.kv if inst.stats is not None else None
+            if kv is None or kv.num_held_blocks == 0:
+                self.link.remove(engine_id, "drained by the admin API")

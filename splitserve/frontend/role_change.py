@@ -1,0 +1,172 @@
+"""Live role changes, a survivor taking over a lost stage, and the per-instance load view.
+
+    change_role(id, role):  refuse (RoleChangeRefused, 409) if no instance could then prefill or
+        none could decode -> the router stops sending the instance new work -> SetRole -> the
+        engine swaps its connector once the old one holds nothing in flight (prompts handed over,
+        leases confirmed, pulls landed; running decodes just carry on) -> RoleChanged -> the
+        router sends it work of its new kind, and requests parked meanwhile are dispatched.
+
+A colocated instance counts as both stages. When an instance dies and leaves a stage with no
+instance (`on_dead`), a survivor takes the missing role at once (colocated when it is the only
+one left), so the requests of the dead instance, parked while it swaps, go on within ~1 s.
+
+`load_view()` is the read-only picture a mix controller decides on (control/, not here).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgspec
+
+from splitserve.config import ROLES
+from splitserve.frontend.router import DECODE_CAPABLE, PREFILL_CAPABLE
+from splitserve.protocol import RoleChanged, SetRole
+
+log = logging.getLogger(__name__)
+
+ROLE_CHANGE_TIMEOUT_S = 60.0  # a drain waits for leases (30 s by default) at worst
+
+
+class RoleChangeRefused(Exception):
+    """The change cannot be made; `status` is the HTTP answer (404 unknown instance, 409 otherwise)."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoadView:
+    instance_id: str
+    role: str
+    alive: bool
+    changing_role: bool
+    num_requests: int  # the router's: admitted and not finished
+    outstanding_tokens: int  # the router's: prompt + answer tokens still to do
+    num_queued_prompt_tokens: int  # the engine's last report, as the rest below
+    num_running_requests: int
+    num_kv_tokens_used: int
+    step_seconds: float  # moving average of recent model steps
+    step_tokens: float
+
+
+def check_coverage(roles: dict[str, str]) -> str | None:
+    """Why a set of serving roles leaves a stage with no instance, or None."""
+    if not any(r in PREFILL_CAPABLE for r in roles.values()):
+        return "no instance would be left able to prefill (a prefill or colocated instance is needed)"
+    if not any(r in DECODE_CAPABLE for r in roles.values()):
+        return "no instance would be left able to decode (a decode or colocated instance is needed)"
+    return None
+
+
+class RoleChanger:
+    def __init__(self, dispatcher, timeout_s: float = ROLE_CHANGE_TIMEOUT_S) -> None:
+        self.dispatcher, self.link, self.router = dispatcher, dispatcher.link, dispatcher.router
+        self.metrics, self.timeout_s = dispatcher.metrics, timeout_s
+        self._pending: dict[str, asyncio.Future] = {}
+        self._takeovers: set[asyncio.Task] = set()
+        dispatcher.roles = self
+
+    def changing(self) -> bool:
+        return bool(self._pending)
+
+    async def change_role(self, instance_id: str, role: str) -> None:
+        """Returns once the instance serves in `role`; RoleChangeRefused says why it cannot."""
+        future = self._begin(instance_id, role)
+        if future is None:
+            return
+        await self._finish(instance_id, role, future)
+
+    def _begin(self, instance_id: str, role: str) -> asyncio.Future | None:
+        if role not in ROLES:
+            raise RoleChangeRefused(f"role must be one of {', '.join(ROLES)}, got {role!r}", status=400)
+        inst = self.link.instances.get(instance_id)
+        if inst is None:
+            raise RoleChangeRefused(f"no engine instance {instance_id!r}; see GET /admin/instances", status=404)
+        serving = self.router.serving()
+        if not inst.alive or instance_id not in serving:
+            raise RoleChangeRefused(f"engine instance {instance_id!r} is not serving (dead or draining)")
+        if instance_id in self._pending:
+            raise RoleChangeRefused(f"engine instance {instance_id!r} is already changing its role")
+        if serving[instance_id] == role:
+            return None
+        why = check_coverage({**serving, instance_id: role})
+        if why is not None:
+            raise RoleChangeRefused(f"turning {instance_id} ({serving[instance_id]}) into {role} is refused: {why}")
+        self.router.set_changing_role(instance_id, True)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[instance_id] = future
+        self.link.send(instance_id, SetRole(role))
+        log.warning("engine %s: changing role %s -> %s", instance_id, serving[instance_id], role)
+        return future
+
+    async def _finish(self, instance_id: str, role: str, future: asyncio.Future) -> None:
+        old = self.router.instances[instance_id].role
+        try:
+            answer: RoleChanged = await asyncio.wait_for(future, self.timeout_s)
+            if answer.error:
+                raise RoleChangeRefused(f"engine instance {instance_id!r} cannot become {role}: {answer.error}")
+        except asyncio.TimeoutError:
+            raise RoleChangeRefused(f"engine instance {instance_id!r} did not finish its change to {role} "
+                                    f"within {self.timeout_s:g} s; it keeps serving as {old}") from None
+        else:
+            inst = self.link.instances[instance_id]
+            inst.hello = msgspec.structs.replace(inst.hello, role=answer.role)
+            self.router.set_role(instance_id, answer.role)
+            self.metrics.role_changes.labels(old, answer.role).inc()
+            self.metrics.set_role(instance_id, old, answer.role)
+            log.warning("engine %s now serves as %s", instance_id, answer.role)
+        finally:
+            self._pending.pop(instance_id, None)
+            if instance_id in self.router.instances:
+                self.router.set_changing_role(instance_id, False)
+            self.dispatcher.dispatch_parked()
+
+    def on_role_changed(self, engine_id: str, message: RoleChanged) -> None:
+        future = self._pending.get(engine_id)
+        if future is not None and not future.done():
+            future.set_result(message)
+
+    def on_dead(self, engine_id: str) -> None:
+        future = self._pending.get(engine_id)
+        if future is not None and not future.done():
+            future.set_exception(RoleChangeRefused(f"engine instance {engine_id!r} died while changing its role"))
+        serving = {i: r for i, r in self.router.serving().items() if i not in self._pending}
+        if not serving or check_coverage(serving) is None:
+            return
+        # A stage has no instance left: the least loaded survivor takes it over.
+        missing = "prefill" if not any(r in PREFILL_CAPABLE for r in serving.values()) else "decode"
+        loads = self.router.instances
+        survivor = min(serving, key=lambda i: (loads[i].outstanding_tokens, i))
+        role = "colocated" if len(serving) == 1 else missing
+        try:
+            future = self._begin(survivor, role)
+        except RoleChangeRefused as e:
+            log.error("no survivor can take over the %s stage: %s", missing, e)
+            return
+        if future is None:
+            return
+        log.warning("the last %s instance died: %s takes over as %s", missing, survivor, role)
+        task = asyncio.get_running_loop().create_task(self._take_over(survivor, role, future))
+        self._takeovers.add(task)
+        task.add_done_callback(self._takeovers.discard)
+
+    async def _take_over(self, instance_id: str, role: str, future: asyncio.Future) -> None:
+        try:
+            await self._finish(instance_id, role, future)
+        except RoleChangeRefused as e:
+            log.error("take-over by %s failed: %s", instance_id, e)
+
+    def load_view(self) -> list[InstanceLoadView]:
+        views = []
+        for instance_id, load in self.router.instances.items():
+            inst = self.link.instances.get(instance_id)
+            s = inst.stats if inst is not None else None
+            views.append(InstanceLoadView(
+                instance_id, load.role, load.alive, load.changing_role, load.num_requests, load.outstanding_tokens,
+                s.num_queued_prompt_tokens if s else 0, s.num_running if s else 0,
+                s.num_blocks_used * s.block_size if s else 0, s.step_seconds if s else 0.0,
+                s.step_tokens if s else 0.0))
+        return views

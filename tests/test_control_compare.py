@@ -1,0 +1,109 @@
+"""Predicted beside measured (compare.py) and the long-prompt overlap estimate (overlap.py)."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.control.compare import compare_results, profile_of, render
+from splitserve.control.overlap import analyze_overlap, analyze_records
+from splitserve.control.predict import arrangement_from_serve_args, predict, requests_from_results
+from splitserve.control.profile_file import FORMAT, parse_profile
+from splitserve.trial.spec import SLO
+from splitserve.trial.traces import TraceRecord
+
+PROFILE = {
+    "format": FORMAT, "model": {"name": "hand", "kv_bytes_per_token": 46080},
+    "threads": {"1": {"step_model": {"overhead_s": 0.0, "per_prefill_token_s": 0.001, "per_decode_seq_s": 0.01}}},
+    "kv_transfer": {"shm": {"latency_s": 0.005, "gb_per_s": 5.0}},
+}
+SLO_DOC = {"ttft_s": 2.0, "gap_s": 0.5, "e2e_s": 20.0, "max_pause_s": 1.0, "gap_percentile": 99.0}
+
+
+def results_doc():
+    plan = [{"index": i, "class": "chat", "send_at_s": i * 0.5, "num_prompt_tokens": 64, "max_tokens": 8}
+            for i in range(20)]
+    def arrangement(name, serve, attainment):
+        summary = {"attainment": attainment, "ttft_s": {"p50": 0.1, "p99": 0.2}, "gap_s": {"p99": 0.02},
+                   "longest_pause_s": {"p99": 0.03}}
+        return {"name": name, "launch": {"serve": serve, "cores": 2}, "error": None, "sweep_capacity_rps": None,
+                "runs": [{"rate_multiplier": 1.0, "summary": summary}]}
+    return {"trial": "t", "slo": SLO_DOC, "sweep": False, "plan": plan, "arrangements": [
+        arrangement("colo", ["--instances", "2", "--threads-per-instance", "1"], 0.9),
+        arrangement("1P1D", ["--prefill", "1", "--decode", "1", "--threads-per-instance", "1"], 1.0),
+        {"name": "ext", "launch": {"serve": None, "url": "http://x"}, "error": None, "runs": []}]}
+
+
+def test_serve_arguments_rebuild_the_arrangement_the_trial_launched():
+    arr = arrangement_from_serve_args("x", ["--prefill", "1", "--decode", "2", "--threads-per-instance", "2",
+                                            "--max-num-batched-tokens", "512"], 6)
+    assert [i.role for i in arr.instances] == ["prefill", "decode", "decode"]
+    assert {i.threads for i in arr.instances} == {2} and arr.instances[0].budget == 512
+    assert arrangement_from_serve_args("y", ["--instances", "2"], 2).instances[0].threads == 1
+
+
+def test_comparison_puts_the_exact_plans_prediction_beside_each_measurement():
+    doc = results_doc()
+    profile = parse_profile(PROFILE)
+    out = compare_results(profile, doc)
+    slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
+    expected = predict(arrangement_from_serve_args("colo", doc["arrangements"][0]["launch"]["serve"], 2),
+                       profile, requests_from_results(doc), slo)
+    row = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "TTFT p99")
+    assert row["predicted"] == pytest.approx(expected["ttft_s"]["p99"])
+    assert row["error"] == pytest.approx((expected["ttft_s"]["p99"] - 0.2) / 0.2)
+    att = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "attainment")
+    assert att["error"] == pytest.approx(expected["attainment"] - 0.9)  # in points, not relative
+    assert out["skipped"] == ["ext: not launched by serve"]
+    assert out["ranking"]["measured_top_two"] == ["1P1D", "colo"]
+    assert "predicted vs measured" in render(out)
+
+
+def test_a_plan_json_carries_its_profile():
+    assert profile_of({"arrangements": [], "profile": PROFILE}).model_name == "hand"
+    assert profile_of(PROFILE).model_name == "hand"
+
+
+def test_overlap_counts_arrivals_and_streams_that_meet_a_long_prefill():
+    # 1 ms per prompt token, 10 ms per decode step: the 1000-token prompt at t=1 prefills in [1, 2).
+    profile = parse_profile(PROFILE)
+    times = [1.0, 0.0, 3.0, 1.5]
+    prompts = [1000, 10, 10, 10]
+    answers = [1, 101, 5, 1]   # the stream from t=0 runs to about 1.01 s: it meets the prefill
+    result = analyze_overlap(times, prompts, answers, profile, long_input_tokens=1000)
+    assert result["long_share"] == pytest.approx(0.25)
+    assert result["mean_long_prefill_s"] == pytest.approx(1.0)
+    assert result["arrivals_during_long_prefill"] == pytest.approx(1 / 3)
+    assert result["streams_hit_by_long_prefill"] == pytest.approx(1 / 2)
+    assert result["recommendation"].startswith("Separation likely pays: 50% of answers")
+
+
+def test_overlap_without_long_prompts_recommends_colocated():
+    result = analyze_overlap([0.0, 1.0], [10, 20], [5, 5], parse_profile(PROFILE), long_input_tokens=1000)
+    assert result["recommendation"].startswith("Keep colocated: no prompt reaches 1000 tokens")
+    with pytest.raises(ValueError, match="long-input-tokens"):
+        analyze_overlap([0.0], [10], [5], parse_profile(PROFILE), long_input_tokens=0)
+
+
+def test_repeats_are_pooled_and_a_searched_capacity_is_compared():
+    # the trial's capacity-search layout: repeated runs per rate, capacity_rps as {median, ...},
+    # the attainment target inside slo, the fixed rate chosen by calibration
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    doc["calibration"] = {"rate_multiplier": 2.0}
+    for arr in doc["arrangements"][:2]:
+        run = arr["runs"][0]
+        arr["runs"] = [{**run, "rate_multiplier": 2.0, "summary": {**run["summary"], "attainment": a}}
+                       for a in (0.5, 0.7, 0.9)]
+        arr["capacity_rps"] = {"median": 3.0, "min": 2.0, "max": 4.0}
+    out = compare_results(parse_profile(PROFILE), doc)
+    att = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "attainment")
+    assert (att["rate_multiplier"], att["num_runs"], att["measured"]) == (2.0, 3, 0.7)
+    cap = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity"))
+    assert cap["metric"] == "capacity at 80%" and cap["measured"] == 3.0
+    assert out["ranking"]["by"] == "capacity"
+    assert "x2(3)" in render(out)
+
+
+def test_overlap_reads_trace_records_in_any_order():
+    records = [TraceRecord(1.5, 10, 1), TraceRecord(1.0, 1000, 1), TraceRecord(0.0, 10, 101), TraceRecord(3.0, 10, 5)]
+    result = analyze_records(records, parse_profile(PROFILE), long_input_tokens=1000)
+    assert result["streams_hit_by_long_prefill"] == pytest.approx(1 / 2)

@@ -1,0 +1,98 @@
+"""`splitserve profile`: a quick profile of the tiny model end to end, and profile files that
+are malformed are refused with a message naming the field."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from splitserve.cli import main
+from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile
+from tiny_models import write_tiny_checkpoint
+
+HAND_WRITTEN = {
+    "format": FORMAT,
+    "model": {"name": "gpu-box", "kv_bytes_per_token": 46080, "block_size": 16},
+    "threads": {"1": {"step_model": {"overhead_s": 0.004, "per_prefill_token_s": 2e-5,
+                                     "per_decode_seq_s": 1e-4, "per_decode_kv_token_s": 1e-8}}},
+    "kv_transfer": {"shm": {"latency_s": 0.001, "gb_per_s": 5.0}},
+}
+
+
+def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_path, capsys):
+    model = write_tiny_checkpoint(tmp_path / "m")
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(model), "--quick", "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    kinds = {s["kind"] for s in doc["threads"]["1"]["samples"]}
+    assert kinds == {"prefill", "chunk", "decode", "mixed"}
+    assert all(len(s["seconds"]) == 2 for s in doc["threads"]["1"]["samples"])  # repeats, with their spread
+    chunk = next(s for s in doc["threads"]["1"]["samples"] if s["kind"] == "chunk")
+    assert chunk["prefill_tokens"] == 16 and chunk["prefill_attn_ktok2"] == pytest.approx(16 * (32 + 8) / 1000)
+    assert set(doc["kv_transfer"]) == {"shm", "tcp"} and doc["kv_transfer"]["tcp"]["gb_per_s"] > 0
+    assert doc["machine"]["num_cores"] >= 1 and "cpu_model" in doc["machine"]
+    assert doc["startup_s"]["load_model"] > 0
+    profile = parse_profile(doc)
+    assert profile.steps.for_threads(1).per_prefill_token_s >= 0
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--threads", "1,x"], "--threads"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "4096"], "--threads"),
+    (["--repeats", "0"], "--repeats"),
+    (["--transports", "shm,rdma"], "--transports"),
+])
+def test_profile_refuses_bad_arguments_naming_them(tmp_path, capsys, args, field):
+    assert main(["profile", "--out", str(tmp_path / "p.json"), *args]) == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def _broken(path: str, value):
+    doc = copy.deepcopy(HAND_WRITTEN)
+    keys = path.split(".")
+    target = doc
+    for key in keys[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[keys[-1]]
+    else:
+        target[keys[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("format", "v0", "format"),
+    ("model.kv_bytes_per_token", -1, "model.kv_bytes_per_token"),
+    ("model.block_size", "16", "model.block_size"),
+    ("threads", {}, "threads"),
+    ("threads.1.step_model.overhead_s", KeyError, "threads.1.step_model.overhead_s"),
+    ("threads.1.step_model.per_prefill_token_s", -0.1, "threads.1.step_model.per_prefill_token_s"),
+    ("threads.1.step_model.per_token_s", 0.1, "threads.1.step_model.per_token_s"),
+    ("threads.1.step_model", None, "threads.1.step_model"),
+    ("threads.1", {"samples": [{"prefill_tokens": 5, "seconds": []}]}, "threads.1.samples[0].seconds"),
+    ("threads.1", {"samples": [{"prefill_tokens": "x", "seconds": [0.1]}]}, "threads.1.samples[0].prefill_tokens"),
+    ("threads.1", {}, "threads.1"),
+    ("kv_transfer.shm.gb_per_s", 0, "kv_transfer.shm.gb_per_s"),
+    ("serial_fraction", 1.5, "serial_fraction"),
+])
+def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
+    with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_profile(_broken(path, value))
+
+
+def test_a_thread_count_key_that_is_not_a_number_is_named():
+    doc = copy.deepcopy(HAND_WRITTEN)
+    doc["threads"]["two"] = doc["threads"]["1"]
+    with pytest.raises(ProfileError, match="threads.two"):
+        parse_profile(doc)
+
+
+def test_hand_written_profile_reads_and_extrapolates_threads():
+    profile = parse_profile(HAND_WRITTEN)
+    assert profile.steps.for_threads(8).overhead_s < profile.steps.for_threads(1).overhead_s
+    assert profile.transfer_s("shm", 1000) == pytest.approx(0.001 + 46080 * 1000 / 5e9)
+    with pytest.raises(ProfileError, match="kv_transfer.tcp"):
+        profile.transfer_s("tcp", 10)

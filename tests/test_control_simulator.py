@@ -1,0 +1,82 @@
+"""The simulator against timelines worked out by hand from a simple step model:
+step = 10 ms + 1 ms per prefill token + 5 ms per decode (no attention or KV terms)."""
+from __future__ import annotations
+
+import pytest
+
+from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
+from splitserve.control.stepmodel import StepModel
+
+MODEL = StepModel(overhead_s=0.01, per_prefill_token_s=0.001, per_decode_seq_s=0.005)
+
+
+def run(requests, *specs, transfer_s=0.0):
+    instances = [Instance(f"i{k}", spec, MODEL, num_blocks=1000, block_size=16) for k, spec in enumerate(specs)]
+    Simulation(instances, lambda n: transfer_s).run(requests)
+    return instances
+
+
+def token_times(req):
+    times = [req.first_s]
+    for gap in req.gaps:
+        times.append(times[-1] + gap)
+    return times
+
+
+def test_one_request_prefills_in_one_step_then_decodes_one_token_per_step():
+    req = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)
+    run([req], InstanceSpec())
+    assert token_times(req) == pytest.approx([0.11, 0.125, 0.14])
+    assert req.finished_s == pytest.approx(0.14)
+
+
+def test_two_prompts_contending_for_a_small_budget_share_steps_as_the_scheduler_does():
+    # budget 128: A (100) is admitted whole, B gets the remaining 28 tokens; next step A decodes
+    # first and B takes its last 72 tokens beside it.
+    a, b = SimRequest(0, 0.0, 100, 2), SimRequest(1, 0.0, 100, 2)
+    run([a, b], InstanceSpec(budget=128))
+    assert token_times(a) == pytest.approx([0.138, 0.225])
+    assert token_times(b) == pytest.approx([0.225, 0.240])
+
+
+def test_a_long_prompt_arriving_during_decodes_is_chunked_beside_them():
+    stream, doc = SimRequest(0, 0.0, 10, 5), SimRequest(1, 0.04, 200, 1)
+    run([stream, doc], InstanceSpec(budget=128))
+    # 0.02 first token; decodes at 0.035, 0.05; the doc joins at 0.05 with 127 tokens (0.142 s)
+    # beside the decode, then its last 73 tokens (0.088 s)
+    assert token_times(stream) == pytest.approx([0.02, 0.035, 0.05, 0.192, 0.28])
+    assert doc.first_s == pytest.approx(0.28)
+
+
+def test_whole_prefill_stalls_running_streams_for_the_whole_prompt():
+    stream, doc = SimRequest(0, 0.0, 10, 5), SimRequest(1, 0.04, 200, 1)
+    run([stream, doc], InstanceSpec(budget=256, policy="whole"))
+    assert doc.first_s == pytest.approx(0.26)
+    assert token_times(stream) == pytest.approx([0.02, 0.035, 0.05, 0.275, 0.29])
+    assert max(stream.gaps) == pytest.approx(0.225)
+
+
+def test_separated_request_streams_first_token_from_prefill_then_decodes_after_the_transfer():
+    req = SimRequest(0, 0.0, 100, 3)
+    run([req], InstanceSpec("prefill"), InstanceSpec("decode"), transfer_s=0.05)
+    assert token_times(req) == pytest.approx([0.11, 0.175, 0.19])
+
+
+def test_router_sends_simultaneous_requests_to_different_colocated_instances():
+    a, b = SimRequest(0, 0.0, 100, 2), SimRequest(1, 0.0, 100, 2)
+    first, second = run([a, b], InstanceSpec(), InstanceSpec())
+    assert first.num_steps == second.num_steps == 2
+    assert a.first_s == b.first_s == pytest.approx(0.11)
+
+
+def test_running_out_of_kv_blocks_preempts_the_newest_and_recomputes_it():
+    a, b = SimRequest(0, 0.0, 30, 20), SimRequest(1, 0.0, 30, 20)
+    instance = Instance("i", InstanceSpec(), MODEL, num_blocks=5, block_size=16)
+    Simulation([instance]).run([a, b])
+    assert instance.num_preemptions >= 1
+    assert a.outputs == b.outputs == 20 and instance.free_blocks == 5
+
+
+def test_an_arrangement_without_a_stage_is_refused():
+    with pytest.raises(ValueError, match="prefill and a decode"):
+        run([SimRequest(0, 0.0, 10, 2)], InstanceSpec("prefill"))

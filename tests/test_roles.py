@@ -1,0 +1,178 @@
+"""Live role changes and surviving the loss of a stage (issue 11), on a whole server in one process
+(tests/cluster_support.py): greedy tokens equal an uninterrupted run across a role change and
+across a resumed stream; refusals say why; every block, lease and shared-memory mapping comes back.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import time
+
+import httpx
+import pytest
+
+from cluster_support import Cluster, mapped_segments, prompt_of, shm_segments
+from splitserve.frontend.api_server import build_app
+from splitserve.frontend.role_change import RoleChangeRefused
+from tiny_models import write_tiny_checkpoint
+
+PD = {"prefill-0": "prefill", "decode-0": "decode"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("roles") / "m", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Greedy tokens of an uninterrupted colocated run, per (prompt seed, length)."""
+    async def go():
+        async with Cluster(tiny, {"c": "colocated"}) as cluster:
+            return {seed: (await cluster.generate(prompt_of(20 + seed, seed), 40))["tokens"] for seed in range(6)}
+    return asyncio.run(go())
+
+
+def roles_of(cluster: Cluster) -> dict[str, str]:
+    return {i: inst.hello.role for i, inst in cluster.client.instances.items() if inst.alive}
+
+
+def test_role_change_mid_stream_keeps_greedy_tokens_and_returns_every_block(tiny, reference):
+    segments_before = shm_segments()
+
+    async def go():
+        async with Cluster(tiny, PD) as cluster:
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
+                       for s in range(6)]
+            await asyncio.sleep(0.05)  # some are decoding on decode-0, some still prefilling
+            await cluster.client.change_role("prefill-0", "colocated")
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
+            assert roles_of(cluster) == {"prefill-0": "colocated", "decode-0": "decode"}
+            after = await cluster.generate(prompt_of(20, 0), 40)  # served by the colocated instance
+            assert after["tokens"] == reference[0]
+            await cluster.client.change_role("prefill-0", "prefill")  # and back: split serving again
+            again = await cluster.generate(prompt_of(21, 1), 40)
+            assert again["tokens"] == reference[1] and again["event"].kv_transfer["outcome"] == "ok"
+            await cluster.wait_idle()
+            views = {v.instance_id: v for v in cluster.client.load_view()}  # what a mix controller reads
+            assert {i: (v.role, v.alive, v.changing_role) for i, v in views.items()} == {
+                "prefill-0": ("prefill", True, False), "decode-0": ("decode", True, False)}
+            assert all(v.step_seconds > 0 and v.num_requests == 0 and v.num_kv_tokens_used == 0 for v in views.values())
+            metrics = cluster.client.metrics.render().decode()
+            assert 'splitserve_role_changes_total{from_role="prefill",to_role="colocated"} 1.0' in metrics
+            assert cluster.engines["prefill-0"].core.num_role_changes == 2
+    asyncio.run(go())
+    gc.collect()
+    assert shm_segments() == segments_before  # the pools of both engines were released
+
+
+def test_refused_role_changes_say_why_with_409(tiny):
+    async def go():
+        async with Cluster(tiny, PD) as cluster:
+            app = build_app(cluster.client, cluster.client.renderer, cluster.client.metrics)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+                r = await http.post("/admin/instances/decode-0/role", json={"role": "prefill"})
+                assert r.status_code == 409 and "no instance would be left able to decode" in r.json()["error"]["message"]
+                r = await http.post("/admin/instances/prefill-0/role", json={"role": "decode"})
+                assert r.status_code == 409 and "able to prefill" in r.json()["error"]["message"]
+                r = await http.post("/admin/instances/nope/role", json={"role": "decode"})
+                assert r.status_code == 404
+                r = await http.post("/admin/instances/prefill-0/role", json={"role": "teacher"})
+                assert r.status_code == 400
+                assert roles_of(cluster) == PD  # nothing changed
+                r = await http.post("/admin/instances/prefill-0/role", json={"role": "colocated"})
+                assert r.status_code == 200 and roles_of(cluster)["prefill-0"] == "colocated"
+                # now the colocated one can prefill and decode: the decode instance may become anything
+                r = await http.post("/admin/instances/decode-0/role", json={"role": "prefill"})
+                assert r.status_code == 200
+            with pytest.raises(RoleChangeRefused, match="able to decode"):
+                await cluster.client.change_role("prefill-0", "prefill")
+    asyncio.run(go())
+
+
+def test_when_the_only_decode_instance_dies_a_survivor_takes_over_and_streams_resume(tiny, reference):
+    async def go():
+        async with Cluster(tiny, PD, heartbeat_timeout_s=0.6) as cluster:
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id="same-id"))
+                       for s in range(4)]  # one X-Request-Id for all: ids inside are unique anyway
+            while not all(cluster.client.dispatcher.requests[r].token_ids
+                          for r in list(cluster.client.dispatcher.requests)) or len(cluster.client.dispatcher.requests) < 4:
+                await asyncio.sleep(0.005)
+            killed_at = time.monotonic()
+            cluster.kill("decode-0")
+            while roles_of(cluster) != {"prefill-0": "colocated"}:
+                await asyncio.sleep(0.02)
+            took_over_s = time.monotonic() - killed_at
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(4)]
+            assert all(r["finish"] == "length" for r in results)
+            resumed = sum(r["event"].num_retries for r in results)
+            assert resumed >= 1, "no stream was decoding on the killed instance"
+            assert took_over_s < 2.0, took_over_s
+            await cluster.wait_idle()
+    asyncio.run(go())
+
+
+def test_when_the_only_prefill_instance_dies_the_decode_one_serves_colocated(tiny, reference):
+    async def go():
+        async with Cluster(tiny, PD, heartbeat_timeout_s=0.6) as cluster:
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
+                       for s in range(6)]
+            await asyncio.sleep(0)  # sent: some will be queued on the prefill instance when it dies
+            killed_at = time.monotonic()
+            cluster.kill("prefill-0")
+            while roles_of(cluster) != {"decode-0": "colocated"}:
+                await asyncio.sleep(0.02)
+            assert time.monotonic() - killed_at < 2.0
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
+            assert (await cluster.generate(prompt_of(22, 2), 40))["tokens"] == reference[2]
+            await cluster.wait_idle()
+    asyncio.run(go())
+
+
+def test_randomized_role_changes_and_aborts_leave_nothing_behind(tiny):
+    """The issue's 1,000 requests, arriving over 6 s, with role flips and client aborts among them."""
+    rng = random.Random(11)
+    segments_before = shm_segments()
+    roles = {"e0": "prefill", "e1": "decode", "e2": "colocated"}
+
+    async def go():
+        async with Cluster(tiny, roles, max_num_seqs=8) as cluster:
+            async def one(i: int) -> dict:
+                await asyncio.sleep(rng.random() * 6)
+                abort = rng.randrange(1, 12) if rng.random() < 0.3 else None
+                return await cluster.generate(prompt_of(rng.randrange(5, 60), i), rng.randrange(1, 12),
+                                              request_id=f"q{i % 7}", abort_after=abort)
+
+            async def flip_roles() -> int:
+                changes = 0
+                for _ in range(20):
+                    await asyncio.sleep(rng.random() * 0.5)
+                    try:
+                        await cluster.client.change_role(rng.choice(list(roles)),
+                                                         rng.choice(["prefill", "decode", "colocated"]))
+                        changes += 1
+                    except RoleChangeRefused:
+                        pass
+                return changes
+
+            flipper = asyncio.create_task(flip_roles())
+            results = await asyncio.gather(*(one(i) for i in range(1000)))
+            changes = await flipper
+            assert changes >= 3
+            errors = [r for r in results if r["finish"] == "error"]
+            assert not errors, errors[:3]
+            await cluster.wait_idle()
+            for engine_id, process in cluster.engines.items():
+                core = process.core
+                assert not core.requests and not getattr(core.connector, "held", None)
+            # each engine maps its own pool; the decode side's peer mappings go with its connector
+            decoders = sum(1 for p in cluster.engines.values() if p.core.role == "decode")
+            assert len(mapped_segments()) <= len(roles) + decoders * len(roles)
+    asyncio.run(go())
+    gc.collect()  # the engines' KV tensors view their mappings until collected
+    assert shm_segments() == segments_before
+    assert not mapped_segments()

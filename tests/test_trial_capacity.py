@@ -1,0 +1,166 @@
+"""Capacity within the SLOs: grow-then-bisect on a known threshold, the rate relative to a reference,
+repeats in rotating order, and results.json written as each run ends."""
+import json
+
+import pytest
+import yaml
+
+from splitserve.cli import main
+from splitserve.trial.capacity import Probe, search_capacity
+from splitserve.trial.method import TuneSpec, grid_arrangements
+from splitserve.trial.runner import Trial
+from splitserve.trial.spec import Arrangement, SpecError, parse_spec
+
+from test_trial_end_to_end import fake, spec_dict
+
+
+def threshold_probe(limit, seconds=10.0, log=None):
+    def probe(m):
+        if log is not None:
+            log.append(m)
+        return Probe(m, 1.0 if m <= limit else 0.5, 2.0 * m, seconds / m)  # faster arrivals, shorter probe
+    return probe
+
+
+def test_search_grows_until_a_probe_fails_then_bisects_to_the_precision():
+    tried = []
+    found = search_capacity(threshold_probe(3.0, log=tried), start=1.0, target=0.9, precision=0.1)
+    assert tried[:3] == [1.0, 2.0, 4.0]                            # grow x2 until it fails
+    assert found.passed.multiplier <= 3.0 < found.failed.multiplier
+    assert found.failed.multiplier <= found.passed.multiplier * 1.1 and found.stopped_by == "precision"
+    assert found.capacity_rps == pytest.approx(2.0 * found.passed.multiplier)
+
+
+def test_search_shrinks_when_the_start_fails_and_reports_nothing_held_at_the_floor():
+    found = search_capacity(threshold_probe(0.3), start=1.0, target=0.9)
+    assert found.passed.multiplier <= 0.3 < found.failed.multiplier
+    nothing = search_capacity(threshold_probe(-1.0), start=1.0, target=0.9, max_probes=30)
+    assert nothing.passed is None and nothing.capacity_rps is None and nothing.stopped_by == "floor"
+
+
+def test_search_stops_within_its_time_budget_with_a_bracket():
+    found = search_capacity(threshold_probe(100.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0)
+    assert [p.seconds for p in found.probes] == [10.0, 5.0] and found.stopped_by == "budget"  # 2.5 more: > 16
+    assert found.passed is not None and found.failed is None
+
+
+def test_the_tuning_grid_sets_each_colocated_knob_and_refuses_unequal_cores():
+    base = Arrangement("colocated", serve_args=["--instances", "1", "--threads-per-instance", "2"], cores=2)
+    points = grid_arrangements(TuneSpec("colocated", [64, 256], [(1, 2), (2, 1)]), base, 2)
+    assert [p.name for p in points] == ["colocated@64tok-1x2", "colocated@64tok-2x1", "colocated@256tok-1x2",
+                                        "colocated@256tok-2x1"]
+    assert points[1].serve_args == ["--instances", "2", "--threads-per-instance", "1", "--prefill-policy", "chunked",
+                                    "--max-num-batched-tokens", "64"]
+    with pytest.raises(SpecError, match="2x2 uses 4 cores"):
+        grid_arrangements(TuneSpec("colocated", [], [(2, 2)]), base, 2)
+
+
+def fake_spec(**extra):
+    # a serial fake: 0.02 s of "prefill" per prompt token blocks every stream, so load piles up
+    raw = spec_dict([{"name": "slow", "command": fake("--serial", "--prefill-s-per-token", "0.004")},
+                     {"name": "fast", "command": fake("--prefill-s-per-token", "0.0005")}])
+    raw["arrivals"] = {"pattern": "constant", "rate": {"fraction_of_capacity": 0.5, "reference": "fast",
+                                                         "nominal": 4.0}, "num_requests": 12}
+    raw["workload"]["classes"]["document"]["prompt_tokens"] = 60
+    raw["slo"] = {"ttft_s": 0.5, "gap_s": 0.5, "max_pause_s": 1.0, "e2e_s": 3.0}
+    raw["capacity"] = {"probe_requests": 8, "max_probes": 3, "precision": 0.5}
+    raw.update(extra)
+    return raw
+
+
+def test_relative_rate_needs_a_reference_among_the_arrangements():
+    raw = fake_spec()
+    raw["arrivals"]["rate"]["reference"] = "nobody"
+    with pytest.raises(SpecError, match=r"arrivals.rate.reference: no arrangement named 'nobody'"):
+        parse_spec(raw)
+
+
+@pytest.mark.timeout(240)
+def test_capacity_search_with_a_calibrated_rate_in_rotating_repeats(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(fake_spec()))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out), "--repeat", "2"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["order"] == [["fast", "slow"], ["slow", "fast"]]    # the reference calibrates first
+    cal = doc["calibration"]
+    assert cal["reference"] == "fast" and cal["rate_multiplier"] == pytest.approx(0.5 * cal["capacity_multiplier"])
+    for arr in doc["arrangements"]:
+        assert [c["repeat"] for c in arr["capacity"]] == [0, 1]
+        fixed = [r for r in arr["runs"] if r["purpose"] == "fixed"]
+        assert [r["repeat"] for r in fixed] == [0, 1]
+        assert all(r["rate_multiplier"] == pytest.approx(cal["rate_multiplier"]) for r in fixed)  # equal rates
+        assert all(len(r["requests"]) == 8 for r in arr["runs"] if r["purpose"] == "probe")
+    fast, slow = (next(a for a in doc["arrangements"] if a["name"] == n) for n in ("fast", "slow"))
+    assert fast["capacity_rps"]["median"] > slow["capacity_rps"]["median"]
+    assert "Capacity within the SLOs" in doc["verdict"] and "fast" in doc["verdict"]
+
+
+@pytest.mark.timeout(120)
+def test_results_are_saved_after_every_run_so_a_cut_trial_keeps_them(tmp_path):
+    raw = spec_dict([{"name": "a", "command": fake()}, {"name": "b", "command": fake()}])
+    raw["arrivals"]["num_requests"] = 4
+    spec = parse_spec(raw)
+    snapshots = []
+
+    def save(trial):
+        done = {name: [r.purpose for r in res.runs] for name, res in trial.results.items()}
+        snapshots.append(done)
+
+    Trial(spec, tmp_path, on_update=save).run()
+    assert {"a": ["fixed"]} in snapshots                             # saved before b even started
+    assert snapshots[-1] == {"a": ["fixed"], "b": ["fixed"]}
+
+
+def test_the_budget_shares_time_between_launches_and_sizes_the_fixed_run_from_the_measured_rate():
+    from splitserve.trial.budget import Budget
+
+    now = [0.0]
+    budget = Budget(300.0, repeat=2, weight=4.0, clock=lambda: now[0])
+    assert budget.share(2.0) == pytest.approx(300.0)               # the calibration counts twice
+    now[0] = 250.0
+    budget.spent(2.0)
+    assert budget.share() == pytest.approx(350.0 / 2)
+    # 30% of a 100 s share at 0.5 req/s holds 15 requests (+1: the first goes at 0); a machine twice
+    # as slow measures half the rate and replays about half as many, never fewer than 8
+    assert Budget.fixed_requests(100.0, 0.5, 54) == 16
+    assert Budget.fixed_requests(100.0, 0.25, 54) == 8
+    assert Budget.fixed_requests(100.0, 0.1, 54) == 8
+    assert Budget.fixed_requests(1000.0, 0.5, 54) == 54 and Budget.fixed_requests(None, 0.5, 54) == 54
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_stops_as_soon_as_streams_in_flight_break_the_slo(tmp_path):
+    from splitserve.trial.arrangements import launched
+
+    # every stream freezes for 5 s after its 2nd token; a pause over 1 s already breaks the SLO
+    raw = spec_dict([{"name": "frozen", "command": fake("--pause-every", "1", "--pause-s", "5")}])
+    raw["slo"] = {"ttft_s": 2.0, "gap_s": 0.5, "max_pause_s": 1.0, "e2e_s": 10.0}
+    spec = parse_spec(raw)
+    trial = Trial(spec, tmp_path)
+    with launched(spec.arrangements[0], None, tmp_path / "logs") as endpoint:
+        trial._ensure_plan(endpoint)
+        run = trial._probe(endpoint, "frozen", 1.0, 0, 8, 1)
+    # judged while frozen: no stream lived to finish its pause
+    assert run.summary["stopped_early"]
+    assert {r.error_kind for r in run.records} == {"probe_stopped"}
+    assert run.summary["attainment"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_a_reference_that_holds_no_rate_hands_the_calibration_to_the_next_arrangement(tmp_path):
+    raw = fake_spec()
+    raw["arrangements"] = [{"name": "fast", "command": fake()},
+                           {"name": "frozen", "command": fake("--pause-every", "1", "--pause-s", "5")}]
+    raw["arrivals"]["rate"]["reference"] = "frozen"
+    raw["capacity"] = {"probe_requests": 6, "max_probes": 3, "min_multiplier": 0.5, "precision": 0.5}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["trial", str(path), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["order"] == [["frozen", "fast"]]
+    cal = doc["calibration"]
+    assert cal["reference"] == "fast" and cal["held_nothing"] == ["frozen"]
+    assert "frozen held no rate tried" in doc["verdict"]
+    frozen = next(a for a in doc["arrangements"] if a["name"] == "frozen")
+    assert frozen["capacity"][0]["stopped_by"] == "floor" and frozen["capacity_rps"]["median"] == 0.0
