@@ -12,6 +12,7 @@ from splitserve.kv_transfer.config import KVTransferConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
+WEIGHT_FORMATS = ("auto", "fp32", "gguf")  # models/loader.py says what each means
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -135,8 +136,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.weight_format not in ("auto", "fp32", "gguf"):
-            raise ValueError(f"weight_format must be auto, fp32 or gguf, got {self.weight_format!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.role not in ROLES:

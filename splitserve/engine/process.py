@@ -27,7 +27,7 @@ import time
 import msgspec
 import zmq
 
-from splitserve.config import PREFILL_POLICIES, ROLES, CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.config import PREFILL_POLICIES, ROLES, WEIGHT_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.frontend.security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
@@ -70,7 +70,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size per engine, e.g. 512MiB")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-format", choices=("auto", "fp32", "gguf"), default="auto",
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="gguf: keep a GGUF's Q4_1/Q8_0 blocks (~5x fewer bytes a decode step, same greedy "
                         "tokens); auto: gguf when the model is a GGUF on the CPU and the kernels are built")
     p.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",

