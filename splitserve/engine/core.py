@@ -33,7 +33,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
             from splitserve.models.loader import load_model
-            loaded = load_model(config.model, device=config.device)
+            loaded = load_model(config.model, device=config.device, weight_format=config.weight_format)
         # Keep the tokenizer, not `loaded`: the runner holds its own fused copies of the
         # weights, and the caller's dict can be freed once it lets go of it.
         self.tokenizer = loaded.tokenizer
