@@ -38,10 +38,15 @@ def test_search_shrinks_when_the_start_fails_and_reports_nothing_held_at_the_flo
     assert nothing.passed is None and nothing.capacity_rps is None and nothing.stopped_by == "floor"
 
 
-def test_search_stops_within_its_time_budget_with_a_bracket():
-    found = search_capacity(threshold_probe(100.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0)
-    assert [p.seconds for p in found.probes] == [10.0, 5.0] and found.stopped_by == "budget"  # 2.5 more: > 16
-    assert found.passed is not None and found.failed is None
+def test_the_budget_ends_the_bisection_but_never_the_growth_before_a_rate_fails():
+    found = search_capacity(threshold_probe(3.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0)
+    # x1 (10 s) and x2 (5 s) pass; x4 (2.5 s) is still tried past the budget and fails; the
+    # bisection's x2.83 (3.5 s more) would end past it
+    assert [p.multiplier for p in found.probes] == [1.0, 2.0, 4.0] and found.stopped_by == "budget"
+    assert found.passed.multiplier == 2.0 and found.failed.multiplier == 4.0
+    never_fails = search_capacity(threshold_probe(1e9, seconds=10.0), start=1.0, target=0.9, budget_s=1.0,
+                                  max_probes=5)
+    assert never_fails.stopped_by == "max_probes" and sum(p.seconds for p in never_fails.probes) < 20.0
 
 
 def test_the_tuning_grid_sets_each_colocated_knob_and_refuses_unequal_cores():
