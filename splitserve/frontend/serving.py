@@ -94,6 +94,9 @@ class OpenAIServing:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
         if body.top_logprobs:
             raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported yet; "
+                                "only 'text'", param="response_format")
         stop_token_ids = list(body.stop_token_ids or [])
         self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
