@@ -34,7 +34,7 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 3  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome
+PROTOCOL_VERSION = 4  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome; 4: logprobs
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -48,6 +48,17 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's log-probability under the model (raw logits, before temperature and
+    the other sampling settings, as vLLM reports it) and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class KVTransferReport(msgspec.Struct, frozen=True):
@@ -119,6 +130,7 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     rejected: bool = False  # the engine refused the request at admission (a user error)
     kv_descriptor: TransferDescriptor | None = None  # prefill role, with "prefill_done"
     kv_transfer: KVTransferReport | None = None  # decode role, on the final output
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):

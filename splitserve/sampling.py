@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 # set; far above float32's smallest number, which a top_p of 5e-324 rounded to (0 kept no
 # token at all and the sampler raised).
 MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: each sampled token's logprob and the k most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -45,6 +48,9 @@ class SamplingParams:
                    for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.top_k == -1:
             self.top_k = 0
 

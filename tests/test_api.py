@@ -210,7 +210,7 @@ def test_malformed_bodies_are_400_with_an_openai_error(server, body):
 def test_completion_prompt_checks(server):
     url = server.base_url + "/v1/completions"
     for body, param in [({"prompt": [10**9]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-                        ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": 2}, "logprobs")]:
+                        ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": True}, "logprobs")]:
         r = httpx.post(url, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 

@@ -201,6 +201,8 @@ class EngineCore:
                 finish_reason=request.status.value if done else None,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens)
+            if request in self.runner.last_logprobs:
+                out.logprobs = [self.runner.last_logprobs[request]]
             if done:
                 try:
                     out.kv_descriptor = self._finish(request)

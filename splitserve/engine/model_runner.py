@@ -5,9 +5,10 @@ import torch
 
 from splitserve.config import CacheConfig, ModelConfig
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import sample
+from splitserve.engine.sampler import sample, token_logprobs
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillChunk
+from splitserve.protocol import TokenLogprobs
 
 
 DECODE_GROUP_SLACK = 128  # tokens of padding a decode group tolerates beyond twice its shortest
@@ -45,6 +46,7 @@ class ModelRunner:
         else:
             self.kv_cache = allocate_pool(shape, dtype)
         self.model.block_size = self.block_size
+        self.last_logprobs: dict[Request, TokenLogprobs] = {}  # the last step's, for requests that asked
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -96,7 +98,12 @@ class ModelRunner:
         """Run one step; returns the sampled token for each request that reached its end."""
         forward_batch, samplers = self.build_batch(batch)
         logits = self.model.forward(forward_batch, self.kv_cache)  # [num_samples, vocab]
+        self.last_logprobs = {}
         if not samplers:
             return {}
+        # sample() edits the logits in place (min_tokens bans): logprobs need the raw ones
+        raw = logits.float().clone() if any(r.params.logprobs is not None for r in samplers) else None
         tokens = sample(logits, samplers, default_generator)
+        if raw is not None:
+            self.last_logprobs = token_logprobs(raw, samplers, tokens)
         return dict(zip(samplers, tokens))

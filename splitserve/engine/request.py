@@ -90,3 +90,4 @@ class RequestOutput:
     kv_descriptor: object | None = None  # "prefill_done": where a decode instance can pull the KV
     kv_transfer: object | None = None  # the TransferRecord of the KV this request received
     kv_outcome: str | None = None  # ok | recomputed | failed, decided by the decode connector
+    logprobs: list | None = None  # [protocol.TokenLogprobs] for new_token_ids, when asked

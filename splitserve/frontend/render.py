@@ -94,6 +94,7 @@ class Renderer:
         # A template that names the developer role renders it itself; for any other one a
         # developer message is rendered as a system message (what vLLM and OpenAI's own docs do).
         self.developer_role = bool(self.chat_template) and "developer" in self.chat_template
+        self._token_texts: dict[int, str] = {}
         self._special = {
             "bos_token": tokenizer.bos_token or "",
             "eos_token": tokenizer.eos_token or "",
@@ -132,6 +133,13 @@ class Renderer:
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (logprobs name tokens this way); cached: a stream asks per token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     def new_output_text(self, stop: list[str]) -> OutputText:
         return OutputText(self.backend, stop)
