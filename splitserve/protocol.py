@@ -34,7 +34,7 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 4  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome; 4: logprobs
+PROTOCOL_VERSION = 4  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome; 4: logprobs, structured output
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -49,6 +49,8 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_schema: str | None = None
+    answer_prefix_len: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -24,6 +24,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; k >= 0: each sampled token's logprob and the k most likely alternatives
     logprobs: int | None = None
+    json_schema: str | None = None  # structured output: the answer is JSON valid under this schema
+    # a resumed request: the last n prompt tokens are answer tokens made elsewhere (its grammar
+    # advances over them)
+    answer_prefix_len: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -51,6 +55,11 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise bad("json_schema", "must be None or a JSON schema as a string")
+        if not isinstance(self.answer_prefix_len, int) or isinstance(self.answer_prefix_len, bool) \
+                or self.answer_prefix_len < 0:
+            raise bad("answer_prefix_len", "must be an integer >= 0")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -169,7 +169,9 @@ def test_unknown_model_is_404(client):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages[0].name"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
 ])
 def test_bad_values_are_400_through_the_openai_client(client, model, change, param):
     args = {"model": model, "messages": CHAT, "max_tokens": 4, **change}

@@ -7,6 +7,7 @@ from splitserve.config import CacheConfig, ModelConfig
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import sample, token_logprobs
 from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.structured import advance_grammars, apply_grammar_masks
 from splitserve.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillChunk
 from splitserve.protocol import TokenLogprobs
 
@@ -103,7 +104,9 @@ class ModelRunner:
             return {}
         # sample() edits the logits in place (min_tokens bans): logprobs need the raw ones
         raw = logits.float().clone() if any(r.params.logprobs is not None for r in samplers) else None
+        apply_grammar_masks(logits, samplers)
         tokens = sample(logits, samplers, default_generator)
+        advance_grammars(samplers, tokens)
         if raw is not None:
             self.last_logprobs = token_logprobs(raw, samplers, tokens)
         return dict(zip(samplers, tokens))

@@ -29,6 +29,7 @@ from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.response_format import json_schema_for
 from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
@@ -92,9 +93,10 @@ class OpenAIServing:
         if body.n != 1:
             raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
         logprobs = requested_logprobs(body)
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format {body.response_format.get('type')!r} is not supported yet; "
-                                "only 'text'", param="response_format")
+        json_schema = json_schema_for(body.response_format)
+        if json_schema is not None and body.min_tokens:
+            raise ApiError(400, "min_tokens cannot be combined with response_format: the grammar may have "
+                                "to end the answer first", param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
@@ -112,7 +114,8 @@ class OpenAIServing:
                            param="min_tokens")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
-                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs)
+                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                              json_schema=json_schema)
 
     async def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
