@@ -160,6 +160,9 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
+        if body.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice 'required' or a named function is not supported yet (calls are not "
+                                "parsed); use 'auto' or 'none'", param="tool_choice")
         _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings())
