@@ -5,7 +5,15 @@ STAMP := $(VENV)/.setup-done
 
 .PHONY: setup test demo chat bench clean
 
-setup: $(STAMP)
+KERNELS := splitserve/kernels/_build/.built
+
+setup: $(STAMP) $(KERNELS)
+
+# The C++ CPU kernels (GGUF block matmul, paged decode attention), rebuilt whenever a source
+# changes; without a compiler the build step says so and the engine runs in pure torch.
+$(KERNELS): $(STAMP) $(wildcard splitserve/kernels/*.cpp)
+	$(PY) -m splitserve.kernels.build
+	mkdir -p $(dir $@) && touch $@
 
 # torch first, pinned: the CPU wheel is on local disk here, and asking for it
 # explicitly stops any later requirement from pulling a multi-GB CUDA build.

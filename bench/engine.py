@@ -45,6 +45,18 @@ def bundled_gguf() -> pathlib.Path:
     return bundled_model_path()
 
 
+def cpu_info() -> dict:
+    """The CPU's model name and the SIMD flags that decide which kernels run (Linux only)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    simd = [f for f in fields.get("flags", "").split() if f.startswith(("avx", "fma", "f16c", "amx"))]
+    return {"model": fields.get("model name"), "family": fields.get("cpu family"), "simd_flags": simd}
+
+
 def run_hf(args, gguf: pathlib.Path, generator: torch.Generator) -> tuple[list, ModelShape]:
     from hf_baseline import hf_decode, hf_prefill, load_hf_model
 
@@ -66,24 +78,27 @@ def run_hf(args, gguf: pathlib.Path, generator: torch.Generator) -> tuple[list, 
     return results, shape
 
 
-def run_splitserve(args, generator: torch.Generator) -> tuple[list, ModelShape | None, str | None]:
+def run_splitserve(args, generator: torch.Generator, weight_format: str = "auto",
+                   ) -> tuple[list, ModelShape | None, str | None]:
     """The engine's rows, its model shape, and why it was skipped (None when it ran)."""
     try:
-        from splitserve_runs import build_engine, engine_decode, engine_prefill
+        from splitserve_runs import build_engine, engine_decode, engine_prefill, system_name
 
         t0 = time.perf_counter()
-        engine = build_engine(max(args.prefill_tokens + [args.prompt_len]), max(args.batch_sizes))
+        engine = build_engine(max(args.prefill_tokens + [args.prompt_len]), max(args.batch_sizes),
+                              weight_format=weight_format)
     except ImportError as exc:
         return [], None, f"splitserve engine not importable yet: {exc}"
-    print(f"[splitserve] loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    system = system_name(weight_format)
+    print(f"[{system}] loaded in {time.perf_counter() - t0:.1f}s", flush=True)
     results = []
     for threads in args.threads:
         for num_tokens in args.prefill_tokens:
             results.append(engine_prefill(engine, num_tokens, threads, _repeats(args, num_tokens),
-                                          generator))
+                                          generator, system))
             _progress(results[-1])
     for result in engine_decode(engine, args.batch_sizes, args.prompt_len, args.decode_steps,
-                                args.threads, generator):
+                                args.threads, generator, system):
         results.append(result)
         _progress(result)
     shape = ModelShape.from_config(engine.model_config)
@@ -144,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=224,
                         help="decode prompts; the context grows by the timed steps to ~256 on average")
     parser.add_argument("--decode-steps", type=int, default=6, help="timed steps per batch size")
+    parser.add_argument("--weight-formats", nargs="+", default=["auto", "fp32"],
+                        choices=["auto", "fp32", "gguf"],
+                        help="engine weight formats to run side by side (auto: the default engine, "
+                             "reported as 'splitserve'; others as 'splitserve-<format>')")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "splitserve", "llama.cpp", "rss"])
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 128/256-token prefill, batch 1 and 4, 2 steps; writes no JSON")
@@ -163,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "loadavg_start": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
-                    "num_cpus": os.cpu_count(), "torch": torch.__version__, "skipped": {}}
+                    "num_cpus": os.cpu_count(), "torch": torch.__version__, "skipped": {},
+                    "cpu_info": cpu_info()}
     t0 = time.perf_counter()
     print("[hardware] measuring matmul and memory bandwidth", flush=True)
     report["hardware"] = hardware.measure(args.threads, quick=args.quick)
@@ -174,16 +194,16 @@ def main(argv: list[str] | None = None) -> None:
     if "hf" not in args.skip:
         hf_rows, shape = run_hf(args, gguf, generator)
         rows += [as_row(r) for r in hf_rows]
-    if "splitserve" not in args.skip:
+    for weight_format in ([] if "splitserve" in args.skip else args.weight_formats):
         try:
-            ss_rows, ss_shape, why = run_splitserve(args, generator)
+            ss_rows, ss_shape, why = run_splitserve(args, generator, weight_format)
         except Exception:  # a half-built engine must not cost the baselines already measured
             ss_rows, ss_shape, why = [], None, "splitserve engine failed:\n" + traceback.format_exc()
         rows += [as_row(r) for r in ss_rows]
         shape = shape or ss_shape
         if why:
-            report["skipped"]["splitserve"] = why
-            print(f"[splitserve] SKIPPED: {why}", flush=True)
+            report["skipped"][f"splitserve-{weight_format}"] = why
+            print(f"[splitserve-{weight_format}] SKIPPED: {why}", flush=True)
     if "llama.cpp" not in args.skip:
         cpp_rows, report["llamacpp_info"], why = run_llamacpp(args, gguf)
         rows += cpp_rows

@@ -77,7 +77,7 @@ def format_report(report: dict, shape: ModelShape | None) -> str:
              f"at end {_load(report['loadavg_end'])} (2 cores shared: a quiet rerun is cleaner)",
              "tok/s: wall clock; quiet: CPU time at 1 thread (what a quiet core gives), wall at 2;",
              "ms, GFLOP/s and the ratios use the quiet figures", ""]
-    header = (f"{'system':<11}{'kind':<9}{'size':>6}{'thr':>4}{'tok/s':>9}{'quiet':>9}{'ms':>9}"
+    header = (f"{'system':<16}{'kind':<9}{'size':>6}{'thr':>4}{'tok/s':>9}{'quiet':>9}{'ms':>9}"
               f"{'GFLOP/s':>9}{'vs hf':>7}{'vs llama.cpp':>13}")
     lines += [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["kind"] != "prefill", r.get("num_tokens") or r["batch_size"],
@@ -85,14 +85,14 @@ def format_report(report: dict, shape: ModelShape | None) -> str:
         size = row["num_tokens"] if row["kind"] == "prefill" else row["batch_size"]
         ms = quiet_seconds(row) * 1e3
         gflops = f"{achieved_gflops(row, shape):9.1f}" if shape else f"{'':9}"
-        lines.append(f"{row['system']:<11}{row['kind']:<9}{size:>6}{row['threads']:>4}"
+        lines.append(f"{row['system']:<16}{row['kind']:<9}{size:>6}{row['threads']:>4}"
                      f"{row['tokens_per_s']:9.1f}{row['quiet_tokens_per_s']:9.1f}{ms:9.1f}{gflops}"
                      f"{_ratio(row, rows, 'hf'):>7}{_ratio(row, rows, 'llama.cpp'):>13}")
     if report.get("targets"):
         lines += ["", "targets (issue 2):"]
         for t in report["targets"]:
             mark = "MET" if t["met"] else "NOT MET"
-            lines.append(f"  {t['target']:<20} {t['system']:<11} {t['threads']} thr: "
+            lines.append(f"  {t['target']:<20} {t['system']:<16} {t['threads']} thr: "
                          f"{t['value']:.2f} (goal {t['goal']}) {mark} - {t['detail']}")
     rss = report.get("peak_rss")
     if rss:

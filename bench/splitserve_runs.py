@@ -19,13 +19,13 @@ BLOCK_SIZE = 16
 
 
 def build_engine(max_prompt_tokens: int, max_batch: int, kv_cache_memory: str = "1536MiB",
-                 model: str | None = None):
+                 model: str | None = None, weight_format: str = "auto"):
     """An engine sized for the benchmark (None: the bundled model); ImportError if none is built."""
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.engine.core import EngineCore
 
     config = EngineConfig(
-        model=model,
+        model=model, weight_format=weight_format,
         cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=False),  # random prompts: no hits to gain, none to fake
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_prompt_tokens,
@@ -62,8 +62,13 @@ def _run_until_first_token(engine, request_ids: set[str], timer: StepTimer | Non
     return num_steps
 
 
+def system_name(weight_format: str) -> str:
+    """Rows of the default engine are "splitserve"; other weight formats are named after theirs."""
+    return SYSTEM if weight_format == "auto" else f"{SYSTEM}-{weight_format}"
+
+
 def engine_prefill(engine, num_tokens: int, threads: int, repeats: int,
-                   generator: torch.Generator) -> PrefillResult:
+                   generator: torch.Generator, system: str = SYSTEM) -> PrefillResult:
     torch.set_num_threads(threads)
     engine.add_request(f"warm-{threads}-{num_tokens}", _random_prompt(engine, 64, generator), _params(1))
     _run_until_first_token(engine, {f"warm-{threads}-{num_tokens}"})
@@ -75,11 +80,11 @@ def engine_prefill(engine, num_tokens: int, threads: int, repeats: int,
         if num_steps != 1:
             raise RuntimeError(f"a {num_tokens}-token prefill took {num_steps} steps; the "
                                "benchmark needs max_num_batched_tokens >= the prompt length")
-    return PrefillResult(SYSTEM, threads, num_tokens, timer.best, timer.best_cpu, repeats)
+    return PrefillResult(system, threads, num_tokens, timer.best, timer.best_cpu, repeats)
 
 
 def engine_decode(engine, batch_sizes: list[int], prompt_len: int, num_steps: int,
-                  threads_list: list[int], generator: torch.Generator) -> list[DecodeResult]:
+                  threads_list: list[int], generator: torch.Generator, system: str = SYSTEM) -> list[DecodeResult]:
     """Decode tok/s at each batch size and thread count from one shared prefill."""
     batch_sizes = sorted(batch_sizes, reverse=True)
     steps_needed = len(batch_sizes) * len(threads_list) * (num_steps + 1) + 2
@@ -103,7 +108,7 @@ def engine_decode(engine, batch_sizes: list[int], prompt_len: int, num_steps: in
             for _ in range(num_steps):
                 with timer:
                     _decode_step(engine, batch_size)
-            results.append(DecodeResult(SYSTEM, threads, batch_size, context_len + num_steps // 2,
+            results.append(DecodeResult(system, threads, batch_size, context_len + num_steps // 2,
                                         num_steps, timer.best, timer.median, timer.best_cpu))
             context_len += num_steps
     for request_id in request_ids:

@@ -12,6 +12,9 @@ from splitserve.kv_transfer.config import KVTransferConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit integer, lower first
+WEIGHT_FORMATS = ("auto", "fp32", "gguf")  # models/loader.py says what each means
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -100,6 +103,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     prefill_policy: str = "chunked"
+    scheduling_policy: str = "fcfs"  # priority: lower `priority` first, then arrival (as vLLM)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -110,6 +114,9 @@ class SchedulerConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}, "
                              f"got {self.prefill_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
 
 
 @dataclass(slots=True)
@@ -128,12 +135,15 @@ class EngineConfig:
     # How KV moves between instances; None: this instance can only ever be colocated
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
+    weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.role not in ROLES:

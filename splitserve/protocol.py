@@ -34,7 +34,8 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 4  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome; 4: logprobs, structured output
+PROTOCOL_VERSION = 5  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -86,6 +87,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     # decode role: the prompt's KV waits on a prefill instance, which produced first_token_ids
     kv_descriptor: TransferDescriptor | None = None
     first_token_ids: list[int] = []
+    priority: int = 0  # lower first under --scheduling-policy priority, in every stage
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):

@@ -10,7 +10,7 @@ from splitserve.models.loader import load_model
 
 def make_engine(model_dir, *, policy="chunked", budget=64, kv="2MiB", block_size=16, max_num_seqs=64,
                 prefix=True, role="colocated", kv_transfer=None, failure_policy="recompute",
-                instance_id="engine-0") -> EngineCore:
+                instance_id="engine-0", scheduling_policy="fcfs") -> EngineCore:
     if role != "colocated" and kv_transfer is None:
         from splitserve.kv_transfer import KVTransferConfig
         kv_transfer = KVTransferConfig(transport="tcp")
@@ -18,7 +18,7 @@ def make_engine(model_dir, *, policy="chunked", budget=64, kv="2MiB", block_size
         model=str(model_dir),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv, enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(prefill_policy=policy, max_num_batched_tokens=budget,
-                                  max_num_seqs=max_num_seqs),
+                                  max_num_seqs=max_num_seqs, scheduling_policy=scheduling_policy),
         role=role, kv_transfer=kv_transfer, kv_failure_policy=failure_policy, instance_id=instance_id)
     return EngineCore(config, load_model(str(model_dir)))
 

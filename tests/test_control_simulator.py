@@ -80,3 +80,13 @@ def test_running_out_of_kv_blocks_preempts_the_newest_and_recomputes_it():
 def test_an_arrangement_without_a_stage_is_refused():
     with pytest.raises(ValueError, match="prefill and a decode"):
         run([SimRequest(0, 0.0, 10, 2)], InstanceSpec("prefill"))
+
+
+def test_a_request_that_never_ran_misses_every_deadline_instead_of_crashing_the_score():
+    from splitserve.control.predict import score
+    from splitserve.trial.spec import SLO
+
+    done = SimRequest(0, 0.0, 10, 2, first_s=0.1, last_s=0.2, finished_s=0.2, gaps=[0.1])
+    never = SimRequest(1, 0.0, 5000, 2)  # no cache could hold it: no first token, no finish
+    result = score([done, never], [], SLO(ttft_s=1.0, gap_s=1.0, max_pause_s=1.0, e2e_s=5.0))
+    assert result["attainment"] == 0.5

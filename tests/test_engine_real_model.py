@@ -1,6 +1,6 @@
 """The bundled SmolLM2-135M GGUF: the engine's greedy tokens equal transformers' on the same
 dequantized weights, for a batch of chats from 5 to ~1,500 tokens, under both prefill policies
-and with prefix-cache hits."""
+and with prefix-cache hits, whether the engine keeps the Q4_1/Q8_0 blocks or fp32 weights."""
 from __future__ import annotations
 
 import random
@@ -10,6 +10,7 @@ import torch
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
+from splitserve.models.gguf_blocks import GGUFBlocks
 from splitserve.models.loader import load_model
 from splitserve.sampling import SamplingParams
 from engine_support import run_to_end
@@ -33,7 +34,7 @@ def text(rng: random.Random, num_words: int) -> str:
 
 @pytest.fixture(scope="module")
 def case():
-    loaded = load_model(None)
+    loaded = load_model(None, weight_format="fp32")
     tok = loaded.tokenizer
     rng = random.Random(0)
     system = {"role": "system", "content": "You answer questions about this report. " + text(rng, 400)}
@@ -70,9 +71,12 @@ def assert_greedy_under_transformers(hf, prompt: list[int], tokens: list[int]) -
     assert logits.argmax(-1).tolist() == tokens
 
 
-@pytest.mark.parametrize("policy", ["chunked", "whole"])
-def test_bundled_model_greedy_batch_matches_transformers(case, policy):
+@pytest.mark.parametrize("policy,weight_format", [("chunked", "gguf"), ("whole", "gguf"), ("chunked", "fp32")])
+def test_bundled_model_greedy_batch_matches_transformers(case, policy, weight_format):
     loaded, prompts, hf = case
+    if weight_format == "gguf":  # decode batches run on the C++ block kernels, prefill on fp32 GEMM
+        loaded = load_model(None, weight_format="gguf")
+        assert isinstance(loaded.weights["model.layers.0.mlp.down_proj.weight"], GGUFBlocks)
     config = EngineConfig(cache=CacheConfig(kv_cache_memory="256MiB"),
                           scheduler=SchedulerConfig(prefill_policy=policy, max_num_batched_tokens=512))
     engine = EngineCore(config, loaded)

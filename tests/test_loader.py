@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitserve.models.gguf_loader import hf_tensor_name, metadata_value, open_gguf, unpermute_rotary_rows
+from splitserve.models.gguf_blocks import GGUFBlocks
 from splitserve.models.loader import bundled_model_path, load_model, load_tokenizer
 from tiny_models import (ARCHITECTURES, CHATML_TEMPLATE, LLAMA3_ROPE_SCALING, llama_cpp_permute,
                          write_tiny_checkpoint, write_tiny_gguf)
@@ -254,8 +255,14 @@ def bundled_gguf() -> Path:
 
 @pytest.mark.real_model
 def test_bundled_gguf_loads_the_weights_transformers_dequantizes(bundled_gguf):
-    """transformers' GGUF loader is the oracle: it also dequantizes and undoes the q/k permutation."""
-    loaded = load_model(None)
+    """transformers' GGUF loader is the oracle: it also dequantizes and undoes the q/k permutation.
+    The Q4_1/Q8_0 blocks the engine keeps by default dequantize to exactly the same weights."""
+    loaded = load_model(None, weight_format="fp32")
+    blocks = load_model(None, weight_format="gguf").weights
+    kept = [name for name, w in blocks.items() if isinstance(w, GGUFBlocks)]
+    assert len(kept) == 1 + 7 * loaded.config.num_layers  # embedding (Q8_0) + every layer matrix (Q4_1)
+    for name in kept:
+        assert torch.equal(blocks[name].dequantize(), loaded.weights[name]), name
     reference = AutoModelForCausalLM.from_pretrained(
         bundled_gguf.parent, gguf_file=bundled_gguf.name, dtype=torch.float32)
     expected = reference.state_dict()

@@ -126,7 +126,7 @@ def test_serve_builds_each_engine_config_once_and_sends_it_whole():
     from splitserve.protocol import decode_engine_config, encode_engine_config
 
     launch, args = serve_args("--prefill", "2", "--decode", "1", "--kv-transport", "tcp", "--kv-fault-rate", "0.2",
-                              "--kv-failure-policy", "fail")
+                              "--kv-failure-policy", "fail", "--weight-format", "fp32")
     launch.check_args(args)
     roles = launch.engine_roles(args)
     assert roles == [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
@@ -134,6 +134,7 @@ def test_serve_builds_each_engine_config_once_and_sends_it_whole():
     sent = decode_engine_config(encode_engine_config(config))
     assert sent == config
     assert (sent.role, sent.instance_id, sent.kv_failure_policy) == ("prefill", "prefill-1", "fail")
+    assert sent.weight_format == "fp32"
     assert (sent.kv_transfer.transport, sent.kv_transfer.fault_rate, sent.kv_transfer.port) == ("tcp", 0.2, 0)
     cmd = launch.engine_command(args, "tcp://127.0.0.1:1", None)
     assert "--config-stdin" in cmd and "--kv-transport" not in cmd and "--role" not in cmd

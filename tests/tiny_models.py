@@ -147,9 +147,10 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = False,
-                    pre_tokenizer: str = "gpt-2") -> Path:
+                    pre_tokenizer: str = "gpt-2", quantize: bool = False) -> Path:
     """Convert a write_tiny_checkpoint directory (llama, qwen2 or qwen3) to an fp32 GGUF file,
-    the way llama.cpp's convert_hf_to_gguf.py lays it out (q/k rows permuted for llama)."""
+    the way llama.cpp's convert_hf_to_gguf.py lays it out (q/k rows permuted for llama).
+    quantize: store the matrices as the bundled model does (Q4_1; the embedding Q8_0)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -190,7 +191,12 @@ def write_tiny_gguf(path: str | Path, hf_dir: str | Path, add_bos_token: bool = 
             tensor = llama_cpp_permute(tensor, heads)
         elif arch == "llama" and ".k_proj." in name:
             tensor = llama_cpp_permute(tensor, kv_heads)
-        writer.add_tensor(gguf_name(name), tensor.to(torch.float32).numpy())
+        values = tensor.to(torch.float32).numpy()
+        if quantize and values.ndim == 2 and values.shape[1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if "embed_tokens" in name else gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

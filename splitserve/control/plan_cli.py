@@ -100,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
         target = (args.target or getattr(spec.slo, "attainment", None)
                   or (spec.sweep.target_attainment if spec.sweep else 0.9))
         kv_total = getattr(spec, "kv_cache_memory", None) if args.kv_cache_memory is None else None
+        spec_cores = spec.cores or cores
+        # The spec's KV pool is sized for its own cores: a plan for more cores gets proportionally
+        # more (a 2-core spec's 1 GiB split 64 ways would not hold one long prompt per instance).
+        kv_total_bytes = parse_size(kv_total) * max(1, cores // spec_cores) if kv_total else None
         multiplier = args.rate_multiplier or (args.rate / offered_rate(requests) if args.rate else 1.0)
         arrangements = enumerate_arrangements(cores, budgets, args.transport, args.max_instances,
                                               parse_size(args.kv_cache_memory or "1GiB"), threads=threads,
-                                              kv_total_bytes=parse_size(kv_total) if kv_total else None)
+                                              kv_total_bytes=kv_total_bytes)
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
                           with_capacity=not args.no_capacity)

@@ -141,12 +141,14 @@ def _pct_sorted(values: list[float], q: float) -> float:
     pos = (len(values) - 1) * q / 100.0
     lo = math.floor(pos)
     hi = min(lo + 1, len(values) - 1)
+    if math.isinf(values[hi]):  # a never-served request is infinitely late: no inf - inf
+        return values[hi] if pos > lo else values[lo]
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def _pcts(values, qs=(50, 90, 99)) -> dict:
-    arr = np.asarray(values, dtype=float)
-    return {f"p{q}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+    ordered = sorted(float(v) for v in values)
+    return {f"p{q}": (_pct_sorted(ordered, q) if ordered else None) for q in qs}
 
 
 def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
@@ -155,7 +157,9 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
     for r in requests:
         gaps = sorted(r.gaps)
         all_gaps.extend(r.gaps)
-        t, e = r.first_s - r.arrival_s, r.finished_s - r.arrival_s
+        # a request the simulated cache could never admit never starts: it misses every deadline
+        t = r.first_s - r.arrival_s if r.first_s is not None else math.inf
+        e = r.finished_s - r.arrival_s if r.finished_s is not None else math.inf
         g = _pct_sorted(gaps, slo.gap_percentile) if gaps else 0.0
         m = gaps[-1] if gaps else 0.0
         ttft.append(t)
@@ -166,7 +170,7 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
         for name, passed in zip(misses, ok):
             misses[name] += not passed
         good.append(all(ok))
-    duration = max(r.finished_s for r in requests)
+    duration = max((r.finished_s for r in requests if r.finished_s is not None), default=0.0)
     by_class = {}
     for name in sorted({r.class_name for r in requests}):
         idx = [i for i, r in enumerate(requests) if r.class_name == name]
@@ -180,9 +184,9 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
             "num_preemptions": sum(i.num_preemptions for i in instances),
             "missed": {k: v / len(requests) for k, v in misses.items()},
             # how close the p99 request comes to its deadlines (1.0 = at the limit): the tie-breaker
-            "slo_usage_p99": max(float(np.percentile(ttft, 99)) / slo.ttft_s,
-                                 float(np.percentile(gap_pct, 99)) / slo.gap_s,
-                                 float(np.percentile(longest, 99)) / slo.max_pause_s),
+            "slo_usage_p99": max(_pct_sorted(sorted(ttft), 99) / slo.ttft_s,
+                                 _pct_sorted(sorted(gap_pct), 99) / slo.gap_s,
+                                 _pct_sorted(sorted(longest), 99) / slo.max_pause_s),
             "worst_slo": max(misses, key=misses.get) if any(misses.values()) else None}
 
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from splitserve.config import ROLES, EngineConfig, ModelConfig
+from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
@@ -34,7 +34,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
             from splitserve.models.loader import load_model
-            loaded = load_model(config.model, device=config.device)
+            loaded = load_model(config.model, device=config.device, weight_format=config.weight_format)
         # Keep the tokenizer, not `loaded`: the runner holds its own fused copies of the
         # weights, and the caller's dict can be freed once it lets go of it.
         self.tokenizer = loaded.tokenizer
@@ -124,9 +124,10 @@ class EngineCore:
                 f"{bm.num_blocks}; raise kv_cache_memory or shorten the request")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_descriptor=None, first_token_ids: list[int] | None = None) -> None:
+                    kv_descriptor=None, first_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """kv_descriptor: the prompt's KV waits on a prefill instance, which already produced
-        first_token_ids; the connector pulls the KV and the request continues from there."""
+        first_token_ids; the connector pulls the KV and the request continues from there.
+        priority: lower first under the priority scheduling policy (either stage)."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -135,7 +136,11 @@ class EngineCore:
             raise ValueError("a KV descriptor comes with the first token the prefill instance produced")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(),
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
+            raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
+                             f"got {priority!r}")
+        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
         if params.seed is not None:

@@ -21,9 +21,10 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str = "cpu", num_threads: int | None = None,
                  kv_cache_memory: str | int = "1GiB", block_size: int = 16,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 256, prefill_policy: str = "chunked", seed: int = 0):
+                 max_num_batched_tokens: int = 256, prefill_policy: str = "chunked", seed: int = 0,
+                 weight_format: str = "auto"):
         config = EngineConfig(
-            model=model, device=device, num_threads=num_threads, seed=seed,
+            model=model, device=device, num_threads=num_threads, seed=seed, weight_format=weight_format,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -31,7 +32,7 @@ class LLM:
                                       prefill_policy=prefill_policy))
         from splitserve.models.loader import load_model
 
-        loaded = load_model(model, device=device)
+        loaded = load_model(model, device=device, weight_format=weight_format)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.engine = EngineCore(config, loaded)

@@ -35,6 +35,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # lower first under the priority scheduling policy
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

@@ -15,6 +15,10 @@ A request's path:
     whole policy: if a waiting prompt fits, the step prefills whole prompts only (the first
       one even if it alone exceeds the budget); otherwise the step decodes every running
       request. A long prompt therefore stalls every running stream for its whole prefill.
+  Scheduling policy: fcfs keeps arrival order and preempts the newest running request;
+    priority (as vLLM) keeps `waiting` and `prefilled` sorted by (priority, arrival), lower
+    first, gives running prompts their chunks in that order, and preempts the running request
+    with the highest (priority, arrival) first. The policy never depends on the role.
   update() advances num_computed_tokens, appends sampled tokens, and retires finished
   requests from the running batch; the engine then asks its connector whether their blocks
   are freed or kept for a handover. A `remote_decode` request (marked by a prefill connector)
@@ -52,12 +56,24 @@ class Scheduler:
         self.prefilled: deque[Request] = deque()  # KV received from a prefill instance
         self.num_preemptions = 0
 
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    def _enqueue(self, queue: deque[Request], request: Request, front: bool = False) -> None:
+        if not self.by_priority:
+            queue.appendleft(request) if front else queue.append(request)
+            return
+        # a preempted request keeps its arrival time, so it goes back ahead of later equals
+        key = _priority_key(request)
+        queue.insert(next((i for i, r in enumerate(queue) if _priority_key(r) > key), len(queue)), request)
+
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
 
     def add_prefilled(self, request: Request) -> None:
         """A request whose prompt KV already sits in its blocks: it joins as a decode."""
-        self.prefilled.append(request)
+        self._enqueue(self.prefilled, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled)
@@ -89,16 +105,24 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
+
+    def _in_order(self, requests: list[Request]) -> list[Request]:
+        return sorted(requests, key=_priority_key) if self.by_priority else list(requests)
+
+    def _victim(self) -> Request:
+        return max(self.running, key=_priority_key) if self.by_priority else self.running[-1]
 
     def _reserve_decodes(self) -> list[Request]:
-        """Blocks for one more token for every running decode, preempting the newest if short."""
+        """Blocks for one more token for every running decode, preempting (newest, or lowest
+        priority) if short."""
         decodes = []
-        for request in list(self.running):
+        # in priority order the victim (the last in that order) is never one already given its slot
+        for request in self._in_order(self.running):
             if request not in self.running or request.is_prefilling:
                 continue
             while not self.blocks.can_append(request):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -135,7 +159,7 @@ class Scheduler:
             jumped.add(request.request_id)
             budget -= chunk
             short_budget -= chunk
-        for request in self.running:
+        for request in self._in_order(self.running):
             if budget <= 0:
                 break
             if request.is_prefilling and request.request_id not in jumped:
@@ -203,3 +227,7 @@ class Scheduler:
         if request.remote_decode:
             return RequestStatus.FINISHED_PREFILL_DONE
         return None
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

@@ -51,7 +51,7 @@ class Dispatcher:
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str]) -> RequestStream:
+               stop: list[str], priority: int = 0) -> RequestStream:
         """Routes and sends one request. NoInstanceAvailable when no instance can take it;
         ValueError when a parameter cannot be sent. Either way nothing stays registered."""
         wire = WireSamplingParams(
@@ -60,7 +60,7 @@ class Dispatcher:
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
             json_schema=params.json_schema)
         state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
-                             wire)
+                             wire, priority=priority)
         self._dispatch(state)
         return RequestStream(self, state)
 
@@ -73,7 +73,7 @@ class Dispatcher:
                                        min_tokens=max(0, state.wire_params.min_tokens - n), answer_prefix_len=n)
         request_id = f"{state.client_request_id[:64]}.{next(self._ids)}"
         try:
-            payload = self.link.encode(GenerateRequest(request_id, prompt, wire))
+            payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority))
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"a sampling parameter is out of range: {e}") from None
         routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt))
@@ -101,7 +101,8 @@ class Dispatcher:
         state.decode_instance_id = plan.instance_id if plan.prefill_instance_id is not None else None
 
     def dispatch_parked(self) -> None:
-        parked, self.parked = self.parked, []
+        # the most urgent first (lower priority value, then arrival), as an engine admits them
+        parked, self.parked = sorted(self.parked, key=lambda s: (s.priority, s.arrival)), []
         for state in parked:
             try:
                 self._dispatch(state)
@@ -115,6 +116,9 @@ class Dispatcher:
             return
         self._release(state)
         self.metrics.requests.labels("abort").inc()
+        if state.token_ids:
+            self.metrics.aborted_tokens.labels("prompt").inc(state.num_prompt_tokens)
+            self.metrics.aborted_tokens.labels("generated").inc(state.num_completion_tokens)
         # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
         state.queue.put_nowait(self.outputs.finish_event(state, "abort"))
 
@@ -146,7 +150,8 @@ class Dispatcher:
             return
         state.instance_id = state.decode_instance_id
         self.link.send(state.instance_id, GenerateRequest(state.request_id, state.sent_prompt, state.sent_params,
-                                                          out.kv_descriptor, list(out.new_token_ids)))
+                                                          out.kv_descriptor, list(out.new_token_ids),
+                                                          priority=state.priority))
 
     def _redispatch(self, state: RequestState, why: str) -> None:
         self.requests.pop(state.request_id, None)

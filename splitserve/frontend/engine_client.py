@@ -94,9 +94,9 @@ class EngineClient:
         return self.live_instances() or list(self.instances.values())
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str]) -> RequestStream:
+               stop: list[str], priority: int = 0) -> RequestStream:
         """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one."""
-        return self.dispatcher.submit(request_id, prompt_token_ids, params, stop)
+        return self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority)
 
     def drain(self, engine_id: str) -> None:
         """No new requests for this instance; it is told to stop once it holds nothing."""

@@ -32,6 +32,10 @@ class FrontendMetrics:
                                     ["from_role", "to_role"], registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
+        # work spent on requests aborted before their end (clients that left, mostly): prompt tokens
+        # of those that had their first token (prefilled), and the tokens generated for them
+        self.aborted_tokens = Counter("splitserve_aborted_tokens", "Work done for aborted requests",
+                                      ["kind"], registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("splitserve_inter_token_gap_seconds", "Gap between streamed tokens",

@@ -17,10 +17,13 @@ import annotated_types
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitserve.config import PRIORITY_BOUNDS
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_COUNT = 2**31 - 1  # token counts, top_k: far past any context, well inside int64
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed and msgpack accept
+PRIORITY_RANGE = dict(ge=PRIORITY_BOUNDS[0], le=PRIORITY_BOUNDS[1])
 TOKEN_ID = Field(ge=0, le=MAX_COUNT)
 
 
@@ -88,6 +91,8 @@ class _GenerationFields(_Body):
     # as in vLLM: each choice also carries the generated token ids; a stream then sends a chunk
     # for every engine step, even one whose text the detokenizer still holds back
     return_token_ids: bool = False
+    # as in vLLM: lower is served first when the server runs --scheduling-policy priority
+    priority: int = Field(0, **PRIORITY_RANGE)
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

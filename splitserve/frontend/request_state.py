@@ -64,6 +64,7 @@ class RequestState:
     num_resumes: int = 0  # sent again after tokens had streamed: prompt + tokens recomputed elsewhere
     decode_instance_id: str | None = None
     prefill_instance_id: str | None = None
+    priority: int = 0  # lower first under --scheduling-policy priority; sent to every stage
     sent_prompt: list[int] = field(default_factory=list)  # what the current dispatch sent: the prompt,
     sent_params: WireSamplingParams | None = None  # plus tokens recomputed on a resume; what remains of the answer
 

@@ -145,9 +145,10 @@ class OpenAIServing:
         self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
-    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str]) -> RequestStream:
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
+               priority: int = 0) -> RequestStream:
         try:
-            return self.client.submit(request_id, token_ids, params, stop)
+            return self.client.submit(request_id, token_ids, params, stop, priority)
         except NoInstanceAvailable as e:
             if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
                 raise ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s) from None
@@ -165,7 +166,7 @@ class OpenAIServing:
                                 "parsed); use 'auto' or 'none'", param="tool_choice")
         _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
-        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None)
         if body.stream:
@@ -183,7 +184,7 @@ class OpenAIServing:
         params = self.sampling_params(body, len(token_ids))
         echo = (await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt) \
             if body.echo else ""
-        stream = self.submit(request_id, token_ids, params, body.stop_strings())
+        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
                         echo)

@@ -1,9 +1,10 @@
-"""Reading a GGUF file (llama.cpp's format) as HF-named fp32 tensors and a ModelConfig.
+"""Reading a GGUF file (llama.cpp's format) as HF-named tensors and a ModelConfig.
 
 A GGUF stores every tensor under llama.cpp's names, possibly quantized, and for the llama
 architecture with the rows of q_proj/k_proj permuted for llama.cpp's rotary layout. Here we
 dequantize each tensor, rename it to the HF name the forward pass expects, and undo that
 permutation, so that a GGUF and the HF checkpoint it came from load to the same weights.
+On request, Q4_1/Q8_0 matrices stay in their blocks (gguf_blocks.py) with the same row order.
 The tokenizer lives in gguf_tokenizer.py.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from splitserve.config import ModelConfig
+from splitserve.models.gguf_blocks import FORMATS, GGUFBlocks
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -165,21 +167,35 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def read_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized to fp32 on the CPU, under its HF name, in HF row order."""
-    weights: dict[str, torch.Tensor] = {}
+def read_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig,
+                      keep_blocks: bool = False) -> dict[str, torch.Tensor | GGUFBlocks]:
+    """Every tensor under its HF name, in HF row order: dequantized to fp32 on the CPU, or, with
+    keep_blocks, left in its block format where a kernel reads that format (Q4_1, Q8_0)."""
+    weights: dict[str, torch.Tensor | GGUFBlocks] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
+        fmt = tensor.tensor_type.name.lower()
+        if keep_blocks and fmt in FORMATS:
+            shape = tuple(reversed(tensor.shape.tolist()))  # [out_features, in_features]
+            weights[name] = _hf_row_order(GGUFBlocks.from_gguf(fmt, tensor.data, shape), name, config)
+            continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # numpy order is the reverse of GGUF's (innermost first) listing: [out_features, in_features]
         values = values.reshape(tuple(reversed(tensor.shape.tolist())))
         if values.dtype != np.float32 or not values.flags.writeable:
             values = values.astype(np.float32)  # unquantized tensors are views into the file
-        weight = torch.from_numpy(values)
-        if config.architecture == "llama":
-            if ".self_attn.q_proj." in name:
-                weight = unpermute_rotary_rows(weight, config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                weight = unpermute_rotary_rows(weight, config.num_kv_heads)
-        weights[name] = weight
+        weights[name] = _hf_row_order(torch.from_numpy(values), name, config)
     return weights
+
+
+def _hf_row_order(weight, name: str, config: ModelConfig):
+    if config.architecture != "llama":
+        return weight
+    heads = config.num_heads if ".self_attn.q_proj." in name else \
+        config.num_kv_heads if ".self_attn.k_proj." in name else None
+    if heads is None:
+        return weight
+    if isinstance(weight, GGUFBlocks):  # rows are whole blocks: move them, as for fp32 rows
+        order = unpermute_rotary_rows(torch.arange(weight.shape[0]).unsqueeze(1), heads).squeeze(1)
+        return weight.rows(order)
+    return unpermute_rotary_rows(weight, heads)

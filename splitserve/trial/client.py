@@ -33,6 +33,8 @@ def completion_body(req: PlannedRequest, model: str | None) -> dict:
     body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}
+    if req.priority is not None:
+        body["priority"] = req.priority
     if model:
         body["model"] = model
     return body
@@ -57,7 +59,9 @@ async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None
     await asyncio.sleep(max(0.0, t0 + req.send_at_s - clock()))
     rec.sent_s = clock() - t0
     try:
-        await asyncio.wait_for(_stream_into(client, base_url, model, req, t0, rec, clock), timeout_s)
+        await _patiently(_stream_into(client, base_url, model, req, t0, rec, clock), rec, req, timeout_s)
+    except Abandoned as exc:
+        rec.error_kind, rec.error_message = "abandoned", str(exc)
     except asyncio.TimeoutError:
         rec.error_kind, rec.error_message = "timeout", f"no complete answer within {timeout_s}s"
     except httpx.TimeoutException as exc:
@@ -74,6 +78,39 @@ async def stream_one(client: httpx.AsyncClient, base_url: str, model: str | None
         rec.error_kind, rec.error_message = "cancelled", f"unreadable response: {type(exc).__name__}: {exc}"
     rec.finished_s = clock() - t0
     return rec
+
+
+class Abandoned(Exception):
+    """The client gave up (its class's patience) and disconnected."""
+
+
+async def _patiently(stream, rec: RequestRecord, req: PlannedRequest, timeout_s: float) -> None:
+    """Await the stream within timeout_s; with a patience, give up (cancel the stream, which closes
+    the connection: the server sees a disconnect) when no first token or no whole answer came in time."""
+    patience = req.patience
+    if patience is None:
+        await asyncio.wait_for(stream, timeout_s)
+        return
+    task = asyncio.ensure_future(stream)
+    try:
+        waited = 0.0
+        if patience.ttft_s is not None and patience.ttft_s < timeout_s:
+            await asyncio.wait({task}, timeout=patience.ttft_s)
+            waited = patience.ttft_s
+            if not task.done() and not rec.token_times_s:
+                raise Abandoned(f"no first token within the class's patience ({patience.ttft_s} s)")
+        total = min(timeout_s, patience.total_s) if patience.total_s is not None else timeout_s
+        if not task.done():
+            await asyncio.wait({task}, timeout=max(0.0, total - waited))
+        if not task.done():
+            if patience.total_s is not None and patience.total_s <= timeout_s:
+                raise Abandoned(f"no complete answer within the class's patience ({patience.total_s} s)")
+            raise asyncio.TimeoutError
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _stream_into(client, base_url, model, req, t0, rec: RequestRecord, clock) -> None:
@@ -195,7 +232,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa
 
 
 def scrape_counters(base_url: str, prefixes=("splitserve_kv", "kv_transfer", "splitserve_request",
-                                             "preemptions")) -> dict:
+                                             "preemptions", "splitserve_aborted_tokens")) -> dict:
     """Prometheus samples whose names mention KV transfers or requests; {} if /metrics is absent."""
     try:
         resp = httpx.get(f"{base_url}/metrics", timeout=5.0)

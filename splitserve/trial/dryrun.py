@@ -5,11 +5,14 @@ only the prompt text is not tokenized by the model's tokenizer, and no text is p
 """
 from __future__ import annotations
 
+import dataclasses
+import html
 from dataclasses import replace
 
 import numpy as np
 
 from splitserve.trial.arrivals import burstiness_stats, generate_arrivals
+from splitserve.trial.class_report import patience_text, slo_text
 from splitserve.trial.method import CapacitySpec, grid_arrangements
 from splitserve.trial.resources import check_equal, core_set, with_kv_split, arrangement_resources
 from splitserve.trial.results import arrangement_kind
@@ -46,6 +49,11 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     lines.append(f"SLOs: TTFT <= {slo.ttft_s} s, p{slo.gap_percentile:g} gap <= {slo.gap_s} s, longest pause <= "
                  f"{slo.max_pause_s} s, end-to-end <= {slo.e2e_s} s; a rate is held when >= {slo.attainment:.0%} "
                  f"of requests meet all of them")
+    for name, cls in spec.classes.items():
+        if cls.slo_overrides is not None or cls.patience or cls.priority is not None:
+            own = {"slo": dataclasses.asdict(spec.class_slos[name]),
+                   "patience": dataclasses.asdict(cls.patience) if cls.patience else None, "priority": cls.priority}
+            lines.append(f"  class {name}: {html.unescape(slo_text(own['slo']))}{html.unescape(patience_text(own))}")
     rel = spec.arrivals.relative_rate
     if rel:
         lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, measured first "

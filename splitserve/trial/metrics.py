@@ -17,6 +17,9 @@ Definitions (also in docs/benchmarks.md):
 - attainment: good / all requests; goodput: attainment x offered rate, where the offered rate
   is (requests - 1) / scheduled span of the arrivals: the same denominator for every arrangement
   replaying the same plan (a drowned arrangement's long makespan must not lower its goodput).
+- per class: each request is judged by its class's SLO (the global one where the class sets
+  none); a deadline that is None is not checked. A request whose client gave up (its class's
+  patience) is "abandoned": a failure of its own kind, apart from server errors and timeouts.
 - recovered: requests retried on another instance or whose KV transfer failed and was
   recomputed, but which completed; counted apart from terminal failures.
 """
@@ -29,7 +32,7 @@ import numpy as np
 from splitserve.trial.spec import SLO
 
 FAILURE_KINDS = ("http_error", "timeout", "connection_error", "cancelled", "truncated",
-                 "probe_stopped")
+                 "probe_stopped", "abandoned")
 FROZEN_FAILURES = ("timeout", "cancelled", "connection_error", "probe_stopped")  # ended mid-stream
 KV_OK_OUTCOMES = ("ok", "success")
 
@@ -85,6 +88,10 @@ def stream_gaps(rec: RequestRecord) -> np.ndarray:
     return np.diff(times) if len(times) > 1 else np.zeros(0)  # [num_gaps]
 
 
+def slo_of(rec: RequestRecord, slo: SLO, class_slos: dict[str, SLO] | None) -> SLO:
+    return (class_slos or {}).get(rec.class_name, slo)
+
+
 def request_metrics(rec: RequestRecord, slo: SLO, pause_threshold_s: float) -> RequestMetrics:
     times = rec.token_times_s
     gaps = stream_gaps(rec)
@@ -108,10 +115,37 @@ def request_metrics(rec: RequestRecord, slo: SLO, pause_threshold_s: float) -> R
         kv_failed=kv_failed)
 
 
+def _within(value: float | None, limit: float | None) -> bool:
+    return limit is None or (value is not None and value <= limit)
+
+
 def is_good(m: RequestMetrics, slo: SLO) -> bool:
-    return (m.complete and m.ttft_s is not None and m.ttft_s <= slo.ttft_s
-            and m.gap_percentile_s <= slo.gap_s and m.longest_pause_s <= slo.max_pause_s
-            and m.e2e_s is not None and m.e2e_s <= slo.e2e_s)
+    return (m.complete and m.ttft_s is not None and m.e2e_s is not None and _within(m.ttft_s, slo.ttft_s)
+            and _within(m.gap_percentile_s, slo.gap_s) and _within(m.longest_pause_s, slo.max_pause_s)
+            and _within(m.e2e_s, slo.e2e_s))
+
+
+def abandoned_work(records: list[RequestRecord]) -> dict:
+    """What the server spent on requests whose client gave up, as the client saw it: their prompt
+    tokens (prefilled, when a first token came back; at most prefilled, when none did) and the
+    answer tokens it received before disconnecting (decoded; the server may have decoded a few more)."""
+    gone = [r for r in records if r.error_kind == "abandoned"]
+    started = [r for r in gone if r.token_times_s]
+    return {"num_requests": len(gone),
+            "prompt_tokens_prefilled": sum(r.num_prompt_tokens for r in started),
+            "prompt_tokens_maybe_prefilled": sum(r.num_prompt_tokens for r in gone if not r.token_times_s),
+            "tokens_decoded": sum(max(r.num_tokens, len(r.token_times_s)) for r in gone),
+            "source": "client"}
+
+
+def server_aborted_work(counters: dict) -> dict | None:
+    """The server's own count of the work spent on aborted requests (splitserve's /metrics), from
+    the counters' change over a run; None for a server that does not expose it."""
+    keys = {kind: f'splitserve_aborted_tokens_total{{kind="{kind}"}}' for kind in ("prompt", "generated")}
+    if not any(k in counters for k in keys.values()):
+        return None
+    return {"prompt_tokens_prefilled": counters.get(keys["prompt"], 0.0),
+            "tokens_decoded": counters.get(keys["generated"], 0.0)}
 
 
 def _pcts(values, qs=(50, 90, 99)) -> dict:
@@ -144,7 +178,7 @@ def offered_rate(records: list[RequestRecord]) -> float | None:
     return (len(records) - 1) / span if span > 0 else None
 
 
-def _group(records, per, good, idx: list[int]) -> dict:
+def _group(records, per, good, idx: list[int], span: float | None = None) -> dict:
     failures: dict[str, int] = {}
     for i in idx:
         if per[i].failure is not None:
@@ -153,6 +187,9 @@ def _group(records, per, good, idx: list[int]) -> dict:
     return {
         "num_requests": len(idx),
         "attainment": sum(good[i] for i in idx) / len(idx) if idx else 0.0,
+        "num_good": int(sum(good[i] for i in idx)),
+        # good requests per second of the plan's span: the class's share of the goodput
+        **({"goodput_rps": sum(good[i] for i in idx) / span} if span else {}),
         "ttft_s": failed_as_infinite([per[i].ttft_s for i in idx if per[i].ttft_s is not None],
                                      sum(per[i].ttft_s is None and not per[i].complete for i in idx)),
         "longest_pause_s": _pcts([per[i].longest_pause_s for i in idx]),
@@ -165,19 +202,23 @@ def _group(records, per, good, idx: list[int]) -> dict:
 
 def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,
               slo_scales=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0),
-              phase_starts_s: list[float] | None = None) -> dict:
+              phase_starts_s: list[float] | None = None, class_slos: dict[str, SLO] | None = None) -> dict:
     """Every number the report shows for one arrangement, as plain JSON-ready data.
     phase_starts_s: when each phase of a `phases` spec starts (in the records' time), for
-    attainment per phase."""
-    per = [request_metrics(r, slo, pause_threshold_s) for r in records]
-    good = [is_good(m, slo) for m in per]
+    attainment per phase. class_slos: each class's own SLO (`slo` judges the classes it lacks)."""
+    slos = [slo_of(r, slo, class_slos) for r in records]
+    per = [request_metrics(r, s, pause_threshold_s) for r, s in zip(records, slos)]
+    good = [is_good(m, s) for m, s in zip(per, slos)]
+    rate = offered_rate(records)
     ends = [r.token_times_s[-1] if r.token_times_s else (r.finished_s or r.scheduled_s) for r in records]
     all_gaps = [g for r in records for g in stream_gaps(r)]
     streams = [m for r, m in zip(records, per) if len(r.token_times_s) > 1]
     overall = _group(records, per, good, list(range(len(records))))
     failures = {kind: 0 for kind in FAILURE_KINDS} | overall["failures"]
     kv = [r.kv_transfer for r in records if r.kv_transfer]
-    by_class = {name: _group(records, per, good, [i for i, r in enumerate(records) if r.class_name == name])
+    span = scheduled_span(records) * len(records) / (len(records) - 1) if len(records) > 1 else None
+    by_class = {name: _group(records, per, good, [i for i, r in enumerate(records) if r.class_name == name],
+                             span)
                 for name in sorted({r.class_name for r in records})}
     by_phase = []
     if phase_starts_s:
@@ -186,7 +227,6 @@ def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,
             idx = [i for i, r in enumerate(records) if lo <= r.scheduled_s < hi]
             by_phase.append({"phase": n, "start_s": lo, **_group(records, per, good, idx)})
     attainment = sum(good) / len(records) if records else 0.0
-    rate = offered_rate(records)
     timed = [r.token_timing for r in records if r.token_times_s]
     return {
         "num_requests": len(records),
@@ -219,9 +259,11 @@ def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,
                         "failed": sum(m.kv_failed for m in per)},
         "by_class": by_class,
         "by_phase": by_phase,
+        "abandoned_work": abandoned_work(records),
         "attainment_vs_slo_scale": [
-            {"scale": s, "attainment": (sum(is_good(m, slo.scaled(s)) for m in per) / len(per)) if per else 0.0}
-            for s in slo_scales],
+            {"scale": k, "attainment": (sum(is_good(m, s.scaled(k)) for m, s in zip(per, slos)) / len(per))
+             if per else 0.0}
+            for k in slo_scales],
         "per_request": [{"index": r.index, "good": g, "ttft_s": m.ttft_s, "tpot_s": m.tpot_s,
                          "e2e_s": m.e2e_s, "longest_pause_s": m.longest_pause_s,
                          "num_pauses": m.num_pauses, "stalled_s": m.stalled_s,

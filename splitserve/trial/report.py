@@ -15,6 +15,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from splitserve.trial.class_report import classes_html
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 # Rows measured per repeat: median (min-max) when the trial repeated.
@@ -274,6 +275,7 @@ inter-token gap &le; {slo['gap_s']} s, longest pause &le; {slo['max_pause_s']} s
 pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Verdict</h2><p class="verdict">{html.escape(doc['verdict'])}</p>{errors}
 <h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
+{classes_html(doc)}
 {_method_html(doc)}
 <p>Resources: {html.escape(doc.get('placement', ''))}; cores {doc.get('cpus')}; KV cache
 {html.escape(str(doc.get('kv_cache_memory_total')))} per arrangement, split between its instances.

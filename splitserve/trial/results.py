@@ -41,6 +41,9 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
         "spec_path": str(spec.source) if spec.source else None,
         "model": spec.model,
         "slo": dataclasses.asdict(spec.slo),
+        "classes": {name: {"slo": dataclasses.asdict(cls.slo or spec.slo),
+                           "patience": dataclasses.asdict(cls.patience) if cls.patience else None,
+                           "priority": cls.priority} for name, cls in spec.classes.items()},
         "pause_threshold_s": spec.pause_threshold_s,
         "sweep": sweep,
         "repeat": len(trial.order) if trial else 1,
@@ -69,6 +72,8 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
             "error": res.error,
             "capacity": caps,
             "capacity_rps": spread([c["capacity_rps"] for c in caps]) if caps else None,
+            "class_capacity_rps": class_capacity(res.runs, spec.slo.attainment),
+            "cost_per_hour": spec.cost_per_hour(arr),
             "runs": [{"rate_multiplier": run.rate_multiplier, "repeat": getattr(run, "repeat", 0),
                       "purpose": getattr(run, "purpose", "fixed"), "summary": run.summary,
                       "server_counters": run.server_counters,
@@ -78,6 +83,30 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
 
     doc["verdict"] = verdict(doc)
     return doc
+
+
+def class_capacity(runs, target: float) -> dict[str, float | None]:
+    """Per class, the highest offered rate (of the whole mix) of a capacity probe at which that
+    class kept `target` of its requests good. Read from the overall search's probes: a probe is
+    stopped once the mix fails, so a class's figure is what those probes showed, a lower bound."""
+    out: dict[str, float | None] = {}
+    for run in runs:
+        if getattr(run, "purpose", "fixed") != "probe":
+            continue
+        for name, group in run.summary.get("by_class", {}).items():
+            held = group["attainment"] >= target and run.summary.get("offered_rate_rps")
+            best = out.get(name)
+            out[name] = max(best or 0.0, run.summary["offered_rate_rps"]) if held else best
+    return out
+
+
+def good_per_cost(summary: dict, cost_per_hour: float | None) -> dict | None:
+    """Good requests per unit of cost (per hour of the arrangement's price), per class and overall."""
+    if not cost_per_hour:
+        return None
+    out = {name: g.get("goodput_rps", 0.0) * 3600 / cost_per_hour for name, g in summary["by_class"].items()}
+    out["overall"] = summary["goodput_rps"] * 3600 / cost_per_hour
+    return out
 
 
 def compared_runs(arr_doc: dict) -> list[dict]:

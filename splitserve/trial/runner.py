@@ -32,7 +32,7 @@ from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.method import CapacitySpec
-from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, summarize
+from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
 from splitserve.trial.tuning import tune_colocated
@@ -247,7 +247,7 @@ class Trial:
         more requests than the target allows are bad, finished or not (a watchdog judges streams
         in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
         plan = self.plan_for_run(run)[:num]
-        slo = self.spec.slo
+        slo, class_slos = self.spec.slo, self.spec.class_slos
         allowed_bad = int((1.0 - slo.attainment) * len(plan) + 1e-9)
         stop, live, bad, finished = asyncio.Event(), {}, set(), set()
         on_progress = self.progress(f"{name} probe x{multiplier:.3g}", len(plan)) if self.progress else None
@@ -259,7 +259,8 @@ class Trial:
 
         def on_done(rec: RequestRecord) -> None:
             finished.add(rec.index)
-            if not is_good(request_metrics(rec, slo, self.spec.pause_threshold_s), slo):
+            own = slo_of(rec, slo, class_slos)
+            if not is_good(request_metrics(rec, own, self.spec.pause_threshold_s), own):
                 judge(rec.index)
             if on_progress:
                 on_progress(rec)
@@ -270,13 +271,12 @@ class Trial:
                 for index, rec in list(live.items()):
                     if index in finished or index in bad or rec.sent_s is None:
                         continue
-                    times = rec.token_times_s
-                    if ((not times and now - rec.sent_s > slo.ttft_s) or now - rec.sent_s > slo.e2e_s
-                            or (times and now - times[-1] > slo.max_pause_s)):
+                    if _past_deadline(rec, slo_of(rec, slo, class_slos), now):
                         judge(index)
                 await asyncio.sleep(0.1)
 
-        timeout = min(self.spec.request_timeout_s, slo.e2e_s + 1.0)
+        e2es = [s.e2e_s for s in class_slos.values()]
+        timeout = self.spec.request_timeout_s if None in e2es else min(self.spec.request_timeout_s, max(e2es) + 1.0)
         return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop,
                             [watchdog], live)
 
@@ -313,10 +313,12 @@ class Trial:
         wall = time.monotonic() - started
         counters = counter_deltas(before, scrape_counters(endpoint.base_url))
         phases = [t / multiplier for t in self.phase_starts_s] if self.phase_starts_s else None
-        summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s, phase_starts_s=phases)
+        summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s, phase_starts_s=phases,
+                            class_slos=self.spec.class_slos)
         if faults:
             fault_events.sort(key=lambda e: e["at_s"])
             summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s)
+        summary["abandoned_work"]["server"] = server_aborted_work(counters)
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall
         summary["stopped_early"] = bool(stop is not None and stop.is_set())
@@ -325,6 +327,15 @@ class Trial:
     def _notify(self) -> None:
         if self.on_update is not None:
             self.on_update(self)
+
+
+def _past_deadline(rec: RequestRecord, slo, now: float) -> bool:
+    """A stream in flight that can no longer be good: no first token within the TTFT SLO, a pause
+    past max_pause_s, or past e2e_s (deadlines a class drops are not checked)."""
+    times, age = rec.token_times_s, now - rec.sent_s
+    return ((not times and slo.ttft_s is not None and age > slo.ttft_s)
+            or (slo.e2e_s is not None and age > slo.e2e_s)
+            or bool(times and slo.max_pause_s is not None and now - times[-1] > slo.max_pause_s))
 
 
 def offered_rate_of(plan: list[PlannedRequest]) -> float | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from splitserve.trial.classes import (SLO, Patience, arrangement_cost, check_slo, class_slo, read_patience,
+                                     read_priority, read_slo_overrides)
 from splitserve.trial.method import (CapacitySpec, RelativeRate, TuneSpec, read_capacity, read_relative_rate,
                                     read_tune)
 from splitserve.trial.section import Section, SpecError, read_length_dist, LengthDist
@@ -28,6 +30,10 @@ class RequestClass:
     prompt_tokens: LengthDist
     answer_tokens: LengthDist
     question: str | None = None  # appended to the document; its tokens count in prompt_tokens
+    slo: SLO | None = None       # its own deadlines (global ones where it says nothing); set once read
+    slo_overrides: dict | None = None
+    patience: Patience | None = None
+    priority: int | None = None  # sent in the request body
 
 
 @dataclass(slots=True)
@@ -63,20 +69,6 @@ class ArrivalSpec:
 
 
 @dataclass(slots=True)
-class SLO:
-    ttft_s: float
-    gap_s: float
-    e2e_s: float
-    max_pause_s: float
-    gap_percentile: float = 99.0
-    attainment: float = 0.9                # share of requests that must be good to "hold" a rate
-
-    def scaled(self, factor: float) -> "SLO":
-        return SLO(self.ttft_s * factor, self.gap_s * factor, self.e2e_s * factor,
-                   self.max_pause_s * factor, self.gap_percentile, self.attainment)
-
-
-@dataclass(slots=True)
 class Arrangement:
     name: str
     serve_args: list[str] | None = None    # `splitserve serve` arguments, launched by the tool
@@ -84,6 +76,7 @@ class Arrangement:
     url: str | None = None                 # an external endpoint, not launched
     cores: int | None = None               # total threads the arrangement uses
     grid_point: bool = False               # made by `tune:`, not written in the spec
+    cost_per_hour: float | None = None     # else cores x the spec's price_per_core_hour
 
 
 @dataclass(slots=True)
@@ -123,6 +116,17 @@ class TrialSpec:
     tune: TuneSpec | None = None
     kv_cache_memory: str = "1GiB"          # total KV pool per arrangement, split between its instances
     allow_unequal_cores: bool = False
+    price_per_core_hour: float | None = None
+
+    @property
+    def class_slos(self) -> dict[str, SLO]:
+        return {name: cls.slo or self.slo for name, cls in self.classes.items()}
+
+    def cost_per_hour(self, arr: Arrangement) -> float | None:
+        from splitserve.trial.resources import arrangement_resources
+
+        return arrangement_cost(arr.cost_per_hour, arrangement_resources(arr).cores or arr.cores,
+                                self.price_per_core_hour)
 
     @property
     def cores(self) -> int | None:
@@ -166,10 +170,13 @@ def parse_spec(raw: object, base_dir: pathlib.Path = pathlib.Path("."),
         capacity=read_capacity(top.section("capacity", required=False)),
         tune=read_tune(top.section("tune", required=False)),
         kv_cache_memory=top.str("kv_cache_memory", default="1GiB"),
-        allow_unequal_cores=allow_unequal)
+        allow_unequal_cores=allow_unequal,
+        price_per_core_hour=top.float("price_per_core_hour", default=None, positive=True))
     max_context = top.int("max_context_tokens", default=None, minimum=1)
     top.finish()
     _check_method(spec)
+    for cls in spec.classes.values():
+        cls.slo = class_slo(slo, cls.slo_overrides, f"workload.classes.{cls.name}.slo.")
     for i, arr in enumerate(spec.arrangements):
         if spec.faults and arr.url is not None:
             raise SpecError(f"faults: arrangements[{i}] ({arr.name}) is an external URL; the trial can only "
@@ -198,7 +205,10 @@ def _read_workload(sec: Section) -> tuple[dict[str, RequestClass], dict[str, flo
             name=name,
             prompt_tokens=read_length_dist(c, "prompt_tokens"),
             answer_tokens=read_length_dist(c, "answer_tokens"),
-            question=c.str("question", default=None))
+            question=c.str("question", default=None),
+            slo_overrides=(read_slo_overrides(c.section("slo")) if c.raw.get("slo") is not None else None),
+            patience=read_patience(c.section("patience", required=False)),
+            priority=read_priority(c))
         c.finish()
     if not classes:
         raise SpecError("workload.classes: define at least one request class (e.g. chat, document)")
@@ -281,17 +291,7 @@ def _read_slo(sec: Section) -> SLO:
               gap_percentile=sec.float("gap_percentile", default=99.0, positive=True),
               attainment=sec.float("attainment", default=0.9, positive=True))
     sec.finish()
-    if slo.attainment > 1:
-        raise SpecError(f"slo.attainment: a share of requests in (0, 1], got {slo.attainment}")
-    if slo.gap_percentile > 100:
-        raise SpecError(f"slo.gap_percentile: a percentile in (0, 100], got {slo.gap_percentile}")
-    if slo.e2e_s <= slo.ttft_s:
-        raise SpecError(f"slo.e2e_s ({slo.e2e_s}) must be longer than slo.ttft_s ({slo.ttft_s}): "
-                        "no request can finish before its first token")
-    if slo.max_pause_s < slo.gap_s:
-        raise SpecError(f"slo.max_pause_s ({slo.max_pause_s}) is below slo.gap_s ({slo.gap_s}): the longest "
-                        "pause is never shorter than a gap percentile; raise max_pause_s")
-    return slo
+    return check_slo(slo, "slo.")
 
 
 DEFAULT_ARRANGEMENTS = [
@@ -313,7 +313,8 @@ def _read_arrangements(raw_list: list) -> list[Arrangement]:
         sec = Section(raw, f"arrangements[{i}]")
         arr = Arrangement(name=sec.str("name"), serve_args=sec.str_list("serve", default=None),
                           command=sec.str_list("command", default=None), url=sec.str("url", default=None),
-                          cores=sec.int("cores", default=None, minimum=1))
+                          cores=sec.int("cores", default=None, minimum=1),
+                          cost_per_hour=sec.float("cost_per_hour", default=None, positive=True))
         sec.finish()
         given = [key for key, value in (("serve", arr.serve_args), ("command", arr.command), ("url", arr.url))
                  if value is not None]

@@ -8,6 +8,7 @@ ranges (min-max over repeats) do not overlap; else "no clear difference".
 from __future__ import annotations
 
 from splitserve.trial.capacity import clear_winner
+from splitserve.trial.class_report import classes_sentence
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 SEPARATED, COLOCATED = "separated", "colocated"
@@ -34,8 +35,9 @@ def verdict(doc: dict) -> str:
         note = f" Calibration: {cal['note']}." + note
     if capacity is not None:
         text, answer = capacity
-        return text + answer + (" " + fixed + fixed_answer if fixed else "") + _tuned(doc) + _warnings(doc) + note
-    return fixed + fixed_answer + _tuned(doc) + _warnings(doc) + note
+        return (text + answer + (" " + fixed + fixed_answer if fixed else "") + classes_sentence(doc) + _tuned(doc)
+                + _warnings(doc) + note)
+    return fixed + fixed_answer + classes_sentence(doc) + _tuned(doc) + _warnings(doc) + note
 
 
 def _best(arrs: list[dict], kind: str, key) -> dict | None:

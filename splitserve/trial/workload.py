@@ -8,6 +8,7 @@ exactly `max_tokens` tokens per request.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from dataclasses import dataclass
 from typing import Callable
@@ -15,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from splitserve.trial.arrivals import Arrival
+from splitserve.trial.classes import Patience
 from splitserve.trial.spec import SpecError, TrialSpec
 
 Tokenize = Callable[[str], list[int]]
@@ -28,6 +30,8 @@ class PlannedRequest:
     send_at_s: float                # seconds after the trial's start
     prompt_token_ids: list[int]
     max_tokens: int
+    priority: int | None = None     # the class's, sent in the request body
+    patience: Patience | None = None  # the class's: when its client gives up
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,7 +92,9 @@ def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource
         num_answer = arrival.answer_tokens if arrival.answer_tokens is not None else cls.answer_tokens.sample(rng)
         question = cls.question if cls is not None else None
         planned.append(PlannedRequest(index, class_name, arrival.time_s,
-                                      source.prompt(num_prompt, rng, question), num_answer))
+                                      source.prompt(num_prompt, rng, question), num_answer,
+                                      cls.priority if cls is not None else None,
+                                      cls.patience if cls is not None else None))
     return planned
 
 
@@ -101,8 +107,7 @@ def recut(plan: list[PlannedRequest], spec: TrialSpec, source: PromptSource,
     for req in plan:
         cls = spec.classes.get(req.class_name)
         question = cls.question if cls is not None else None
-        out.append(PlannedRequest(req.index, req.class_name, req.send_at_s,
-                                  source.prompt(req.num_prompt_tokens, rng, question), req.max_tokens))
+        out.append(dataclasses.replace(req, prompt_token_ids=source.prompt(req.num_prompt_tokens, rng, question)))
     return out
 
 

@@ -1,0 +1,48 @@
+"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention), built by `make setup`; pure-torch code stands in
+when they are absent (no compiler, or an out-of-date build), with the same results.
+
+    python -m splitserve.kernels.build   # what `make setup` runs; prints the ISA in use
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NAME = "splitserve_gguf_kernels"
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp")]
+BUILD_DIR = Path(__file__).with_name("_build")
+# -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does. -fopenmp: ATen's
+# parallel_for is inline OpenMP, so without it the kernels run on one thread whatever
+# torch.set_num_threads says.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
+def built_library() -> Path | None:
+    found = sorted(BUILD_DIR.glob(f"{NAME}*.so"))
+    return found[0] if found else None
+
+
+@cache
+def load():
+    """The compiled module, or None (then callers use their torch fallback). Never compiles."""
+    path = built_library()
+    if path is None:
+        log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
+        return None
+    if any(path.stat().st_mtime < source.stat().st_mtime for source in SOURCES):
+        log.warning("GGUF kernels at %s are older than their sources; using the pure-torch "
+                    "fallback until `make setup` rebuilds them", path)
+        return None
+    import torch  # noqa: F401  (the library links against libtorch, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(NAME, path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(NAME, str(path)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

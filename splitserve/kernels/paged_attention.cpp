@@ -1,0 +1,166 @@
+// Decode attention read straight from the paged KV cache: one query token per sequence attends
+// to its own blocks, up to its own context length, so nothing is gathered into a contiguous
+// copy and no sequence pays for the padding of a longer one.
+//
+// kv_layer: [2 (k, v), num_kv_heads, num_blocks, block_size, head_dim] (one layer of the pool)
+// Loops are written for the compiler to vectorize, compiled for AVX-512, AVX2 and baseline x86-64;
+// the instruction set chosen for the matmul kernels picks the version at run time.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+// GCC vector extensions rather than intrinsics: the same source becomes zmm code inside the
+// AVX-512 wrapper below, ymm pairs inside the AVX2 one, and SSE in the baseline one.
+typedef float v16f __attribute__((vector_size(64)));
+
+ALWAYS_INLINE v16f load16(const float* p) {
+  v16f v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+  if (n >= 16) {
+    v16f sum = load16(a) * load16(b);
+    for (i = 16; i + 16 <= n; i += 16) sum += load16(a + i) * load16(b + i);
+    for (int j = 0; j < 16; ++j) acc += sum[j];
+  }
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+ALWAYS_INLINE void axpy(float alpha, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16f r = load16(y + i) + alpha * load16(x + i);
+    __builtin_memcpy(y + i, &r, sizeof r);
+  }
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum) as Cephes' expf does it: x = n ln2 + r, a
+// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 2 ulp of expf, and unlike
+// the libm call it vectorizes.
+ALWAYS_INLINE float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One (sequence, kv head): `group` query heads share its keys and values.
+ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const float* keys, const float* values,
+                const int64_t* blocks, int64_t block_size, int64_t ctx, float scale, float* out,
+                float* scores) {
+  // scores: [group, ctx]; keys are read once for all the group's query heads
+  for (int64_t start = 0; start < ctx; start += block_size) {
+    const float* k = keys + blocks[start / block_size] * block_size * hd;
+    const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+    for (int64_t j = 0; j < n; ++j, k += hd)
+      for (int64_t g = 0; g < group; ++g) scores[g * ctx + start + j] = dot(q + g * hd, k, hd) * scale;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * ctx;
+    float best = s[0];
+    for (int64_t t = 1; t < ctx; ++t) best = s[t] > best ? s[t] : best;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < ctx; ++t) {
+      s[t] = exp_nonpositive(s[t] - best);
+      total += s[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+  }
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = 0.f;
+  for (int64_t start = 0; start < ctx; start += block_size) {
+    const float* v = values + blocks[start / block_size] * block_size * hd;
+    const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+    for (int64_t j = 0; j < n; ++j, v += hd)
+      for (int64_t g = 0; g < group; ++g) axpy(scores[g * ctx + start + j], v, out + g * hd, hd);
+  }
+}
+
+// The same loops compiled three times; gguf_linear.cpp's ISA choice (set_isa) picks one.
+using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int64_t*, int64_t,
+                          int64_t, float, float*, float*);
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2"))) void attend_avx512(
+    const float* q, int64_t group, int64_t hd, const float* keys, const float* values, const int64_t* blocks,
+    int64_t block_size, int64_t ctx, float scale, float* out, float* scores) {
+  attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
+}
+
+__attribute__((target("avx2,fma"))) void attend_avx2(
+    const float* q, int64_t group, int64_t hd, const float* keys, const float* values, const int64_t* blocks,
+    int64_t block_size, int64_t ctx, float scale, float* out, float* scores) {
+  attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
+}
+
+void attend_scalar(const float* q, int64_t group, int64_t hd, const float* keys, const float* values,
+                   const int64_t* blocks, int64_t block_size, int64_t ctx, float scale, float* out,
+                   float* scores) {
+  attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
+}
+
+}  // namespace
+
+int splitserve_isa_level();  // gguf_linear.cpp: 2 avx512, 1 avx2, 0 scalar
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  // q: [b, nq, hd]; block_tables: [b, max_blocks] int64; context_lens: [b] int64 -> [b, nq, hd]
+  TORCH_CHECK(q.dtype() == torch::kFloat && kv_layer.dtype() == torch::kFloat, "float32 q and cache only");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.is_contiguous(), "kv_layer: contiguous [2, nkv, blocks, bs, hd]");
+  TORCH_CHECK(block_tables.dtype() == torch::kLong && context_lens.dtype() == torch::kLong, "int64 tables");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t b = q.size(0), nq = q.size(1), hd = q.size(2);
+  const int64_t nkv = kv_layer.size(1), num_blocks = kv_layer.size(2), block_size = kv_layer.size(3);
+  TORCH_CHECK(kv_layer.size(4) == hd && nq % nkv == 0, "q and cache disagree on heads or head_dim");
+  const int64_t group = nq / nkv, max_blocks = block_tables.size(1);
+  const int64_t head_stride = num_blocks * block_size * hd;
+  const float* kp = kv_layer.data_ptr<float>();
+  const float* vp = kp + nkv * head_stride;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "context length outside its block table");
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int level = splitserve_isa_level();
+  const AttendFn attend = level == 2 ? attend_avx512 : level == 1 ? attend_avx2 : attend_scalar;
+  at::parallel_for(0, b * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / nkv, h = task % nkv;
+      scores.resize(static_cast<size_t>(group * lens[i]));
+      attend(qp + (i * nq + h * group) * hd, group, hd, kp + h * head_stride, vp + h * head_stride,
+                 tables + i * max_blocks, block_size, lens[i], static_cast<float>(scale),
+                 op + (i * nq + h * group) * hd, scores.data());
+    }
+  });
+  return out;
+}

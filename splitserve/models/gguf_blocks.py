@@ -1,0 +1,105 @@
+"""Matrices kept in their GGUF block format (Q4_1, Q8_0) and the linear layer that reads them.
+
+A decode step at small batch is bound by the bytes of weights it streams: the bundled model's
+Q4_1 blocks are 0.75 bytes a weight here against fp32's 4. `linear` multiplies by the blocks
+directly with splitserve.kernels (C++, AVX-512 / AVX2 chosen at run time) while the batch is
+small, and above `MAX_KERNEL_ROWS` rows, where fp32 GEMM is faster than dequantizing in
+registers, dequantizes the matrix and calls F.linear. Either way each weight is exactly the
+fp32 value gguf-py's dequantize gives, so only the order of the fp32 sums differs from the fp32
+path. Without the compiled kernels the same results come from pure torch (slower).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from splitserve import kernels
+
+BLOCK = 32
+# name -> (kernel format id, bytes of quantized values per block)
+FORMATS = {"q4_1": (0, 16), "q8_0": (1, 32)}
+# Rows of x up to which the block kernel beats dequantize + fp32 GEMM (measured on AVX-512 EPYC,
+# bench/engine.py "Engine" in docs/benchmarks.md): decode batches run on the blocks, prefill on fp32.
+MAX_KERNEL_ROWS = 64
+
+
+@dataclass(slots=True)
+class GGUFBlocks:
+    """One [N, K] matrix: per row, K / 32 blocks of fp32 scale d (and offset m for Q4_1) and
+    32 quantized values, stored apart so a kernel streams each as one array."""
+
+    fmt: str  # "q4_1" | "q8_0"
+    qs: torch.Tensor  # uint8 [N, K / 2] (q4_1: byte j of a block holds values j and j + 16) or [N, K] (q8_0)
+    d: torch.Tensor  # float32 [N, K / 32]
+    m: torch.Tensor | None  # float32 [N, K / 32] for q4_1, None for q8_0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.d.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    @classmethod
+    def from_gguf(cls, fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFBlocks:
+        """raw: the tensor's bytes as stored in the file (blocks of f16 d, [f16 m,] values)."""
+        n, k = shape
+        if fmt not in FORMATS:
+            raise ValueError(f"GGUF block format {fmt!r} has no kernel; supported: {', '.join(FORMATS)}")
+        if k % BLOCK:
+            raise ValueError(f"a {fmt} matrix needs a multiple of {BLOCK} columns, got {k}")
+        head = 4 if fmt == "q4_1" else 2
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // BLOCK, head + FORMATS[fmt][1])
+        scales = blocks[:, :, :head].copy().view(np.float16).astype(np.float32)  # [n, k/32, 1 or 2]
+        return cls(fmt=fmt, qs=torch.from_numpy(blocks[:, :, head:].reshape(n, -1).copy()),
+                   d=torch.from_numpy(np.ascontiguousarray(scales[:, :, 0])),
+                   m=torch.from_numpy(np.ascontiguousarray(scales[:, :, 1])) if fmt == "q4_1" else None)
+
+    def rows(self, order: torch.Tensor) -> GGUFBlocks:
+        """The same matrix with its rows taken in `order` (e.g. undoing llama.cpp's rotary permutation)."""
+        pick = lambda t: None if t is None else t[order].contiguous()  # noqa: E731
+        return GGUFBlocks(self.fmt, pick(self.qs), pick(self.d), pick(self.m))
+
+    @staticmethod
+    def cat(parts: list[GGUFBlocks]) -> GGUFBlocks:
+        """Stack matrices of one format by rows (q/k/v and gate/up become one matmul each)."""
+        fmt = parts[0].fmt
+        if any(p.fmt != fmt for p in parts):
+            raise ValueError(f"cannot fuse matrices of different GGUF formats: {[p.fmt for p in parts]}")
+        return GGUFBlocks(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
+                          None if fmt == "q8_0" else torch.cat([p.m for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], equal bit for bit to gguf-py's dequantize of the same blocks."""
+        module = kernels.load()
+        if module is not None:
+            return module.dequantize(self.qs, self.d, self._m(), FORMATS[self.fmt][0])
+        return dequantize_torch(self)
+
+    def _m(self) -> torch.Tensor:
+        return self.m if self.m is not None else self.d.new_empty(0)
+
+
+def dequantize_torch(w: GGUFBlocks) -> torch.Tensor:
+    n, k = w.shape
+    if w.fmt == "q4_1":
+        qs = w.qs.view(n, k // BLOCK, BLOCK // 2)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [n, k/32, 32]
+        return (w.d.unsqueeze(-1) * q + w.m.unsqueeze(-1)).view(n, k)
+    q = w.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).float()
+    return (q * w.d.unsqueeze(-1)).view(n, k)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for fp32 or block-format weights. x: [M, K] -> [M, N]."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    module = kernels.load()
+    if module is None or x.shape[0] > MAX_KERNEL_ROWS or x.dtype != torch.float32:
+        return F.linear(x, weight.dequantize().to(x.dtype), bias)
+    out = module.linear(x, weight.qs, weight.d, weight._m(), FORMATS[weight.fmt][0])
+    return out if bias is None else out.add_(bias)

@@ -1,0 +1,167 @@
+"""GGUF block-format weights (Q4_1, Q8_0): the C++ kernels and their pure-torch fallback give
+the fp32 path's results (the same weights bit for bit, sums in another order), on every
+instruction set this CPU has, and an engine on a quantized GGUF generates the fp32 engine's
+greedy tokens."""
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve import kernels
+from splitserve.models import gguf_blocks
+from splitserve.models.gguf_blocks import GGUFBlocks, dequantize_torch
+from splitserve.models.loader import load_model
+from splitserve.sampling import SamplingParams
+from engine_support import run_to_end
+from tiny_models import write_tiny_checkpoint, write_tiny_gguf
+
+QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def module():
+    if kernels.load() is None:
+        if shutil.which("c++") is None:
+            pytest.skip("no C++ compiler here: only the pure-torch fallback can run (tested below)")
+        from splitserve.kernels import build
+        build.build()
+        kernels.load.cache_clear()
+    return kernels.load()
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[GGUFBlocks, np.ndarray]:
+    """Blocks as llama.cpp's quantizer writes them, and gguf-py's fp32 dequantization of them."""
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(values, QTYPES[fmt])
+    return GGUFBlocks.from_gguf(fmt, raw, (n, k)), gguf.quants.dequantize(raw, QTYPES[fmt]).reshape(n, k)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_blocks_dequantize_to_gguf_py_values_bit_for_bit(module, fmt):
+    blocks, reference = random_blocks(fmt, 7, 96)
+    assert torch.equal(dequantize_torch(blocks), torch.from_numpy(reference))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_kernel_matches_fp32_linear_on_odd_shapes(module, isa, fmt):
+    used = module.set_isa(isa)  # a CPU without AVX-512 runs the best set it has instead
+    try:
+        # rows of x around the 8-row tile, matrices around the 2-row tile, one and three blocks
+        for m, n, k in [(1, 1, 32), (7, 3, 96), (8, 2, 32), (9, 17, 64), (17, 5, 96), (64, 33, 32)]:
+            blocks, reference = random_blocks(fmt, n, k, seed=m * n + k)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            bias = torch.randn(n)
+            want = F.linear(x, torch.from_numpy(reference), bias)
+            got = gguf_blocks.linear(x, blocks, bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{used} {m}x{n}x{k}")
+    finally:
+        module.set_isa("avx512")
+
+
+def test_large_batches_take_fp32_gemm_on_the_dequantized_matrix(module, monkeypatch):
+    blocks, reference = random_blocks("q4_1", 5, 64)
+    x = torch.randn(gguf_blocks.MAX_KERNEL_ROWS + 1, 64)
+
+    class DequantizeOnly:
+        dequantize = staticmethod(module.dequantize)
+
+        @staticmethod
+        def linear(*args):
+            raise AssertionError("a prefill-sized batch reached the block kernel")
+
+    monkeypatch.setattr(kernels, "load", DequantizeOnly)
+    assert torch.equal(gguf_blocks.linear(x, blocks), F.linear(x, torch.from_numpy(reference)))
+
+
+def test_fallback_without_kernels_gives_the_same_results(monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    for fmt in ("q4_1", "q8_0"):
+        blocks, reference = random_blocks(fmt, 9, 64)
+        x = torch.randn(3, 64)
+        assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))
+        torch.testing.assert_close(gguf_blocks.linear(x, blocks), F.linear(x, torch.from_numpy(reference)))
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q4")
+    return write_tiny_gguf(root / "tiny-q4.gguf", write_tiny_checkpoint(root / "hf", arch="llama"),
+                           quantize=True)
+
+
+def test_gguf_blocks_load_in_hf_row_order(quantized_gguf):
+    fp32 = load_model(quantized_gguf, weight_format="fp32").weights
+    blocks = load_model(quantized_gguf, weight_format="gguf").weights
+    assert sorted(fp32) == sorted(blocks)
+    kept = [name for name, w in blocks.items() if isinstance(w, GGUFBlocks)]
+    assert "model.layers.0.self_attn.q_proj.weight" in kept and "model.embed_tokens.weight" in kept
+    for name in kept:  # q/k rows were permuted by the writer and must come back unpermuted
+        assert torch.equal(blocks[name].dequantize(), fp32[name]), name
+
+
+def test_weight_format_choices(quantized_gguf, monkeypatch):
+    hf_dir = quantized_gguf.parent / "hf"
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        load_model(hf_dir, weight_format="gguf")
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        load_model(quantized_gguf, weight_format="int3")
+    monkeypatch.setattr(kernels, "load", lambda: None)  # no kernels built: auto keeps fp32
+    assert isinstance(load_model(quantized_gguf).weights["model.layers.0.mlp.up_proj.weight"], torch.Tensor)
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch-fallback"])
+def test_engine_on_quantized_gguf_generates_the_fp32_engines_tokens(quantized_gguf, module, monkeypatch,
+                                                                     use_kernels):
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.core import EngineCore
+
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 97)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for weight_format in ("fp32", "gguf"):
+        config = EngineConfig(cache=CacheConfig(kv_cache_memory="2MiB"),
+                              scheduler=SchedulerConfig(prefill_policy="chunked", max_num_batched_tokens=32))
+        engine = EngineCore(config, load_model(quantized_gguf, weight_format=weight_format))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        tokens[weight_format] = run_to_end(engine)
+    assert tokens["gguf"] == tokens["fp32"]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_paged_decode_attention_matches_the_gathering_torch_path(module, isa):
+    """Contexts that end mid-block, exactly on a block boundary, and at one token; blocks scattered."""
+    from splitserve.config import ModelConfig
+    from splitserve.models.llama import LlamaModel
+
+    used = module.set_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(3)
+        for num_heads, num_kv_heads, head_dim in [(4, 2, 16), (9, 3, 64), (6, 6, 24)]:
+            block_size, num_blocks = 16, 40
+            kv_layer = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g)
+            lens = torch.tensor([1, 16, 17, 33, 80])
+            tables = torch.randperm(num_blocks, generator=g)[:5 * 5].view(5, 5)
+            q = torch.randn(5, num_heads, head_dim, generator=g)
+            model = LlamaModel.__new__(LlamaModel)
+            model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
+                                       intermediate_size=8, num_layers=1, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
+            model.scale, model.block_size = head_dim ** -0.5, block_size
+            pad = torch.arange(5 * block_size).unsqueeze(0) >= lens.unsqueeze(1)
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+            want = model._decode_attention(q, kv_layer, tables, bias)
+            got = module.paged_decode_attention(q, kv_layer, tables, lens, model.scale)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{used} {head_dim}")
+    finally:
+        module.set_isa("avx512")
