@@ -103,7 +103,8 @@ class ModelRunner:
         if not samplers:
             return {}
         # sample() edits the logits in place (min_tokens bans): logprobs need the raw ones
-        raw = logits.float().clone() if any(r.params.logprobs is not None for r in samplers) else None
+        logits = logits.float()  # the grammar mask kernel wants fp32 (a no-op for the fp32 model)
+        raw = logits.clone() if any(r.params.logprobs is not None for r in samplers) else None
         apply_grammar_masks(logits, samplers)
         tokens = sample(logits, samplers, default_generator)
         advance_grammars(samplers, tokens)
