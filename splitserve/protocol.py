@@ -34,7 +34,8 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 4  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome; 4: priority
+PROTOCOL_VERSION = 5  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -48,6 +49,19 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logprobs: int | None = None
+    json_schema: str | None = None
+    answer_prefix_len: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's log-probability under the model (raw logits, before temperature and
+    the other sampling settings, as vLLM reports it) and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class KVTransferReport(msgspec.Struct, frozen=True):
@@ -120,6 +134,7 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     rejected: bool = False  # the engine refused the request at admission (a user error)
     kv_descriptor: TransferDescriptor | None = None  # prefill role, with "prefill_done"
     kv_transfer: KVTransferReport | None = None  # decode role, on the final output
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 # set; far above float32's smallest number, which a top_p of 5e-324 rounded to (0 kept no
 # token at all and the sampler raised).
 MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 @dataclass(slots=True)
@@ -21,6 +22,12 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: each sampled token's logprob and the k most likely alternatives
+    logprobs: int | None = None
+    json_schema: str | None = None  # structured output: the answer is JSON valid under this schema
+    # a resumed request: the last n prompt tokens are answer tokens made elsewhere (its grammar
+    # advances over them)
+    answer_prefix_len: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -45,6 +52,14 @@ class SamplingParams:
                    for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise bad("json_schema", "must be None or a JSON schema as a string")
+        if not isinstance(self.answer_prefix_len, int) or isinstance(self.answer_prefix_len, bool) \
+                or self.answer_prefix_len < 0:
+            raise bad("answer_prefix_len", "must be an integer >= 0")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -43,10 +43,11 @@ def hf_greedy(model, prompt: list[int], num_new: int) -> list[int]:
 
 
 def run_disaggregated(prefill: EngineCore, decode: EngineCore, requests, on_step=None,
-                      max_steps: int = 100_000):
+                      max_steps: int = 100_000, outputs: list | None = None):
     """Drive a prefill and a decode engine in one process, forwarding KV descriptors as the
     frontend would. requests: [(request_id, prompt, params)]. Returns
-    {request_id: (tokens, finish_reason, error, kv_transfer_record, kv_outcome)}."""
+    {request_id: (tokens, finish_reason, error, kv_transfer_record, kv_outcome)}; `outputs`, if
+    given, receives every RequestOutput of both engines in order."""
     import time
 
     prompts = {rid: (prompt, params) for rid, prompt, params in requests}
@@ -59,12 +60,16 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, requests, on_step
         if on_step is not None:
             on_step(step)
         for out in prefill.step():
+            if outputs is not None:
+                outputs.append(out)
             results[out.request_id] = [list(out.new_token_ids), out.finish_reason, out.error, None, None]
             if out.kv_descriptor is not None:
                 prompt, params = prompts[out.request_id]
                 decode.add_request(out.request_id, prompt, params, kv_descriptor=out.kv_descriptor,
                                    first_token_ids=out.new_token_ids)
         for out in decode.step():
+            if outputs is not None:
+                outputs.append(out)
             entry = results[out.request_id]
             entry[0].extend(out.new_token_ids)
             entry[1], entry[2] = out.finish_reason, out.error

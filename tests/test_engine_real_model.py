@@ -95,3 +95,24 @@ def test_bundled_model_greedy_batch_matches_transformers(case, policy, weight_fo
     assert engine.stats().prefix_cache_hits - hits > 2000
     assert [again[f"again{i}"] for i in range(len(prompts))] == [got[str(i)] for i in range(len(prompts))]
     assert engine.stats().num_free_blocks == engine.stats().num_blocks_total
+
+
+def test_bundled_model_logprobs_equal_transformers_log_softmax(case):
+    loaded, prompts, hf = case
+    engine = EngineCore(EngineConfig(cache=CacheConfig(kv_cache_memory="64MiB")), loaded)
+    for i in (0, 3):  # 5 tokens, and a chat of ~200
+        engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=8, temperature=0.8, seed=i,
+                                                              ignore_eos=True, logprobs=5))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    for i in (0, 3):
+        mine = [o for o in outs if o.request_id == str(i)]
+        tokens = [t for o in mine for t in o.new_token_ids]
+        entries = [e for o in mine for e in o.logprobs]
+        with torch.no_grad():
+            rows = torch.log_softmax(hf(torch.tensor([prompts[i] + tokens])).logits[0].float(), -1)
+        rows = rows[len(prompts[i]) - 1:-1]
+        for row, token, e in zip(rows, tokens, entries, strict=True):
+            assert e.token_id == token and abs(e.logprob - float(row[token])) < 1e-4
+            assert max(abs(a - b) for a, b in zip(e.top_logprobs, row.topk(5).values.tolist())) < 1e-4

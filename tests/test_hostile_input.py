@@ -204,7 +204,7 @@ def test_lying_or_broken_framing_headers_are_a_4xx(server, headers, body):
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "min_tokens", "logprobs",
-          "echo", "suffix", "tools", "add_generation_prompt", "user"]
+          "echo", "suffix", "tools", "add_generation_prompt", "user", "top_logprobs", "response_format", "tool_choice"]
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
            | st.sampled_from([0, 1, 2, -1, 4, 1e-9, "user", "assistant", "system", "tool", ""]))

@@ -45,11 +45,44 @@ def test_text_content_parts_are_joined(renderer):
     ([{"role": "wizard", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
     ([{"role": "user", "content": 42}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "messages[0].content"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}], "messages[1].content"),
+    ([{"role": "user", "content": "x", "name": 7}], "messages[0].name"),
+    ([{"role": None, "content": "x"}], "messages[0].role"),
 ])
 def test_bad_messages_raise_render_error_naming_the_field(renderer, messages, param):
     with pytest.raises(RenderError) as info:
         renderer.render_chat(messages)
     assert info.value.param == param
+
+
+def test_developer_is_rendered_as_system_when_the_template_lacks_it(renderer):
+    assert not renderer.developer_role  # SmolLM2's ChatML template knows system, user, assistant
+    as_developer = renderer.render_chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}])
+    as_system = renderer.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}])
+    assert as_developer.text == as_system.text
+
+
+NAMING_TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]"
+                   "{{ m.content }}{% endfor %}")
+
+
+def test_a_template_that_names_developer_and_name_gets_them(renderer):
+    custom = Renderer(renderer.tokenizer, NAMING_TEMPLATE + "{# developer #}")
+    assert custom.developer_role
+    text = custom.render_chat([{"role": "developer", "content": "d"},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}]).text
+    assert text == "[developer]d[user:ann]hi"
+
+
+def test_null_content_is_allowed_only_for_an_assistant_calling_tools(renderer):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    custom = Renderer(renderer.tokenizer, NAMING_TEMPLATE)
+    text = custom.render_chat([{"role": "user", "content": "x"},
+                               {"role": "assistant", "content": None, "tool_calls": [call]}]).text
+    assert text == "[user]x[assistant]"
 
 
 def test_incremental_detokenization_never_splits_a_character(renderer):

@@ -18,6 +18,7 @@ from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.structured import GrammarBackend
 from splitserve.protocol import EngineStats
 from splitserve.sampling import SamplingParams
 
@@ -55,6 +56,7 @@ class EngineCore:
         self.pending_role: str | None = None
         self.num_role_changes = 0
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
         self.step_seconds = 0.0  # moving average of recent steps that ran the model
@@ -145,6 +147,8 @@ class EngineCore:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         if kv_descriptor is not None:
             request.output_token_ids = list(first_token_ids)
+        n = params.answer_prefix_len
+        self.grammars.attach(request, (prompt_token_ids[-n:] if n else []) + request.output_token_ids)
         if not self.connector.on_add(request, kv_descriptor):
             self.scheduler.add(request)
         self.requests[request_id] = request
@@ -206,6 +210,8 @@ class EngineCore:
                 finish_reason=request.status.value if done else None,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens)
+            if request in self.runner.last_logprobs:
+                out.logprobs = [self.runner.last_logprobs[request]]
             if done:
                 try:
                     out.kv_descriptor = self._finish(request)

@@ -5,9 +5,11 @@ import torch
 
 from splitserve.config import CacheConfig, ModelConfig
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import sample
+from splitserve.engine.sampler import sample, token_logprobs
 from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.structured import advance_grammars, apply_grammar_masks
 from splitserve.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillChunk
+from splitserve.protocol import TokenLogprobs
 
 
 DECODE_GROUP_SLACK = 128  # tokens of padding a decode group tolerates beyond twice its shortest
@@ -45,6 +47,7 @@ class ModelRunner:
         else:
             self.kv_cache = allocate_pool(shape, dtype)
         self.model.block_size = self.block_size
+        self.last_logprobs: dict[Request, TokenLogprobs] = {}  # the last step's, for requests that asked
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -96,7 +99,15 @@ class ModelRunner:
         """Run one step; returns the sampled token for each request that reached its end."""
         forward_batch, samplers = self.build_batch(batch)
         logits = self.model.forward(forward_batch, self.kv_cache)  # [num_samples, vocab]
+        self.last_logprobs = {}
         if not samplers:
             return {}
+        # sample() edits the logits in place (min_tokens bans): logprobs need the raw ones
+        logits = logits.float()  # the grammar mask kernel wants fp32 (a no-op for the fp32 model)
+        raw = logits.clone() if any(r.params.logprobs is not None for r in samplers) else None
+        apply_grammar_masks(logits, samplers)
         tokens = sample(logits, samplers, default_generator)
+        advance_grammars(samplers, tokens)
+        if raw is not None:
+            self.last_logprobs = token_logprobs(raw, samplers, tokens)
         return dict(zip(samplers, tokens))

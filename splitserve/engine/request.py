@@ -49,6 +49,7 @@ class Request:
     remote_decode: bool = False  # stops after its first token; a decode instance continues it
     kv_transfer: object | None = None  # TransferRecord of the KV it received from a prefill instance
     kv_outcome: str | None = None  # that transfer's end for the client: ok | recomputed | failed
+    grammar: object | None = None  # xgrammar GrammarMatcher when params.json_schema is set
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,3 +92,4 @@ class RequestOutput:
     kv_descriptor: object | None = None  # "prefill_done": where a decode instance can pull the KV
     kv_transfer: object | None = None  # the TransferRecord of the KV this request received
     kv_outcome: str | None = None  # ok | recomputed | failed, decided by the decode connector
+    logprobs: list | None = None  # [protocol.TokenLogprobs] for new_token_ids, when asked

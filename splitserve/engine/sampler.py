@@ -8,6 +8,25 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.request import Request
+from splitserve.protocol import TokenLogprobs
+
+
+def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[Request, TokenLogprobs]:
+    """The sampled tokens' log-probabilities for the requests that asked (params.logprobs set),
+    from the raw logits (a copy taken before `sample`, which edits them in place)."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(requests[i].params.logprobs for i in rows)
+    top = logprobs.topk(k, dim=-1) if k else None
+    out = {}
+    for j, i in enumerate(rows):
+        n = requests[i].params.logprobs
+        out[requests[i]] = TokenLogprobs(
+            tokens[i], float(logprobs[j, tokens[i]]),
+            top.indices[j, :n].tolist() if n else [], top.values[j, :n].tolist() if n else [])
+    return out
 
 
 def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -57,7 +57,8 @@ class Dispatcher:
         wire = WireSamplingParams(
             max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+            json_schema=params.json_schema)
         state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
                              wire, priority=priority)
         self._dispatch(state)
@@ -69,7 +70,7 @@ class Dispatcher:
         prompt = state.prompt_token_ids + state.token_ids
         n = len(state.token_ids)
         wire = msgspec.structs.replace(state.wire_params, max_tokens=state.wire_params.max_tokens - n,
-                                       min_tokens=max(0, state.wire_params.min_tokens - n))
+                                       min_tokens=max(0, state.wire_params.min_tokens - n), answer_prefix_len=n)
         request_id = f"{state.client_request_id[:64]}.{next(self._ids)}"
         try:
             payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority))

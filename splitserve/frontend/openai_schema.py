@@ -82,6 +82,8 @@ class _GenerationFields(_Body):
     min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # declared so that a JSON request is refused (400) rather than silently answered in free text
+    response_format: dict | None = None
     # accepted in OpenAI's (and vLLM's) ranges, not acted on
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -109,6 +111,8 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+    # declared so that a forced call is refused (400) rather than answered in free text
+    tool_choice: str | dict | None = None
 
     def answer_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -37,9 +37,8 @@ class RenderError(ValueError):
 
 
 def _flatten_content(content: object, index: int) -> str:
-    """OpenAI content: a string, null, or a list of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
+    """OpenAI content: a string, or a list of {"type": "text", "text": ...} parts (null is
+    checked by the caller, since whether it is allowed depends on the message)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -50,8 +49,30 @@ def _flatten_content(content: object, index: int) -> str:
                                   param=f"messages[{index}].content")
             texts.append(part["text"])
         return "".join(texts)
-    raise RenderError("content must be a string, null or a list of text parts",
+    raise RenderError("content must be a string or a list of text parts",
                       param=f"messages[{index}].content")
+
+
+def _normalize_message(m: dict, index: int, developer_role: bool) -> dict:
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise RenderError(f"unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}", f"messages[{index}].role")
+    if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
+        raise RenderError("name must be a string", f"messages[{index}].name")
+    msg = {k: v for k, v in m.items() if v is not None or k == "content"}
+    # OpenAI's rule: only an assistant message that calls tools may leave out its text. A null
+    # user message used to render as an empty turn and generate until the context was full.
+    if m.get("content") is None:
+        if not (role == "assistant" and m.get("tool_calls")):
+            raise RenderError(f"a {role} message needs content (a string or a list of text parts); only an "
+                              f"assistant message with tool_calls may have null content",
+                              f"messages[{index}].content")
+        msg["content"] = ""  # templates concatenate content: None would raise or print "None"
+    else:
+        msg["content"] = _flatten_content(m["content"], index)
+    if role == "developer" and not developer_role:
+        msg["role"] = "system"  # OpenAI's newer name for the system role; most templates predate it
+    return msg
 
 
 class Renderer:
@@ -70,6 +91,10 @@ class Renderer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         # Compiled once: compiling the template per request would dominate render time.
         self._template = env.from_string(self.chat_template) if self.chat_template else None
+        # A template that names the developer role renders it itself; for any other one a
+        # developer message is rendered as a system message (what vLLM and OpenAI's own docs do).
+        self.developer_role = bool(self.chat_template) and "developer" in self.chat_template
+        self._token_texts: dict[int, str] = {}
         self._special = {
             "bos_token": tokenizer.bos_token or "",
             "eos_token": tokenizer.eos_token or "",
@@ -82,17 +107,7 @@ class Renderer:
     def normalize_messages(self, messages: list[dict]) -> list[dict]:
         if not messages:
             raise RenderError("messages must hold at least one message", "messages")
-        out = []
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role not in CHAT_ROLES:
-                raise RenderError(f"unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}",
-                                  f"messages[{i}].role")
-            msg = dict(m)
-            msg["role"] = "system" if role == "developer" else role
-            msg["content"] = _flatten_content(m.get("content"), i)
-            out.append(msg)
-        return out
+        return [_normalize_message(m, i, self.developer_role) for i, m in enumerate(messages)]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> RenderedPrompt:
@@ -118,6 +133,13 @@ class Renderer:
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (logprobs name tokens this way); cached: a stream asks per token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     def new_output_text(self, stop: list[str]) -> OutputText:
         return OutputText(self.backend, stop)

@@ -34,6 +34,7 @@ class GenerationEvent:
     kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
     num_retries: int = 0  # times the request was sent again after its engine died
     token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
+    logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
 
 
 def trial_report(report: KVTransferReport) -> dict:

@@ -26,8 +26,10 @@ import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from splitserve.frontend.engine_client import EngineClient
+from splitserve.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.response_format import json_schema_for
 from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.router import NoInstanceAvailable
 from splitserve.sampling import SamplingParams
@@ -90,10 +92,11 @@ class OpenAIServing:
     def sampling_params(self, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
-        if body.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
-        if body.top_logprobs:
-            raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+        logprobs = requested_logprobs(body)
+        json_schema = json_schema_for(body.response_format)
+        if json_schema is not None and body.min_tokens:
+            raise ApiError(400, "min_tokens cannot be combined with response_format: the grammar may have "
+                                "to end the answer first", param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
@@ -111,7 +114,8 @@ class OpenAIServing:
                            param="min_tokens")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
-                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+                              stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                              json_schema=json_schema)
 
     async def render_chat(self, body) -> tuple[str, list[int]]:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
@@ -157,24 +161,33 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
+        if body.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice 'required' or a named function is not supported yet (calls are not "
+                                "parsed); use 'auto' or 'none'", param="tool_choice")
         _, token_ids = await self.render_chat(body)
         params = self.sampling_params(body, len(token_ids))
         stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
-                        body.return_token_ids)
+                        body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None)
         if body.stream:
             return self._streaming(answer.chat_chunks(stream), request_id)
         return await self._full(answer, stream, request_id, receive)
 
     async def completion(self, body: CompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
-        if body.echo or body.suffix:
-            raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if body.echo and body.logprobs is not None and body.logprobs is not False:
+            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported yet; "
+                                "use echo or logprobs alone", param="echo")
         token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
+        echo = (await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt) \
+            if body.echo else ""
         stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
-                        body.return_token_ids)
+                        body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
+                        echo)
         if body.stream:
             return self._streaming(answer.text_chunks(stream), request_id)
         return await self._full(answer, stream, request_id, receive)
@@ -186,18 +199,38 @@ class OpenAIServing:
 
     async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
         watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
-        texts, token_ids, last = [], [], None
+        texts, token_ids, logprobs, last = [], [], [], None
         try:
             async for event in stream:
                 texts.append(event.text)
                 token_ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs or [])
                 last = event
         finally:
             watcher.cancel()
             stream.close()  # a cancelled handler aborts the request too
         if last.error:
             raise error_for(last)
-        return JSONResponse(answer.full("".join(texts), last, token_ids), headers={"X-Request-Id": request_id})
+        return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs), headers={"X-Request-Id": request_id})
+
+
+def requested_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """-> None, or how many alternatives each token's logprob comes with. Chat: logprobs is a
+    boolean and top_logprobs the count (it needs logprobs: true); completions: logprobs is the count."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ApiError(400, "for chat completions logprobs is a boolean; give the number of alternatives "
+                                "as top_logprobs", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if isinstance(body.logprobs, bool):
+        raise ApiError(400, "for completions logprobs is the number of alternatives (0 to 20), not a boolean",
+                       param="logprobs")
+    if body.top_logprobs is not None:
+        raise ApiError(400, "completions take the number of alternatives as logprobs, not top_logprobs",
+                       param="top_logprobs")
+    return body.logprobs
 
 
 async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
@@ -242,34 +275,55 @@ def usage(event: GenerationEvent) -> dict:
 
 
 class Answer:
-    """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`."""
+    """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`.
+
+    token_text, when given, names tokens for the logprobs the request asked for; echo is the
+    prompt text a completion repeats before its answer."""
 
     def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, token_text: TokenText | None = None, echo: str = "") -> None:
         self.kind, self.id, self.model, self.include_usage = kind, answer_id, model, include_usage
         self.return_token_ids = return_token_ids
+        self.token_text, self.echo = token_text, echo
+        self._text_logprobs = CompletionLogprobs(token_text, len(echo)) if token_text and kind == "text" else None
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, last: GenerationEvent, token_ids: list[int] | None = None) -> dict:
+    def _logprobs(self, entries: list | None) -> dict | None:
+        if self.token_text is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.token_text, entries or [])
+        return self._text_logprobs.chunk(entries or [])
+
+    def full(self, text: str, last: GenerationEvent, token_ids: list[int] | None = None,
+             logprobs: list | None = None) -> dict:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": last.finish_reason}
+                      "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": self.echo + text, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": last.finish_reason}
             head = self._head("text_completion")
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids or [])
         return with_report({**head, "choices": [choice], "usage": usage(last)}, last)
 
     def _ids(self, choice: dict, event: GenerationEvent, carries: bool = True) -> dict:
-        """With return_token_ids, the chunk that delivers an event's tokens names them."""
+        """The chunk that delivers an event's tokens names them (return_token_ids) and carries
+        their logprobs; any other chunk has empty lists."""
         if self.return_token_ids:
             choice["token_ids"] = list(event.token_ids) if carries else []
+        if self.token_text is not None:
+            choice["logprobs"] = self._logprobs(event.logprobs if carries else [])
         return choice
+
+    def _per_token(self, event: GenerationEvent) -> bool:
+        """Whether every engine step gets a chunk, even one whose text is held back."""
+        return (self.return_token_ids or self.token_text is not None) and bool(event.token_ids)
 
     def _chunk(self, obj: str, choice: dict, last: GenerationEvent | None = None) -> bytes:
         chunk = {**self._head(obj), "choices": [choice]}
@@ -300,13 +354,14 @@ class Answer:
             if event.error:
                 yield sse(error_for(event).body())
                 break
-            if event.text or (self.return_token_ids and event.token_ids and not event.finished):
+            carried = bool(event.text) or (self._per_token(event) and not event.finished)
+            if carried:
                 yield self._chunk(obj, self._ids({"index": 0, "delta": {"content": event.text},
                                                   "logprobs": None, "finish_reason": None}, event))
             if event.finished:
                 yield self._chunk(obj, self._ids({"index": 0, "delta": {}, "logprobs": None,
                                                   "finish_reason": event.finish_reason}, event,
-                                                 not event.text), event)
+                                                 not carried), event)
                 for chunk in self._tail(obj, event):
                     yield chunk
                 return
@@ -314,11 +369,13 @@ class Answer:
 
     async def text_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
         obj = "text_completion"
+        if self.echo:
+            yield self._chunk(obj, {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None})
         async for event in self._events(stream):
             if event.error:
                 yield sse(error_for(event).body())
                 break
-            if event.text or event.finished or (self.return_token_ids and event.token_ids):
+            if event.text or event.finished or self._per_token(event):
                 yield self._chunk(obj, self._ids({"index": 0, "text": event.text, "logprobs": None,
                                                   "finish_reason": event.finish_reason if event.finished else None},
                                                  event),

@@ -1,0 +1,44 @@
+"""`response_format` -> the JSON schema the engine constrains the answer to, checked here so
+that a schema the grammar engine cannot use is a 400 naming the problem, before any engine."""
+from __future__ import annotations
+
+import json
+
+from splitserve.frontend.openai_schema import ApiError
+
+ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object
+
+
+def json_schema_for(response_format: dict | None) -> str | None:
+    """None for free text; else the schema text (ApiError 400 if it is not usable)."""
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                       param="response_format.type")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                       param="response_format.json_schema")
+    text = json.dumps(schema)
+    check_schema(text)
+    return text
+
+
+def check_schema(text: str) -> None:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ApiError(400, "structured output is not supported on this server (xgrammar is not installed)",
+                       param="response_format") from None
+    try:
+        xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+    except Exception as e:  # noqa: BLE001 - whatever the compiler rejects, the user's schema caused it
+        raise ApiError(400, f"the JSON schema cannot be used for structured output: {e}",
+                       param="response_format.json_schema.schema") from None
