@@ -15,6 +15,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from splitserve.trial.mix_timeline import timeline_cell, timeline_html
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 # Rows measured per repeat: median (min-max) when the trial repeated.
@@ -47,6 +48,7 @@ ROWS = [
     ("timing", lambda s: "per token" if s.get("token_timing") == "token" else
                          "per chunk (the server sent no token ids)"),
     ("faults: lost / failed after / recovery", lambda s: fault_cell(s.get("faults"))),
+    ("role changes (adaptive)", timeline_cell),
     ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s, "
                            f"{s['kv_transfer']['failed']} failed" if s["kv_transfer"]["num_reports"] else "-"),
     ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
@@ -275,6 +277,7 @@ pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Verdict</h2><p class="verdict">{html.escape(doc['verdict'])}</p>{errors}
 <h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
 {_method_html(doc)}
+{timeline_html(doc)}
 <p>Resources: {html.escape(doc.get('placement', ''))}; cores {doc.get('cpus')}; KV cache
 {html.escape(str(doc.get('kv_cache_memory_total')))} per arrangement, split between its instances.
 Order of the runs per repeat: {html.escape(str(doc.get('order')))}.</p>
