@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 
 import httpx
@@ -50,7 +51,7 @@ def test_the_adapter_maps_each_field():
     a, b, c = mix_views(loads, {"a": 2}, default_threads=1)
     assert (a.instance_id, a.role, a.alive, a.queued_prompt_tokens, a.num_running, a.decode_kv_tokens, a.threads,
             a.recent_step_s) == ("a", "prefill", True, 700, 2, 320, 2, 0.04)
-    assert not b.alive and b.threads == 1 and b.recent_step_s is None  # changing role: serves neither stage yet
+    assert b.alive and b.threads == 1 and b.recent_step_s is None
     assert not c.alive
 
 
@@ -124,3 +125,27 @@ async def build_and_get_without_mix(cluster: Cluster) -> httpx.Response:
     app = build_app(cluster.client, cluster.client.renderer, cluster.client.metrics)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
         return await http.get("/admin/mix")
+
+
+class MidChangeClient(RefusingClient):
+    """1P1D whose decode instance is in the middle of a role change (an operator's, or a takeover)."""
+
+    def load_view(self):
+        return [InstanceLoadView("p", "prefill", True, False, 0, 0, 0, 0, 0, 0.0, 0.0),
+                InstanceLoadView("d", "decode", True, True, 0, 0, 0, 0, 0, 0.0, 0.0)]
+
+
+def test_no_decision_fights_a_role_change_under_way_and_the_log_stays_valid_json():
+    async def go():
+        client = MidChangeClient()
+        mix = AdaptiveMix(client, FrontendMetrics(), MixController(FALLBACK_STEP_MODEL, MixTargets(1, 1)),
+                          interval_s=1.0)
+        await mix.run_once()
+        [entry] = mix.snapshot()["decisions"]
+        assert entry["instance_id"] is None and "under way on d" in entry["reason"] and client.calls == 0
+        # a stage with no instance at all: the estimate is inf, which JSON cannot carry
+        client.load_view = lambda: [InstanceLoadView("p", "prefill", True, False, 0, 0, 0, 0, 0, 0.0, 0.0)]
+        await mix.run_once()
+        assert mix.snapshot()["decisions"][-1]["gap_estimate_s"] is None
+        json.dumps(mix.snapshot(), allow_nan=False)
+    asyncio.run(go())

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
-from splitserve.control.mix import FALLBACK_STEP_MODEL, InstanceView, MixController, MixTargets
+from splitserve.control.mix import FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets
 from splitserve.control.mix_loop import MixLoop
 
 if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
@@ -68,9 +69,8 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
 
 
 def mix_views(loads: list[InstanceLoadView], threads: dict[str, int], default_threads: int = 1) -> list[InstanceView]:
-    """The engine client's load picture as the mix controller reads it. An instance in the middle
-    of a role change counts as not alive: it serves neither stage until it has swapped."""
-    return [InstanceView(instance_id=v.instance_id, role=v.role, alive=v.alive and not v.changing_role,
+    """The engine client's load picture as the mix controller reads it."""
+    return [InstanceView(instance_id=v.instance_id, role=v.role, alive=v.alive,
                          queued_prompt_tokens=v.num_queued_prompt_tokens, num_running=v.num_running_requests,
                          decode_kv_tokens=v.num_kv_tokens_used, threads=threads.get(v.instance_id, default_threads),
                          recent_step_s=v.step_seconds or None)
@@ -97,9 +97,21 @@ class AdaptiveMix:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
 
     async def run_once(self):
-        decision = await self.loop.run_once()
+        loads = self.client.load_view()
+        changing = [v.instance_id for v in loads if v.alive and v.changing_role]
+        if changing:
+            # an operator's change or a takeover after a death is under way: deciding on a picture
+            # that is about to change would fight it (e.g. "rescue" a stage it is taking over)
+            decision = Decision(self.loop.clock(), f"a role change is under way on {', '.join(changing)}; "
+                                                   "deciding again once it is done")
+            self.loop.decisions.append(decision.to_dict())
+        else:
+            decision = await self.loop.run_once()
         entry = self.loop.decisions[-1]  # run_once logs every decision
         entry["wall_time"] = time.time()  # the trial lines the timeline up with its own clock
+        for key in ("ttft_estimate_s", "gap_estimate_s"):  # inf (a stage with no instance) is not JSON
+            if entry.get(key) is not None and not math.isfinite(entry[key]):
+                entry[key] = None
         action = "none" if decision.instance_id is None else ("change" if entry.get("applied") else "refused")
         self.metrics.mix_decisions.labels(action).inc()
         return decision
