@@ -33,7 +33,8 @@ ROWS = [
     ("offered rate (req/s)", lambda s: f"{s['offered_rate_rps']:.3f}" if s.get("offered_rate_rps") else "n/a"),
     ("good / requests", lambda s: f"{s['num_good']} / {s['num_requests']}"),
     ("attainment by class", lambda s: ", ".join(f"{name} {c['attainment']:.0%}" for name, c in s["by_class"].items())),
-    ("attainment by phase", lambda s: ", ".join(f"#{p['phase'] + 1} {p['attainment']:.0%}" for p in s["by_phase"])
+    ("attainment by phase", lambda s: ", ".join(f"#{p['phase'] + 1} {p['attainment']:.0%}" if p.get("num_requests")
+                                                else f"#{p['phase'] + 1} -" for p in s["by_phase"])
                                       if s.get("by_phase") else "-"),
     ("TTFT p50 / p99", lambda s: f"{fmt_seconds(s['ttft_s']['p50'])} / {fmt_seconds(s['ttft_s']['p99'])}"),
     ("TPOT p50 / p99", lambda s: f"{fmt_seconds(s['tpot_s']['p50'])} / {fmt_seconds(s['tpot_s']['p99'])}"),
