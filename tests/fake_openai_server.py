@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ class FakeBehaviour:
     odd_every: int = 0             # every Nth stream sends a chunk whose `choices` is not a list
     token_ids: bool = False        # honour return_token_ids: each chunk names its token ids
     spawn_child: bool = False      # start a child process, as `serve` starts engines (affinity is inherited)
+    adaptive: bool = False         # GET /admin/mix as `serve --adaptive`: one role change at the 5th request
 
 
 def fake_token(word: str) -> int:
@@ -48,6 +50,20 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
     engine = asyncio.Lock()
     counter = itertools.count(1)
     stats = {"kv_failures": 0, "requests": 0}
+    mix = {"roles": {"engine-0": "colocated", "engine-1": "colocated"},
+           "decisions": [{"instance_id": None, "reason": "within the hysteresis band", "wall_time": time.time()}]}
+
+    @app.get("/admin/mix")
+    async def admin_mix():
+        if not behaviour.adaptive:
+            return JSONResponse({"error": {"message": "not adaptive"}}, status_code=404)
+        return {"enabled": True, "interval_s": 1.0, "targets": {"ttft_s": 2.0, "gap_s": 0.5}, **mix}
+
+    def adapt() -> None:
+        if behaviour.adaptive and stats["requests"] == 5:
+            mix["roles"]["engine-1"] = "prefill"
+            mix["decisions"].append({"instance_id": "engine-1", "from_role": "colocated", "to_role": "prefill",
+                                     "applied": True, "reason": "prefill is short", "wall_time": time.time()})
 
     @app.get("/v1/models")
     async def models():
@@ -70,6 +86,7 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
         body = await request.json()
         n = next(counter)
         stats["requests"] += 1
+        adapt()
         if behaviour.fail_every and n % behaviour.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, 500)
         prompt = body["prompt"]

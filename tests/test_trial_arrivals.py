@@ -88,3 +88,14 @@ def test_one_seed_gives_identical_arrivals_and_compress_keeps_the_order():
     assert a == b
     fast = compress(a, 2.0)
     assert [x.time_s * 2 for x in fast] == pytest.approx([x.time_s for x in a])
+
+
+def test_a_phase_mix_fixes_the_classes_and_never_moves_an_arrival():
+    plain = ArrivalSpec("phases", phases=[Phase(200.0, 2.0), Phase(200.0, 1.0)])
+    mixed = ArrivalSpec("phases", phases=[Phase(200.0, 2.0, mix={"chat": 9, "document": 1}),
+                                          Phase(200.0, 1.0, mix={"document": 1})])
+    a, b = generate_arrivals(plain, rng()), generate_arrivals(mixed, rng())
+    assert np.array_equal(times(a), times(b)) and all(x.class_name is None for x in a)
+    first = [x.class_name for x in b if x.time_s < 200]
+    assert first.count("document") / len(first) == pytest.approx(0.1, abs=0.06)
+    assert {x.class_name for x in b if x.time_s >= 200} == {"document"}

@@ -1,6 +1,7 @@
 """The verdict follows the measurement, and the reports render from a results document alone."""
 import json
 
+from splitserve.trial import report
 from splitserve.trial.metrics import RequestRecord, summarize
 from splitserve.trial.report import table, write_html, write_json
 from splitserve.trial.runner import ArrangementResult, RunResult
@@ -92,3 +93,10 @@ def test_a_trial_whose_searches_held_nothing_still_renders(tmp_path):
     write_html(doc, tmp_path / "report.html")
     assert "stopped by floor" in (tmp_path / "report.html").read_text()
     assert table(doc).row_count >= 10
+
+
+def test_attainment_by_phase_leaves_a_phase_no_request_reached_blank():
+    cell = dict(report.ROWS)["attainment by phase"]
+    summary = {"by_phase": [{"phase": 0, "attainment": 0.92, "num_requests": 24},
+                            {"phase": 1, "attainment": 0.0, "num_requests": 0}]}
+    assert cell(summary) == "#1 92%, #2 -"

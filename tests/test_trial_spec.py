@@ -124,3 +124,25 @@ def test_trial_cli_reports_a_bad_spec_and_starts_nothing(tmp_path, capsys):
     assert main(["trial", str(spec), "--out", str(tmp_path / "out")]) == 2
     assert "slo.ttft_seconds: unknown field" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+PHASES = {"pattern": "phases", "rate": {"fraction_of_capacity": 0.7, "reference": "a"},
+          "phases": [{"duration_s": 30, "rate": 1.0, "mix": {"chat": 9, "document": 1}},
+                     {"duration_s": 30, "rate": 0.5, "mix": {"document": 1}}, {"duration_s": 10, "rate": 1.0}]}
+
+
+def test_phases_take_a_rate_relative_to_the_reference_and_their_own_mix():
+    spec = parse_spec(with_change("arrivals", PHASES))
+    rel = spec.arrivals.relative_rate
+    assert (rel.fraction_of_capacity, rel.reference) == (0.7, "a")
+    assert [p.mix for p in spec.arrivals.phases] == [{"chat": 9.0, "document": 1.0}, {"document": 1.0}, None]
+    for change, field in (({"mix": {"poem": 1}}, "phases[0].mix.poem"), ({"mix": {"chat": 0}}, "phases[0].mix"),
+                          ({"rate": {"fraction_of_capacity": 0.7, "reference": "a", "nominal": 2}}, "rate.nominal"),
+                          ({"rate": {"fraction_of_capacity": 0.7, "reference": "nope"}}, "rate.reference")):
+        raw = copy.deepcopy(PHASES)
+        if "mix" in change:
+            raw["phases"][0]["mix"] = change["mix"]
+        else:
+            raw["rate"] = change["rate"]
+        with pytest.raises(SpecError, match=field.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
+            parse_spec(with_change("arrivals", raw))

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve.frontend.adaptive import AdaptiveMix, add_mix_routes
 from splitserve.frontend.admin import SpawnEngine, add_admin_routes
 from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.http_guard import (ADMIN_PREFIX, HttpGuardMiddleware, http_guard_from_args,
@@ -53,7 +54,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 
 def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engine: SpawnEngine | None,
-                     args: argparse.Namespace) -> tuple[object, dict]:
+                     args: argparse.Namespace, mix: AdaptiveMix | None = None) -> tuple[object, dict]:
     """The app `serve` runs, inside its guards (outermost first: Host + admin gate, API key, body
     limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag."""
     api_keys = api_keys_from_args(args)
@@ -61,7 +62,7 @@ def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engin
     if spawn_engine is not None:
         spawn_engine = InstanceBudget(spawn_engine, client, guard.max_instances,
                                       startup_timeout_s=args.startup_timeout)
-    app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine),
+    app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine, mix),
                                   args.max_request_bytes, body_timeout_s=guard.timeout_request_headers)
     if api_keys:
         app = ApiKeyMiddleware(app, api_keys, exempt_prefix=ADMIN_PREFIX if guard.admin_keys else None)
@@ -69,10 +70,11 @@ def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engin
 
 
 def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
-              spawn_engine: SpawnEngine | None = None) -> FastAPI:
+              spawn_engine: SpawnEngine | None = None, mix: AdaptiveMix | None = None) -> FastAPI:
     app = FastAPI(title="splitserve", version="0.1.0")
     serving = OpenAIServing(client, renderer)
     add_admin_routes(app, client, spawn_engine)
+    add_mix_routes(app, mix)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):

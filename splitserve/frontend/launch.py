@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from splitserve.config import EngineConfig
+from splitserve.frontend.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
 from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.frontend.limits import add_limit_arguments, check_limit_args
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_http_guard_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
+    add_adaptive_arguments(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -214,6 +216,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "
               f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
+    mix = None
     try:
         for (engine_id, role), cores in zip(roles, cpus):
             proc = start_engine_process(args, engine_config_from_args(args, role, engine_id), client.address, cores,
@@ -235,7 +238,8 @@ async def serve(args: argparse.Namespace) -> int:
             client.attach_process(engine_id, proc)
             return engine_id
 
-        app, http_limits = build_server_app(client, metrics, spawn_engine, args)
+        mix = adaptive_from_args(args, client, metrics, len(engine_ids))
+        app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
         server = uvicorn.Server(config)
@@ -248,9 +252,13 @@ async def serve(args: argparse.Namespace) -> int:
                   f"engines join at {client.address}", flush=True)
 
         announcer = asyncio.create_task(announce())
+        if mix is not None:
+            mix.start()
         await server.serve()
         announcer.cancel()
     finally:
+        if mix is not None:
+            await mix.stop()
         await client.shutdown()
         await asyncio.to_thread(stop_engines, processes)
         log.warning("all engines stopped")
@@ -262,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         check_limit_args(args)
+        check_adaptive_args(args)
         # an unreadable key file or a bad key fails here, before any engine starts
         http_guard_from_args(args, api_keys_from_args(args))
         engine_link_from_args(args, args.engine_address, "--engine-address")

@@ -30,6 +30,8 @@ class FrontendMetrics:
                                "tokens so far recomputed) because theirs died mid-stream", registry=r)
         self.role_changes = Counter("splitserve_role_changes", "Live role changes of engine instances",
                                     ["from_role", "to_role"], registry=r)
+        self.mix_decisions = Counter("splitserve_mix_decisions", "serve --adaptive: decisions by action "
+                                     "(none | change | refused)", ["action"], registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
         # work spent on requests aborted before their end (clients that left, mostly): prompt tokens

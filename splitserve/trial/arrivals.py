@@ -56,15 +56,30 @@ def generate_arrivals(spec: ArrivalSpec, rng: np.random.Generator) -> list[Arriv
     if spec.pattern == "on_off":
         return _on_off(spec, rng)
     if spec.pattern == "phases":
-        out, start = [], 0.0
-        for phase in spec.phases:
-            times = _times(phase.pattern, phase.rate, rng, phase.burstiness, None, phase.duration_s)
-            out += [Arrival(start + float(t)) for t in times]
-            start += phase.duration_s
-        return out
+        return _phases(spec, rng)
     if spec.pattern == "trace":
         return _from_trace(spec, rng)
     raise ValueError(f"unknown arrival pattern {spec.pattern!r}")
+
+
+def _phases(spec: ArrivalSpec, rng: np.random.Generator) -> list[Arrival]:
+    """Each phase's stream after the last; a phase with its own `mix` fixes its requests' classes
+    (drawn after every time, so giving a phase a mix never moves an arrival)."""
+    per_phase, start = [], 0.0
+    for phase in spec.phases:
+        times = _times(phase.pattern, phase.rate, rng, phase.burstiness, None, phase.duration_s)
+        per_phase.append([start + float(t) for t in times])
+        start += phase.duration_s
+    out = []
+    for phase, times in zip(spec.phases, per_phase):
+        if phase.mix is None:
+            out += [Arrival(t) for t in times]
+            continue
+        names = list(phase.mix)
+        weights = np.asarray([phase.mix[n] for n in names], dtype=float)
+        picks = rng.choice(len(names), size=len(times), p=weights / weights.sum())
+        out += [Arrival(t, names[int(k)]) for t, k in zip(times, picks)]
+    return out
 
 
 def _on_off(spec: ArrivalSpec, rng: np.random.Generator) -> list[Arrival]:

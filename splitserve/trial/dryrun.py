@@ -56,8 +56,9 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
             lines.append(f"  class {name}: {html.unescape(slo_text(own['slo']))}{html.unescape(patience_text(own))}")
     rel = spec.arrivals.relative_rate
     if rel:
+        laid_out = ("the phases' own rates" if spec.arrivals.pattern == "phases" else f"{rel.nominal:g} req/s")
         lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, measured first "
-                     f"(arrivals laid out at {rel.nominal:g} req/s, then scaled)")
+                     f"(arrivals laid out at {laid_out}, then scaled together)")
     else:
         lines.append("rate: as written in the spec (x1)")
     lines.append(f"arrangements, pinned to cores {cpus}; KV cache {spec.kv_cache_memory} per arrangement, "

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from splitserve.trial.class_report import classes_html
+from splitserve.trial.mix_timeline import timeline_cell, timeline_html
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
 # Rows measured per repeat: median (min-max) when the trial repeated.
@@ -33,7 +34,8 @@ ROWS = [
     ("offered rate (req/s)", lambda s: f"{s['offered_rate_rps']:.3f}" if s.get("offered_rate_rps") else "n/a"),
     ("good / requests", lambda s: f"{s['num_good']} / {s['num_requests']}"),
     ("attainment by class", lambda s: ", ".join(f"{name} {c['attainment']:.0%}" for name, c in s["by_class"].items())),
-    ("attainment by phase", lambda s: ", ".join(f"#{p['phase'] + 1} {p['attainment']:.0%}" for p in s["by_phase"])
+    ("attainment by phase", lambda s: ", ".join(f"#{p['phase'] + 1} {p['attainment']:.0%}" if p.get("num_requests")
+                                                else f"#{p['phase'] + 1} -" for p in s["by_phase"])
                                       if s.get("by_phase") else "-"),
     ("TTFT p50 / p99", lambda s: f"{fmt_seconds(s['ttft_s']['p50'])} / {fmt_seconds(s['ttft_s']['p99'])}"),
     ("TPOT p50 / p99", lambda s: f"{fmt_seconds(s['tpot_s']['p50'])} / {fmt_seconds(s['tpot_s']['p99'])}"),
@@ -48,6 +50,7 @@ ROWS = [
     ("timing", lambda s: "per token" if s.get("token_timing") == "token" else
                          "per chunk (the server sent no token ids)"),
     ("faults: lost / failed after / recovery", lambda s: fault_cell(s.get("faults"))),
+    ("role changes (adaptive)", timeline_cell),
     ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s, "
                            f"{s['kv_transfer']['failed']} failed" if s["kv_transfer"]["num_reports"] else "-"),
     ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
@@ -277,6 +280,7 @@ pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
 {classes_html(doc)}
 {_method_html(doc)}
+{timeline_html(doc)}
 <p>Resources: {html.escape(doc.get('placement', ''))}; cores {doc.get('cpus')}; KV cache
 {html.escape(str(doc.get('kv_cache_memory_total')))} per arrangement, split between its instances.
 Order of the runs per repeat: {html.escape(str(doc.get('order')))}.</p>

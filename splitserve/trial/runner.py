@@ -33,8 +33,10 @@ from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, sc
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
+from splitserve.trial.mix_timeline import fetch_role_timeline
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
+from splitserve.trial.results import arrangement_kind
 from splitserve.trial.tuning import tune_colocated
 from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
@@ -110,6 +112,7 @@ class Trial:
             self.arrangements.sort(key=lambda a: a.name != rel.reference)
         self.budget = Budget(None, 1, 1.0)
         self.num_fixed: int | None = None   # requests per fixed-rate run (the budget may cut the plan)
+        self._adaptive_now = False          # the arrangement under test adapts its mix: read its timeline
 
     @property
     def phase_starts_s(self) -> list[float] | None:
@@ -163,6 +166,7 @@ class Trial:
     def _session(self, arr: Arrangement, repeat: int, search: bool, sweep: bool) -> None:
         """One launch of one arrangement: [capacity search], fixed-rate run, [sweep]."""
         result = self.results.setdefault(arr.name, ArrangementResult(arr.name))
+        self._adaptive_now = arrangement_kind(arr) == "adaptive"
         rel = self.spec.arrivals.relative_rate
         # the reference calibrates first; if it holds no rate at all, the next arrangement does
         calibrating = rel is not None and self.main_multiplier is None
@@ -306,7 +310,7 @@ class Trial:
                 fault_events.append(await inject_fault(endpoint.base_url, fault, t0, multiplier))
             return run
 
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         records = asyncio.run(run_load(endpoint.base_url, timed, timeout_s or self.spec.request_timeout_s,
                                        endpoint.model, on_done, [*(scheduled(f) for f in faults), *watchers],
                                        stop, live))
@@ -322,6 +326,8 @@ class Trial:
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall
         summary["stopped_early"] = bool(stop is not None and stop.is_set())
+        if self._adaptive_now:
+            summary["role_timeline"] = fetch_role_timeline(endpoint.base_url, started_wall)
         return RunResult(multiplier, summary, records, counters, repeat, purpose)
 
     def _notify(self) -> None:

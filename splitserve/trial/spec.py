@@ -42,6 +42,7 @@ class Phase:
     rate: float
     pattern: str = "poisson"
     burstiness: float = 1.0
+    mix: dict[str, float] | None = None   # this phase's class weights; None: workload.mix
 
 
 @dataclass(slots=True)
@@ -227,6 +228,21 @@ def _read_workload(sec: Section) -> tuple[dict[str, RequestClass], dict[str, flo
     return classes, mix
 
 
+def _read_phase_mix(p: Section, classes: dict) -> dict[str, float] | None:
+    if "mix" not in p.raw:
+        return None
+    sec = p.section("mix")
+    mix = {}
+    for name in sec.keys():
+        if name not in classes:
+            raise SpecError(f"{sec.path}{name}: no such class; classes are {sorted(classes)}")
+        mix[name] = sec.float(name, minimum=0.0)
+    sec.finish()
+    if sum(mix.values()) <= 0:
+        raise SpecError(f"{sec.path}: the weights sum to zero; give at least one class a positive weight")
+    return mix
+
+
 def _read_arrivals(sec: Section, classes: dict, base_dir: pathlib.Path) -> ArrivalSpec:
     pattern = sec.choice("pattern", ARRIVAL_PATTERNS)
     spec = ArrivalSpec(pattern=pattern)
@@ -254,11 +270,19 @@ def _read_arrivals(sec: Section, classes: dict, base_dir: pathlib.Path) -> Arriv
             raise SpecError("arrivals.burst_spread_s: must be shorter than burst_every_s, "
                             "or bursts overlap into one stream")
     if pattern == "phases":
+        if isinstance(sec.raw.get("rate"), dict):
+            # the phases' rates are the nominal shape; the whole plan is compressed or stretched to
+            # this share of the reference's capacity, so their ratios (the changing demand) hold
+            if "nominal" in sec.raw["rate"]:
+                raise SpecError(f"{sec.path}rate.nominal: with phases, the phases' own rates are the nominal "
+                                "load; leave nominal out")
+            spec.relative_rate = read_relative_rate(sec.section("rate"))
         for i, raw in enumerate(sec.list("phases")):
             p = Section(raw, f"{sec.path}phases[{i}]")
             phase = Phase(duration_s=p.float("duration_s", positive=True), rate=p.float("rate", positive=True),
                           pattern=p.choice("pattern", PHASE_PATTERNS, default="poisson"),
-                          burstiness=p.float("burstiness", default=1.0, positive=True))
+                          burstiness=p.float("burstiness", default=1.0, positive=True),
+                          mix=_read_phase_mix(p, classes))
             p.finish()
             spec.phases.append(phase)
         if not spec.phases:

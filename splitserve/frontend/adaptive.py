@@ -1,0 +1,173 @@
+"""`serve --adaptive`: the mix controller (control/mix.py) wired to a running frontend.
+
+    every --mix-interval-s:  EngineClient.load_view() --mix_views--> [InstanceView]
+        --MixController.decide--> Decision --(a change)--> EngineClient.change_role(id, role)
+    every decision, change or not, with its reason -> the bounded log behind GET /admin/mix,
+    splitserve_mix_decisions_total{action} and the per-instance role gauge on /metrics.
+
+The engines' stats carry no thread count, so the adapter takes it from what `serve` started them
+with (--threads-per-instance): the step-time model is per thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from splitserve.control.mix import FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets
+from splitserve.control.mix_loop import MixLoop
+
+if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
+    from fastapi import FastAPI
+
+    from splitserve.frontend.engine_client import EngineClient
+    from splitserve.frontend.metrics import FrontendMetrics
+    from splitserve.frontend.role_change import InstanceLoadView
+
+log = logging.getLogger(__name__)
+ACTIONS = ("none", "change", "refused")
+
+
+def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adaptive", action="store_true",
+                   help="move instances between prefill, decode and colocated as demand changes, to keep "
+                        "the TTFT and inter-token targets (GET /admin/mix shows every decision and why)")
+    p.add_argument("--slo-ttft-s", type=float, default=None, help="--adaptive: TTFT target, seconds (default 2)")
+    p.add_argument("--slo-gap-s", type=float, default=None,
+                   help="--adaptive: inter-token gap target, seconds (default 0.25)")
+    p.add_argument("--mix-interval-s", type=float, default=None,
+                   help="--adaptive: seconds between decisions (default 2)")
+    p.add_argument("--profile", default=None,
+                   help="--adaptive: a `splitserve profile` JSON for the step-time model (default: the "
+                        "bundled model's fit; measured step times correct either)")
+
+
+def check_adaptive_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag; fills the defaults."""
+    given = [f for f, v in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
+                            ("--mix-interval-s", args.mix_interval_s), ("--profile", args.profile)) if v is not None]
+    if not args.adaptive:
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --adaptive; add --adaptive or drop them")
+        return
+    args.slo_ttft_s = 2.0 if args.slo_ttft_s is None else args.slo_ttft_s
+    args.slo_gap_s = 0.25 if args.slo_gap_s is None else args.slo_gap_s
+    args.mix_interval_s = 2.0 if args.mix_interval_s is None else args.mix_interval_s
+    for flag, value in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
+                        ("--mix-interval-s", args.mix_interval_s)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive seconds, got {value}")
+    if args.profile is not None:
+        from splitserve.control.profile_file import ProfileError, load_profile
+        try:
+            load_profile(args.profile)
+        except ProfileError as e:
+            raise ValueError(f"--profile: {e}") from None
+
+
+def mix_views(loads: list[InstanceLoadView], threads: dict[str, int], default_threads: int = 1) -> list[InstanceView]:
+    """The engine client's load picture as the mix controller reads it."""
+    return [InstanceView(instance_id=v.instance_id, role=v.role, alive=v.alive,
+                         queued_prompt_tokens=v.num_queued_prompt_tokens, num_running=v.num_running_requests,
+                         decode_kv_tokens=v.num_kv_tokens_used, threads=threads.get(v.instance_id, default_threads),
+                         recent_step_s=v.step_seconds or None)
+            for v in loads]
+
+
+class AdaptiveMix:
+    """The loop, its log and its metrics for one frontend."""
+
+    def __init__(self, client: EngineClient, metrics: FrontendMetrics, controller: MixController,
+                 interval_s: float, threads: dict[str, int] | None = None, default_threads: int = 1) -> None:
+        self.client, self.metrics = client, metrics
+        self.threads, self.default_threads = threads or {}, default_threads
+        self.started_wall = time.time()
+        self.loop = MixLoop(controller, self.views, self._change_role, interval_s)
+        for action in ACTIONS:
+            metrics.mix_decisions.labels(action)  # present at 0 from the start
+        self._task: asyncio.Task | None = None
+
+    def views(self) -> list[InstanceView]:
+        return mix_views(self.client.load_view(), self.threads, self.default_threads)
+
+    async def _change_role(self, instance_id: str, role: str) -> None:
+        await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
+
+    async def run_once(self):
+        loads = self.client.load_view()
+        changing = [v.instance_id for v in loads if v.alive and v.changing_role]
+        if changing:
+            # an operator's change or a takeover after a death is under way: deciding on a picture
+            # that is about to change would fight it (e.g. "rescue" a stage it is taking over)
+            decision = Decision(self.loop.clock(), f"a role change is under way on {', '.join(changing)}; "
+                                                   "deciding again once it is done")
+            self.loop.decisions.append(decision.to_dict())
+        else:
+            decision = await self.loop.run_once()
+        entry = self.loop.decisions[-1]  # run_once logs every decision
+        entry["wall_time"] = time.time()  # the trial lines the timeline up with its own clock
+        for key in ("ttft_estimate_s", "gap_estimate_s"):  # inf (a stage with no instance) is not JSON
+            if entry.get(key) is not None and not math.isfinite(entry[key]):
+                entry[key] = None
+        action = "none" if decision.instance_id is None else ("change" if entry.get("applied") else "refused")
+        self.metrics.mix_decisions.labels(action).inc()
+        return decision
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # a bad view must not end adapting for the server's life
+                log.exception("mix: decision failed; trying again next interval")
+            await asyncio.sleep(self.loop.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="adaptive-mix")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def snapshot(self) -> dict:
+        targets = self.loop.controller.targets
+        return {"enabled": True, "interval_s": self.loop.interval_s,
+                "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s},
+                "started_wall_time": self.started_wall,
+                "roles": {v.instance_id: v.role for v in self.client.load_view()},
+                "num_role_changes": self.loop.num_role_changes, "num_failed_changes": self.loop.num_failed_changes,
+                "decisions": list(self.loop.decisions), "changes": self.loop.changes()}
+
+
+def adaptive_from_args(args: argparse.Namespace, client: EngineClient, metrics: FrontendMetrics,
+                       num_instances: int) -> AdaptiveMix | None:
+    if not args.adaptive:
+        return None
+    steps = FALLBACK_STEP_MODEL
+    if args.profile is not None:
+        from splitserve.control.profile_file import load_profile
+        steps = load_profile(args.profile).steps
+    if num_instances < 2:
+        print(f"splitserve: --adaptive with {num_instances} instance: there is no second instance to move "
+              "between stages, so it serves colocated; instances added with POST /admin/instances join "
+              "the mix", flush=True)
+    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s),
+                               chunk_budget=args.max_num_batched_tokens)
+    return AdaptiveMix(client, metrics, controller, args.mix_interval_s, default_threads=args.threads_per_instance or 1)
+
+
+def add_mix_routes(app: FastAPI, mix: AdaptiveMix | None) -> None:
+    from splitserve.frontend.openai_schema import ApiError
+
+    @app.get("/admin/mix")
+    async def mix_log():
+        if mix is None:
+            raise ApiError(404, "this server does not adapt its stage mix; start it with `splitserve serve "
+                                "--adaptive`", "not_found_error", code="not_adaptive")
+        return mix.snapshot()

@@ -1,0 +1,151 @@
+"""serve --adaptive: the mix loop on a running frontend, its adapter, its log and its metrics."""
+from __future__ import annotations
+
+import argparse
+import json
+import asyncio
+
+import httpx
+import pytest
+
+from cluster_support import Cluster, prompt_of
+from splitserve.frontend import launch
+from splitserve.frontend.adaptive import AdaptiveMix, adaptive_from_args, check_adaptive_args, mix_views
+from splitserve.frontend.api_server import build_app
+from splitserve.frontend.metrics import FrontendMetrics
+from splitserve.frontend.role_change import InstanceLoadView, RoleChangeRefused
+from splitserve.sampling import SamplingParams
+from splitserve.control.mix import MixController, MixTargets, FALLBACK_STEP_MODEL
+from tiny_models import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("adaptive") / "m", arch="llama")
+
+
+def serve_args(*flags: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    launch.add_arguments(p)
+    args = p.parse_args(list(flags))
+    check_adaptive_args(args)
+    return args
+
+
+def test_flags_are_checked_with_the_fix_in_the_message():
+    for flags, message in ((["--slo-ttft-s", "1"], "only apply with --adaptive"),
+                           (["--adaptive", "--slo-gap-s", "0"], "--slo-gap-s must be positive"),
+                           (["--adaptive", "--mix-interval-s", "-1"], "--mix-interval-s must be positive"),
+                           (["--adaptive", "--profile", "missing.json"], "splitserve profile --out")):
+        with pytest.raises(ValueError, match=message):
+            serve_args(*flags)
+    args = serve_args("--adaptive")
+    assert (args.slo_ttft_s, args.slo_gap_s, args.mix_interval_s) == (2.0, 0.25, 2.0)
+
+
+def test_the_adapter_maps_each_field():
+    loads = [InstanceLoadView("a", "prefill", True, False, 3, 900, num_queued_prompt_tokens=700,
+                              num_running_requests=2, num_kv_tokens_used=320, step_seconds=0.04, step_tokens=64.0),
+             InstanceLoadView("b", "decode", True, True, 0, 0, 0, 0, 0, 0.0, 0.0),
+             InstanceLoadView("c", "colocated", False, False, 0, 0, 0, 0, 0, 0.0, 0.0)]
+    a, b, c = mix_views(loads, {"a": 2}, default_threads=1)
+    assert (a.instance_id, a.role, a.alive, a.queued_prompt_tokens, a.num_running, a.decode_kv_tokens, a.threads,
+            a.recent_step_s) == ("a", "prefill", True, 700, 2, 320, 2, 0.04)
+    assert b.alive and b.threads == 1 and b.recent_step_s is None
+    assert not c.alive
+
+
+class RefusingClient:
+    """Two colocated instances under prompt pressure; every role change is refused."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def load_view(self):
+        return [InstanceLoadView(i, "colocated", True, False, 4, 4000, 4000, 1, 100, 0.0, 0.0) for i in ("x", "y")]
+
+    async def change_role(self, instance_id, role):
+        self.calls += 1
+        raise RoleChangeRefused(f"{instance_id} is draining")
+
+
+def test_a_refused_change_is_logged_counted_and_the_loop_goes_on():
+    async def go():
+        metrics = FrontendMetrics()
+        controller = MixController(FALLBACK_STEP_MODEL, MixTargets(0.01, 100.0), patience=1, cooldown=0)
+        mix = AdaptiveMix(RefusingClient(), metrics, controller, interval_s=0.01)
+        mix.start()
+        while mix.client.calls < 2:
+            await asyncio.sleep(0.01)
+        await mix.stop()
+        refused = [d for d in mix.loop.decisions if d.get("applied") is False]
+        assert len(refused) >= 2 and "RoleChangeRefused: x is draining" in refused[0]["error"]
+        assert mix.loop.num_failed_changes >= 2 and mix.loop.num_role_changes == 0
+        assert f'splitserve_mix_decisions_total{{action="refused"}} {float(mix.loop.num_failed_changes)}' \
+            in metrics.render().decode()
+    asyncio.run(go())
+
+
+def test_adaptive_moves_an_instance_to_prefill_under_queued_long_prompts(tiny):
+    async def go():
+        async with Cluster(tiny, {"engine-0": "colocated", "engine-1": "colocated"}) as cluster:
+            # a TTFT target no queue of long prompts can meet, and inter-token time to spare
+            args = serve_args("--adaptive", "--slo-ttft-s", "0.05", "--slo-gap-s", "60", "--mix-interval-s", "0.05",
+                              "--threads-per-instance", "1")
+            mix = adaptive_from_args(args, cluster.client, cluster.client.metrics, 2)
+            streams = [cluster.client.submit(f"doc-{i}", prompt_of(200, seed=i), SamplingParams(
+                max_tokens=4, temperature=0, ignore_eos=True), []) for i in range(8)]
+            for _ in range(200):
+                await mix.run_once()
+                if mix.loop.num_role_changes:
+                    break
+            changes = mix.loop.changes()
+            assert changes and changes[0]["applied"] and changes[0]["to_role"] == "prefill"
+            assert "prefill is short" in changes[0]["reason"]
+            moved = changes[0]["instance_id"]
+            assert {v.instance_id: v.role for v in cluster.client.load_view()}[moved] == "prefill"
+            app = build_app(cluster.client, cluster.client.renderer, cluster.client.metrics, mix=mix)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+                body = (await http.get("/admin/mix")).json()
+                assert body["roles"][moved] == "prefill" and body["num_role_changes"] == 1
+                assert body["changes"][0]["reason"] == changes[0]["reason"] and body["changes"][0]["wall_time"] > 0
+                text = (await http.get("/metrics")).text
+                assert 'splitserve_mix_decisions_total{action="change"} 1.0' in text
+                assert f'splitserve_instance_role{{instance="{moved}",role="prefill"}} 1.0' in text
+                assert (await build_and_get_without_mix(cluster)).status_code == 404
+            for stream in streams:  # nothing was lost by the change
+                finish = None
+                async for event in stream:
+                    finish = event.finish_reason or finish
+                assert finish == "length"
+    asyncio.run(go())
+
+
+async def build_and_get_without_mix(cluster: Cluster) -> httpx.Response:
+    app = build_app(cluster.client, cluster.client.renderer, cluster.client.metrics)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+        return await http.get("/admin/mix")
+
+
+class MidChangeClient(RefusingClient):
+    """1P1D whose decode instance is in the middle of a role change (an operator's, or a takeover)."""
+
+    def load_view(self):
+        return [InstanceLoadView("p", "prefill", True, False, 0, 0, 0, 0, 0, 0.0, 0.0),
+                InstanceLoadView("d", "decode", True, True, 0, 0, 0, 0, 0, 0.0, 0.0)]
+
+
+def test_no_decision_fights_a_role_change_under_way_and_the_log_stays_valid_json():
+    async def go():
+        client = MidChangeClient()
+        mix = AdaptiveMix(client, FrontendMetrics(), MixController(FALLBACK_STEP_MODEL, MixTargets(1, 1)),
+                          interval_s=1.0)
+        await mix.run_once()
+        [entry] = mix.snapshot()["decisions"]
+        assert entry["instance_id"] is None and "under way on d" in entry["reason"] and client.calls == 0
+        # a stage with no instance at all: the estimate is inf, which JSON cannot carry
+        client.load_view = lambda: [InstanceLoadView("p", "prefill", True, False, 0, 0, 0, 0, 0, 0.0, 0.0)]
+        await mix.run_once()
+        assert mix.snapshot()["decisions"][-1]["gap_estimate_s"] is None
+        json.dumps(mix.snapshot(), allow_nan=False)
+    asyncio.run(go())

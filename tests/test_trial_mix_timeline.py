@@ -1,0 +1,24 @@
+"""The trial reads an adaptive arrangement's role timeline (GET /admin/mix) after each run and shows it."""
+import pytest
+
+from test_trial_end_to_end import fake, run_trial, spec_dict
+
+
+@pytest.mark.timeout(120)
+def test_the_role_timeline_of_an_adaptive_arrangement_is_stored_and_shown(tmp_path):
+    spec = spec_dict([{"name": "fake-adaptive", "command": fake("--adaptive")},
+                      {"name": "fake-fixed", "command": fake()}])
+    out, doc = run_trial(tmp_path, spec)
+    adaptive, fixed = doc["arrangements"]
+    assert adaptive["kind"] == "adaptive" and fixed["kind"] != "adaptive"
+    timeline = adaptive["runs"][0]["summary"]["role_timeline"]
+    wall = adaptive["runs"][0]["summary"]["wall_s"]
+    [change] = timeline["changes"]  # the decision logged before the run (at server start) is left out
+    assert (change["instance"], change["from_role"], change["to_role"], change["applied"]) == \
+        ("engine-1", "colocated", "prefill", True)
+    assert 0 <= change["at_s"] <= wall
+    assert timeline["roles_at_start"] == {"engine-0": "colocated", "engine-1": "colocated"}
+    assert timeline["roles_at_end"]["engine-1"] == "prefill"
+    assert "role_timeline" not in fixed["runs"][0]["summary"]
+    page = (out / "report.html").read_text()
+    assert "Role timeline" in page and "prefill is short" in page and "colocated &rarr; prefill" in page
