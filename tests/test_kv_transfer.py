@@ -357,7 +357,7 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
     assert len(outcomes) == 200
     counts = {o: list(outcomes.values()).count(o) for o in TransferOutcome}
     # The counts only show that every path ran: how many pulls finish before their scheduled abort
-    # depends on how fast the pull threads get a core (43-120 DONE seen on a loaded 2-core box).
+    # depends on how fast the pull threads get a core (over 50 on a quiet box, 43 on a loaded one).
     assert counts[TransferOutcome.DONE] > 25 and counts[TransferOutcome.FAILED] > 10
     assert counts[TransferOutcome.ABORTED] > 5
     assert prefill_blocks.num_used == 0 and decode_blocks.num_used == 0
