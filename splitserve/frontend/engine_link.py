@@ -233,7 +233,7 @@ class EngineLink:
         now = time.monotonic()
         if not ENGINE_ID_RE.fullmatch(engine_id):
             return  # no engine could say hello under this id
-        if now - self._hello_asked.get(engine_id, -RESEND_HELLO_INTERVAL_S) < RESEND_HELLO_INTERVAL_S:
+        if now - self._hello_asked.get(engine_id, float("-inf")) < RESEND_HELLO_INTERVAL_S:
             return
         if len(self._hello_asked) >= MAX_HELLO_ASKS:
             self._hello_asked = {i: t for i, t in self._hello_asked.items() if now - t < RESEND_HELLO_INTERVAL_S}
