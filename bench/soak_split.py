@@ -11,7 +11,8 @@ restarted `--restart-after` seconds later), waits for the engines to settle and 
 the frontend's fds and threads, the engines' fds and threads (the restarted ones replace the
 killed ones), KV blocks in use, blocks held for a handover (leases) and transfers in flight on the
 live instances (read from /metrics), and the /dev/shm KV segments of every process the server ran
-(including the killed ones: a dead prefill's segment must be gone too). Exits 1 on any 5xx, leak
+(including the killed ones: a dead prefill's segment must be gone too); `by_engine` lists each
+engine's [fds, threads]. Exits 1 on any 5xx, leak
 or fault that did not complete.
 """
 from __future__ import annotations
@@ -89,12 +90,14 @@ def segments(pids: set[int]) -> list[str]:
                   if any(p.name.startswith(f"{SEGMENT_PREFIX}{pid}-") for pid in pids))
 
 
-def resources(root_pid: int) -> dict:
+def resources(base_url: str, root_pid: int) -> dict:
     sample = sample_tree(root_pid)
     engines = [pid for pid in sample.num_fds if pid != root_pid]
+    roles = {i["pid"]: f"{i['id']} ({i['role']})" for i in httpx.get(base_url + "/admin/instances").json()["instances"]}
     return {"frontend_fds": sample.num_fds.get(root_pid), "frontend_threads": sample.num_threads.get(root_pid),
             "engine_fds": sum(sample.num_fds[p] for p in engines),
-            "engine_threads": sum(sample.num_threads[p] for p in engines), "pids": set(sample.num_fds)}
+            "engine_threads": sum(sample.num_threads[p] for p in engines), "pids": set(sample.num_fds),
+            "by_engine": {roles.get(p, str(p)): [sample.num_fds[p], sample.num_threads[p]] for p in engines}}
 
 
 def lease_expiries(base_url: str) -> float:
@@ -106,7 +109,7 @@ async def soak(srv: DisaggServer, args) -> dict:
     await open_loop(base, args.rate, args.warmup_seconds, mixed_requests(1, args.abort_share, args.reuse_share))
     assert wait_until(lambda: settled(kv_state(base), instances), timeout_s=60), f"not settled: {kv_state(base)}"
     time.sleep(1.0)
-    before = resources(srv.proc.pid)
+    before = resources(base, srv.proc.pid)
     seen_pids = set(before["pids"])
     shm_before = segments(seen_pids)
     t0 = time.perf_counter()
@@ -119,7 +122,7 @@ async def soak(srv: DisaggServer, args) -> dict:
     seen_pids |= {e["pid"] for e in events if e["pid"]}
     ok = wait_until(lambda: settled(kv_state(base), instances), timeout_s=60)
     time.sleep(2.0)  # closed connections and finished requests settle
-    after, kv_after = resources(srv.proc.pid), kv_state(base)
+    after, kv_after = resources(base, srv.proc.pid), kv_state(base)
     seen_pids |= after["pids"]
     probe = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
     report = {"seconds": round(load.seconds, 1), "rate": args.rate, "offered": load.offered,
@@ -128,7 +131,7 @@ async def soak(srv: DisaggServer, args) -> dict:
               "before": {k: v for k, v in before.items() if k != "pids"},
               "after": {k: v for k, v in after.items() if k != "pids"},
               "shm_segments_before": len(shm_before), "shm_segments_after": len(segments(seen_pids))}
-    report["growth"] = {k: report["after"][k] - report["before"][k] for k in report["before"]}
+    report["growth"] = {k: v - report["before"][k] for k, v in report["after"].items() if k != "by_engine"}
     return report
 
 
