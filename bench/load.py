@@ -97,7 +97,7 @@ class Outcome:
 
 
 async def one_request(client: httpx.AsyncClient, base_url: str, body: dict, timeout_s: float,
-                      leave_after_chunks: int | None = None) -> Outcome:
+                      leave_after_chunks: int | None = None, headers: dict | None = None) -> Outcome:
     """One /v1/completions request. With leave_after_chunks, the client hangs up after that many
     streamed chunks (or, non-streaming, after that many tenths of a second)."""
     start = time.monotonic()
@@ -105,12 +105,13 @@ async def one_request(client: httpx.AsyncClient, base_url: str, body: dict, time
     try:
         if not body.get("stream"):
             timeout = timeout_s if leave_after_chunks is None else 0.1 * leave_after_chunks
-            r = await client.post(base_url + "/v1/completions", json=body, timeout=timeout)
+            r = await client.post(base_url + "/v1/completions", json=body, timeout=timeout, headers=headers)
             kind = kind_of(r.status_code)
             if r.status_code == 200:
                 tokens = r.json()["usage"]["completion_tokens"]
             return Outcome(r.status_code, kind, time.monotonic() - start, None, r.headers.get("retry-after"), tokens)
-        async with client.stream("POST", base_url + "/v1/completions", json=body, timeout=timeout_s) as r:
+        async with client.stream("POST", base_url + "/v1/completions", json=body, timeout=timeout_s,
+                                 headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 return Outcome(r.status_code, kind_of(r.status_code), time.monotonic() - start, None,
@@ -167,7 +168,7 @@ def queued_by_instance(base_url: str, client: httpx.Client) -> dict[str, float]:
 
 async def open_loop(base_url: str, rate_per_s: float, duration_s: float, make_request, timeout_s: float = 60.0,
                     max_in_flight: int = 512) -> LoadResult:
-    """Starts `make_request(i) -> (body, leave_after_chunks)` at `rate_per_s` for `duration_s`,
+    """Starts `make_request(i) -> (body, leave_after_chunks[, headers])` at `rate_per_s` for `duration_s`,
     waits for all of them, and polls the engines' queue lengths meanwhile."""
     result = LoadResult()
     in_flight: set[asyncio.Task] = set()
@@ -190,8 +191,8 @@ async def open_loop(base_url: str, rate_per_s: float, duration_s: float, make_re
         while (now := time.monotonic()) - start < duration_s:
             due = int((now - start) * rate_per_s) + 1
             while i < due and len(in_flight) < max_in_flight:
-                body, leave = make_request(i)
-                task = asyncio.create_task(one_request(client, base_url, body, timeout_s, leave))
+                body, leave, *headers = make_request(i)
+                task = asyncio.create_task(one_request(client, base_url, body, timeout_s, leave, *headers))
                 in_flight.add(task)
                 task.add_done_callback(lambda t: (in_flight.discard(t), result.outcomes.append(t.result())))
                 i += 1

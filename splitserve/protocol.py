@@ -98,6 +98,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
 
 
+class ResendHello(msgspec.Struct, tag="resend_hello", frozen=True):
+    """From a frontend that does not know the sender (it restarted on the same address): an engine
+    drops what it held for the old frontend, whose ids the new one may reuse, and says hello again."""
+
+
 class SetRole(msgspec.Struct, tag="set_role", frozen=True):
     """Swap the connector once the old one has nothing in flight; answered with RoleChanged."""
 
@@ -191,7 +196,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     engine_id: str
 
 
-ToEngine = GenerateRequest | AbortRequests | SetRole | Shutdown
+ToEngine = GenerateRequest | AbortRequests | SetRole | Shutdown | ResendHello
 FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Heartbeat
 
 

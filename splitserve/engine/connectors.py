@@ -84,6 +84,10 @@ class ColocatedConnector:
     def has_unfinished(self) -> bool:
         return False
 
+    def held_request_ids(self) -> list[str]:
+        """Finished requests whose blocks are still kept (for a handover)."""
+        return []
+
     def stats(self) -> KVStats | None:
         return None
 
@@ -134,6 +138,9 @@ class PrefillConnector(ColocatedConnector):
 
     def has_unfinished(self) -> bool:
         return bool(self.prefilling or self.held) or self.sender.has_unfinished()
+
+    def held_request_ids(self) -> list[str]:
+        return list(self.held)
 
     def stats(self) -> KVStats:
         s = self.sender.stats()

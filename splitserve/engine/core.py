@@ -163,6 +163,10 @@ class EngineCore:
         request.status = RequestStatus.FINISHED_ABORTED
         return True
 
+    def abort_all(self) -> None:
+        for request_id in list(self.requests) + self.connector.held_request_ids():
+            self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_unfinished()
 

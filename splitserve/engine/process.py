@@ -7,7 +7,8 @@
 A long forward pass never blocks receiving: aborts queue up in the inbox and are applied
 before the next step. `splitserve serve` starts these with `--config-stdin` and writes the
 EngineConfig it built (msgspec) to our stdin; `splitserve engine --role R --connect ADDR` starts
-one by hand from flags (it joins a running frontend with its hello). The KV threads live inside
+one by hand from flags (it joins a running frontend with its hello, and joins again when a
+frontend restarted on the same address answers it with ResendHello). The KV threads live inside
 the core's connector (engine/connectors.py); while only transfers are in flight the loop waits
 briefly on the inbox instead of spinning. A SetRole swaps the connector once the old one is
 idle and is answered with RoleChanged. An error while handling one request fails that request,
@@ -32,8 +33,8 @@ from splitserve.config import (PREFILL_POLICIES, ROLES, SCHEDULING_POLICIES, WEI
 from splitserve.frontend.security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
-                                 RoleChanged, SetRole, Shutdown, StepOutputs, TokenOutput, decode_engine_config,
-                                 socket_identity)
+                                 ResendHello, RoleChanged, SetRole, Shutdown, StepOutputs, TokenOutput,
+                                 decode_engine_config, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -223,6 +224,11 @@ class EngineProcess:
                     log.exception("engine %s: aborting request %s failed", self.engine_id, request_id)
         elif isinstance(message, SetRole):
             self._set_role(message.role)
+        elif isinstance(message, ResendHello):
+            log.warning("engine %s: the frontend does not know us (it restarted); dropping %d requests "
+                        "and saying hello again", self.engine_id, len(self.core.requests))
+            self.core.abort_all()
+            self.outbox.put(self.hello())
         elif isinstance(message, Shutdown):
             log.info("engine %s: shutdown requested (%s)", self.engine_id, message.reason)
             self.stopping.set()

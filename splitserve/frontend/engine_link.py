@@ -15,6 +15,10 @@ orphans keep a KV cache and cores.
 
 A hello is checked field by field, and a second hello for a live engine id is refused: another
 local process cannot take over an engine's identity or shrink every engine's context limit.
+
+A message from an engine id we never heard a hello from comes from an engine that outlived the
+frontend it joined (we restarted on the same address and ZeroMQ reconnected it): it is asked for
+its hello again (ResendHello, at most every `RESEND_HELLO_INTERVAL_S` per id) and rejoins.
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ import zmq
 from splitserve.config import ROLES
 from splitserve.frontend.request_state import Instance
 from splitserve.frontend.security import EngineLinkSecurity
-from splitserve.protocol import (PROTOCOL_VERSION, AbortRequests, Codec, EngineHello, Heartbeat, Shutdown,
-                                 ToEngine, socket_identity)
+from splitserve.protocol import (PROTOCOL_VERSION, AbortRequests, Codec, EngineHello, Heartbeat, ResendHello,
+                                 Shutdown, ToEngine, socket_identity)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ ENGINE_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_CONTEXT_TOKENS = 1 << 24  # no model has a 16M-token context; a hello claiming more is bogus
 MAX_VOCAB = 1 << 24
 WATCHDOG_INTERVAL_S = 0.2
+RESEND_HELLO_INTERVAL_S = 2.0  # an engine whose hello we refuse is asked again this often, no more
+MAX_HELLO_ASKS = 256  # unknown ids remembered for the rate limit; a flood of made-up ids stays bounded
 
 
 class LinkListener(Protocol):
@@ -98,6 +104,7 @@ class EngineLink:
         self._thread: threading.Thread | None = None
         self._watchdog: asyncio.Task | None = None
         self._processes: dict[str, subprocess.Popen] = {}
+        self._hello_asked: dict[str, float] = {}  # unknown engine id -> when we last sent it ResendHello
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -206,7 +213,8 @@ class EngineLink:
                 continue
             inst = self.instances.get(engine_id)
             if inst is None:
-                continue  # no hello yet: nothing to route
+                self._ask_hello(engine_id)  # no hello yet: nothing to route
+                continue
             if not inst.alive:
                 if self.process_exited(engine_id) is not None:
                     continue  # its last words, sent before it exited
@@ -220,6 +228,20 @@ class EngineLink:
                 self.listener.on_message(engine_id, message)
             except Exception:  # noqa: BLE001 - one bad message must not lose the rest of the batch
                 log.exception("handling a %s from engine %s failed", type(message).__name__, engine_id)
+
+    def _ask_hello(self, engine_id: str) -> None:
+        now = time.monotonic()
+        if not ENGINE_ID_RE.fullmatch(engine_id):
+            return  # no engine could say hello under this id
+        if now - self._hello_asked.get(engine_id, float("-inf")) < RESEND_HELLO_INTERVAL_S:
+            return
+        if len(self._hello_asked) >= MAX_HELLO_ASKS:
+            self._hello_asked = {i: t for i, t in self._hello_asked.items() if now - t < RESEND_HELLO_INTERVAL_S}
+            if len(self._hello_asked) >= MAX_HELLO_ASKS:
+                return
+        self._hello_asked[engine_id] = now
+        log.info("engine %r speaks without a hello (it outlived a frontend?): asking it for one", engine_id[:64])
+        self.send(engine_id, ResendHello())
 
     def _on_hello(self, hello: EngineHello) -> None:
         why = check_hello(hello)
@@ -236,6 +258,7 @@ class EngineLink:
         if process is not None and process.poll() is not None:  # an engine restarted by hand under this id
             del self._processes[hello.engine_id]
             process = None
+        self._hello_asked.pop(hello.engine_id, None)
         self.instances[hello.engine_id] = Instance(hello, time.monotonic(), process=process)
         log.info("engine %s ready (%s, pid %d, %d KV blocks)", hello.engine_id, hello.role, hello.pid,
                  hello.num_blocks_total)
