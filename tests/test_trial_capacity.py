@@ -169,3 +169,46 @@ def test_a_reference_that_holds_no_rate_hands_the_calibration_to_the_next_arrang
     assert "frozen held no rate tried" in doc["verdict"]
     frozen = next(a for a in doc["arrangements"] if a["name"] == "frozen")
     assert frozen["capacity"][0]["stopped_by"] == "floor" and frozen["capacity_rps"]["median"] == 0.0
+
+
+def _plan(n=10, gap=2.0):
+    from splitserve.trial.workload import PlannedRequest
+    return [PlannedRequest(i, "doc" if i % 5 == 0 else "chat", i * gap, [1, 2, i], 4) for i in range(n)]
+
+
+def test_a_probe_spans_the_same_real_time_at_every_rate_and_repeats_the_plan_past_its_end():
+    from splitserve.trial.workload import plan_period, probe_length, tiled
+
+    plan = _plan()                                    # 10 requests, one every 2 s: period 20 s
+    assert plan_period(plan) == pytest.approx(20.0)
+    assert probe_length(plan, 1.0, 4, None) == 4      # no span asked: the old fixed count
+    assert probe_length(plan, 0.5, 4, 30.0) == 8      # 30 s at half rate covers 15 plan-s: 8 arrivals
+    assert probe_length(plan, 0.1, 4, 30.0) == 4      # a slow rate still replays the minimum
+    assert probe_length(plan, 4.0, 4, 30.0) == 60     # 120 plan-s: the plan six times over
+    copies = []
+    out = tiled(plan, 25, lambda p, k: copies.append(k) or [r for r in p])
+    assert len(out) == 25 and copies == [1, 2]
+    assert [r.index for r in out] == list(range(25))  # unique ids: the probe judges by index
+    gaps = {round(b.send_at_s - a.send_at_s, 9) for a, b in zip(out, out[1:])}
+    assert gaps == {2.0}                              # the copies keep the plan's rate
+    assert [r.class_name for r in out[10:20]] == [r.class_name for r in plan]
+    assert tiled(plan, 3, None) == plan[:3]
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_at_a_high_rate_replays_the_plan_more_than_once(tmp_path):
+    from splitserve.trial.arrangements import launched
+
+    raw = spec_dict([{"name": "fast", "command": fake()}])
+    raw["capacity"] = {"probe_requests": 4, "probe_seconds": 1.0}
+    spec = parse_spec(raw)
+    trial = Trial(spec, tmp_path)
+    with launched(spec.arrangements[0], None, tmp_path / "logs") as endpoint:
+        plan = trial._ensure_plan(endpoint)
+        per_s = (len(plan) - 1) / (plan[-1].send_at_s - plan[0].send_at_s)
+        m = 2 * len(plan) / per_s                   # 1 s at this rate covers the plan about twice
+        run = trial._probe(endpoint, "fast", m, 0, 4, 1)
+    assert len(run.records) > len(plan) and not run.summary["stopped_early"]
+    assert sorted(r.index for r in run.records) == list(range(len(run.records)))
+    assert [r.class_name for r in run.records[len(plan):2 * len(plan)]] == [r.class_name for r in plan]
+    assert all(r.finish_reason for r in run.records)

@@ -82,7 +82,9 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     if search:
         cap = spec.capacity or CapacitySpec()
         lines.append(f"capacity search per arrangement and repeat: probes of the plan's first {cap.probe_requests} "
-                     f"requests, grow x{cap.grow:g} then bisect to {cap.precision:.0%}, at most {cap.max_probes} probes"
+                     f"requests" + (f" or more, spanning at least {cap.probe_seconds:g} s at the probed rate (the plan "
+                                    f"repeated if need be)" if cap.probe_seconds else "")
+                     + f", grow x{cap.grow:g} then bisect to {cap.precision:.0%}, at most {cap.max_probes} probes"
                      + (f"; {cap.budget_s:.0f} s of replay per repeat shared by every launch, the fixed-rate "
                         f"run cut to what fits at the calibrated rate" if cap.budget_s else ""))
     names = [a.name for a in arrangements]

@@ -2,7 +2,8 @@
 the colocated tuning grid. Read from the spec like the rest (errors name the field).
 
     capacity:                 # the headline: the highest rate each arrangement holds within the SLOs
-      probe_requests: 24      # requests per probe (the plan's first N, compressed in time)
+      probe_requests: 24      # at least this many requests per probe (the plan's first N, compressed)
+      probe_seconds: 30       # and at least this long a span of arrivals at the probed rate
       precision: 0.1          # stop bisecting when the passing and failing rates are within 10%
       max_probes: 8           # per arrangement and repeat
       budget_s: 480           # all searches together; the probes per search follow from it
@@ -34,6 +35,7 @@ class RelativeRate:
 @dataclass(slots=True)
 class CapacitySpec:
     probe_requests: int = 24
+    probe_seconds: float | None = None     # a probe's arrivals span at least this long (real time)
     precision: float = 0.1
     max_probes: int = 8
     grow: float = 2.0
@@ -64,6 +66,7 @@ def read_capacity(sec: Section) -> CapacitySpec | None:
         sec.finish()
         return None
     cap = CapacitySpec(probe_requests=sec.int("probe_requests", default=24, minimum=4),
+                       probe_seconds=sec.float("probe_seconds", default=None, positive=True),
                        precision=sec.float("precision", default=0.1, positive=True),
                        max_probes=sec.int("max_probes", default=8, minimum=2),
                        grow=sec.float("grow", default=2.0, positive=True),

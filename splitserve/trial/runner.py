@@ -39,8 +39,8 @@ from splitserve.trial.resources import (arrangement_resources, check_equal, core
 from splitserve.trial.results import arrangement_kind
 from splitserve.trial.tuning import tune_colocated
 from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
-from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, recut,
-                                      workload_streams)
+from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, probe_length,
+                                      recut, tiled, workload_streams)
 
 Progress = Callable[[str, int], Callable[[RequestRecord], None]]  # (label, total) -> per-request callback
 
@@ -247,10 +247,15 @@ class Trial:
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
                run: int) -> RunResult:
-        """The plan's first `num` requests at `multiplier`, stopped as soon as it cannot pass: once
+        """The plan's first `num` requests at `multiplier` (more when `capacity.probe_seconds` asks
+        for a longer span, the plan repeated if need be), stopped as soon as it cannot pass: once
         more requests than the target allows are bad, finished or not (a watchdog judges streams
         in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
-        plan = self.plan_for_run(run)[:num]
+        cap = self.spec.capacity or CapacitySpec()
+        base = self.plan_for_run(run)
+        count = probe_length(base, multiplier, num, cap.probe_seconds)
+        plan = tiled(base, count, lambda p, k: recut(p, self.spec, self.source,
+                                                     content_stream(self.spec.seed, run + 10_000 * k)))
         slo, class_slos = self.spec.slo, self.spec.class_slos
         allowed_bad = int((1.0 - slo.attainment) * len(plan) + 1e-9)
         stop, live, bad, finished = asyncio.Event(), {}, set(), set()

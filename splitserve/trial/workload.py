@@ -111,6 +111,46 @@ def recut(plan: list[PlannedRequest], spec: TrialSpec, source: PromptSource,
     return out
 
 
+def probe_length(plan: list[PlannedRequest], multiplier: float, min_requests: int,
+                 min_seconds: float | None) -> int:
+    """How many requests a capacity probe at `multiplier` replays: at least `min_requests`, and
+    enough that its arrivals span `min_seconds` of real time at that rate. A fixed count would make
+    a probe at a high rate a burst of a few seconds, decided by a single slow request; a span gives
+    every probed rate a steady state of the same length. May exceed the plan: see `tiled`."""
+    if not plan or min_seconds is None:
+        return min_requests
+    period = plan_period(plan)
+    if period <= 0:
+        return max(min_requests, len(plan))
+    horizon = min_seconds * multiplier        # plan-time seconds covered by the probe's span
+    whole, rest = divmod(horizon, period)
+    within = sum(1 for r in plan if r.send_at_s - plan[0].send_at_s < rest)
+    return max(min_requests, int(whole) * len(plan) + within)
+
+
+def plan_period(plan: list[PlannedRequest]) -> float:
+    """The plan's span plus one mean gap: tiling the plan at this period keeps its rate."""
+    if len(plan) < 2:
+        return 0.0
+    span = plan[-1].send_at_s - plan[0].send_at_s
+    return span + span / (len(plan) - 1)
+
+
+def tiled(plan: list[PlannedRequest], count: int, copy_text) -> list[PlannedRequest]:
+    """The plan's first `count` requests, repeating the plan (same classes, lengths and gaps, one
+    period later each time) when `count` exceeds it. `copy_text(plan, k)` gives the k-th copy
+    (k >= 1) its own prompt text, so no copy finds its prompts in the prefix cache."""
+    if count <= len(plan):
+        return plan[:count]
+    out, period, k = list(plan), plan_period(plan), 1
+    while len(out) < count:
+        shifted = [dataclasses.replace(r, index=r.index + k * len(plan), send_at_s=r.send_at_s + k * period)
+                   for r in copy_text(plan, k)]
+        out.extend(shifted[: count - len(out)])
+        k += 1
+    return out
+
+
 def content_stream(seed: int, run: int) -> np.random.Generator:
     """Prompt contents for replay `run` (-1: the warm-up); the same for every arrangement."""
     return np.random.default_rng(np.random.SeedSequence([seed, 1_000_000 + run + 1]))
