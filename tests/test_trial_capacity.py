@@ -212,3 +212,27 @@ def test_a_probe_at_a_high_rate_replays_the_plan_more_than_once(tmp_path):
     assert sorted(r.index for r in run.records) == list(range(len(run.records)))
     assert [r.class_name for r in run.records[len(plan):2 * len(plan)]] == [r.class_name for r in plan]
     assert all(r.finish_reason for r in run.records)
+
+
+def test_the_tuned_setting_takes_its_grid_probe_as_the_first_probe_of_its_search(tmp_path):
+    from splitserve.trial.runner import ArrangementResult, RunResult
+
+    spec = parse_spec(fake_spec())
+    trial = Trial(spec, tmp_path)
+    trial.main_multiplier = 0.5 * 2.0                      # the reference held x2: searches start there
+    summary = {"attainment": 1.0, "offered_rate_rps": 8.0, "wall_s": 3.0}
+    trial.tuning_probes["slow"] = RunResult(2.0, summary, [], {}, 0, "probe")
+    replayed = []
+
+    def fake_probe(endpoint, name, m, repeat, num, run):
+        replayed.append(m)
+        return RunResult(m, {**summary, "attainment": 1.0 if m < 3 else 0.0, "offered_rate_rps": 4.0 * m}, [], {},
+                         repeat, "probe")
+
+    trial._probe = fake_probe
+    arr = next(a for a in spec.arrangements if a.name == "slow")
+    result = trial.results.setdefault("slow", ArrangementResult("slow"))
+    trial._search(None, arr, result, 0, False, None)
+    assert 2.0 not in replayed and replayed[0] == 4.0      # x2 came from the grid, not a new replay
+    assert result.runs[0].rate_multiplier == 2.0 and result.capacity[0]["probes"][0]["multiplier"] == 2.0
+    assert "slow" not in trial.tuning_probes               # used once: later repeats probe afresh

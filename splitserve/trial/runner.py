@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class Trial:
         self.main_multiplier: float | None = None if rel else 1.0
         self.calibration: dict | None = None
         self.tuning: dict | None = None
+        # a grid point's probe, kept for the arrangement it joins as: its search starts at that rate
+        self.tuning_probes: dict[str, RunResult] = {}
         self.order: list[list[str]] = []
         self.results: dict[str, ArrangementResult] = {}
         self.arrangements = list(spec.arrangements)
@@ -217,8 +220,13 @@ class Trial:
             start = self.main_multiplier / rel.fraction_of_capacity
         found_runs: list[RunResult] = []
 
+        seeded = self.tuning_probes.pop(arr.name, None) if repeat == 0 else None
+
         def probe(m: float) -> Probe:
-            run = self._probe(endpoint, arr.name, m, repeat, cap_spec.probe_requests, 1 + len(found_runs))
+            if seeded is not None and not found_runs and math.isclose(seeded.rate_multiplier, m):
+                run = seeded  # the same launch settings and requests, already replayed by the tuning grid
+            else:
+                run = self._probe(endpoint, arr.name, m, repeat, cap_spec.probe_requests, 1 + len(found_runs))
             found_runs.append(run)
             result.runs.append(run)
             self._notify()

@@ -5,7 +5,8 @@ its own launch and one probe (the capacity search's short replay, stopped once i
 pass) at the reference's capacity, or at the fixed rate without a capacity search: a rate
 where settings differ. The point identical to the base arrangement is not launched again:
 the base's own probe at that rate is reused. The best (most requests good, then the lowest
-p99 TTFT) joins the trial as `colocated-best`, unless it is the base itself.
+p99 TTFT) joins the trial as `colocated-best`, unless it is the base itself; its capacity search,
+which starts at that same rate, takes the grid point's probe as its first.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def tune_colocated(trial) -> dict:
     base_runs = [r for r in trial.results[base.name].runs if r.purpose in ("probe", "fixed")
                  and math.isclose(r.rate_multiplier, rate)]
     probe_size = spec.capacity.probe_requests if spec.capacity else 24
-    rows = []
+    rows, runs = [], {}
     for point in points:
         row = {"name": point.name, "serve": point.serve_args, "error": None, "attainment": None,
                "ttft_p99_s": None, "reused": None}
@@ -43,7 +44,8 @@ def tune_colocated(trial) -> dict:
                 with launched(with_kv_split(point, spec.kv_cache_memory), spec.model, trial.out_dir / "logs",
                               cpus=trial.cpus) as endpoint:
                     trial._warm_up(endpoint)
-                    summary = trial._probe(endpoint, point.name, rate, 0, probe_size, 1).summary
+                    run = trial._probe(endpoint, point.name, rate, 0, probe_size, 1)
+                    summary, runs[point.name] = run.summary, run
             except LaunchError as exc:
                 row["error"] = str(exc)
             trial.budget.spent(0.5)
@@ -60,6 +62,8 @@ def tune_colocated(trial) -> dict:
             trial.arrangements.insert(1, tuned)
             trial.resources[tuned.name] = arrangement_resources(with_kv_split(tuned, spec.kv_cache_memory))
             tuning["joins_as"] = tuned.name
+            # its search starts at this same rate: the grid's probe is that first probe
+            trial.tuning_probes[tuned.name] = runs[row["name"]]
         else:
             tuning["joins_as"] = None  # the base already is the best setting found
     return tuning
