@@ -236,3 +236,19 @@ def test_the_tuned_setting_takes_its_grid_probe_as_the_first_probe_of_its_search
     assert 2.0 not in replayed and replayed[0] == 4.0      # x2 came from the grid, not a new replay
     assert result.runs[0].rate_multiplier == 2.0 and result.capacity[0]["probes"][0]["multiplier"] == 2.0
     assert "slow" not in trial.tuning_probes               # used once: later repeats probe afresh
+
+
+def test_a_search_starts_at_its_own_earlier_capacity_else_at_the_highest_rate_held_so_far(tmp_path):
+    from splitserve.trial.runner import ArrangementResult
+
+    spec = parse_spec(fake_spec())
+    trial = Trial(spec, tmp_path)
+    fresh = ArrangementResult("slow")
+    assert trial._search_start(fresh) == 1.0                       # nothing measured yet
+    trial.main_multiplier = 0.5 * 0.25                            # the reference held x0.25
+    assert trial._search_start(fresh) == pytest.approx(0.25)
+    trial.results["other"] = ArrangementResult("other", capacity=[{"repeat": 0, "capacity_multiplier": 2.0}])
+    assert trial._search_start(fresh) == 2.0                       # start high: failing probes stop early
+    mine = ArrangementResult("slow", capacity=[{"repeat": 0, "capacity_multiplier": 0.5},
+                                               {"repeat": 1, "capacity_multiplier": None}])
+    assert trial._search_start(mine) == 0.5                        # a repeat starts at its own answer

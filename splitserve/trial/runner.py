@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import math
 import pathlib
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -214,10 +215,7 @@ class Trial:
                 calibrating: bool, budget: float | None) -> None:
         cap_spec = self.spec.capacity or CapacitySpec()
         rel = self.spec.arrivals.relative_rate
-        if self.main_multiplier is None or rel is None:
-            start = 1.0
-        else:  # start at the reference's capacity: the answer is usually near it
-            start = self.main_multiplier / rel.fraction_of_capacity
+        start = self._search_start(result)
         found_runs: list[RunResult] = []
 
         seeded = self.tuning_probes.pop(arr.name, None) if repeat == 0 else None
@@ -252,6 +250,21 @@ class Trial:
             if held_nothing:
                 self.calibration["note"] = (f"{', '.join(held_nothing)} held no rate tried, so the fixed rate is "
                                             f"{rel.fraction_of_capacity:g} x {arr.name}'s capacity instead")
+
+    def _search_start(self, result: ArrangementResult) -> float:
+        """Where a search starts: this arrangement's own capacity in an earlier repeat, else the highest
+        rate any arrangement has held so far (the reference's capacity at least). A passing probe at a
+        low rate is the slowest kind (it must replay all its requests), a failing one stops early, so
+        starting high and halving costs less than growing from the weakest arrangement's rate."""
+        own = [c["capacity_multiplier"] for c in result.capacity if c.get("capacity_multiplier")]
+        if own:
+            return statistics.median(own)
+        held = [c["capacity_multiplier"] for r in self.results.values() for c in r.capacity
+                if c.get("capacity_multiplier")]
+        rel = self.spec.arrivals.relative_rate
+        if self.main_multiplier is not None and rel is not None:
+            held.append(self.main_multiplier / rel.fraction_of_capacity)
+        return max(held) if held else 1.0
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
                run: int) -> RunResult:
