@@ -93,3 +93,13 @@ def test_a_loser_whose_search_never_failed_is_no_verdict_yet():
     v = verdict(capacity_doc([1.5], [0.5], col_bracketed=False))
     assert "no clear difference yet" in v and "colocated-best held every rate its search tried" in v
     assert "a lower bound" in v
+
+
+def test_one_run_shows_a_winner_only_when_it_held_a_rate_the_other_failed():
+    # budget-stopped searches bracket within 2x: 1P1D held 1.3, colocated failed only at 2.0
+    doc = capacity_doc([1.3], [1.0])
+    doc["arrangements"][1]["capacity"][0]["failed_rps"] = 2.0
+    v = verdict(doc)
+    assert "no clear difference" in v and "failed only at 2.000 req/s, above the 1.300 req/s 1P1D held" in v
+    doc["arrangements"][1]["capacity"][0]["failed_rps"] = 1.3      # failed where 1P1D held: clear
+    assert "Separate prefill: yes" in verdict(doc)

@@ -72,6 +72,16 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
     ratio = f"{s['median'] / c['median']:.2f}x" if c["median"] else "more than any colocated setting held"
     resolution = doc.get("capacity_precision", 0.1) if reps <= 1 else 0.0
     winner = clear_winner(s, c, resolution)
+    bracket_note = ""
+    if winner and reps <= 1:
+        # a search stopped by its budget brackets a capacity within a factor of 2, not `precision`:
+        # one run shows a winner only when it held a rate at which the other failed
+        won, lost = (sep, col) if winner > 0 else (col, sep)
+        failed = [x["failed_rps"] for x in lost.get("capacity", []) if x.get("failed_rps")]
+        held = won["capacity_rps"]["median"]
+        if failed and held < min(failed) * (1 - 1e-9):
+            winner, bracket_note = 0, (f"{lost['name']} failed only at {min(failed):.3f} req/s, above the "
+                                       f"{held:.3f} req/s {won['name']} held, so their searches' brackets overlap")
     loser = {1: col, -1: sep}.get(winner)
     if loser is not None and loser["name"] in open_ended:
         # a lower bound that lost may be higher still: no verdict until its search finds a failing rate
@@ -85,7 +95,7 @@ def _capacity_part(doc: dict) -> tuple[str, str] | None:
         answer = (f" Separate prefill: no. The best colocated ({col['name']}) holds {fmt_spread(c, _rps, reps)} "
                   f"within the SLOs, {sep['name']} {fmt_spread(s, _rps, reps)}: {back}.")
     else:
-        why = ("their ranges over repeats overlap" if reps > 1 else
+        why = ("their ranges over repeats overlap" if reps > 1 else bracket_note or
                f"they differ by less than the search's precision ({resolution:.0%})")
         answer = (f" Separate prefill: no clear difference. {sep['name']} {fmt_spread(s, _rps, reps)} against "
                   f"{col['name']} {fmt_spread(c, _rps, reps)}: {why}; the simpler colocated setup is the default.")
