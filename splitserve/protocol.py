@@ -34,8 +34,8 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 5  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
-# 4: priority; 5: logprobs, structured output
+PROTOCOL_VERSION = 6  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls)
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -51,6 +51,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     json_schema: str | None = None
+    grammar: str | None = None
     answer_prefix_len: int = 0
 
 

@@ -49,7 +49,7 @@ class Request:
     remote_decode: bool = False  # stops after its first token; a decode instance continues it
     kv_transfer: object | None = None  # TransferRecord of the KV it received from a prefill instance
     kv_outcome: str | None = None  # that transfer's end for the client: ok | recomputed | failed
-    grammar: object | None = None  # xgrammar GrammarMatcher when params.json_schema is set
+    grammar: object | None = None  # RequestGrammar when params.json_schema or params.grammar is set
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -58,7 +58,7 @@ class Dispatcher:
             max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-            json_schema=params.json_schema)
+            json_schema=params.json_schema, grammar=params.grammar)
         state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
                              wire, priority=priority)
         self._dispatch(state)

@@ -111,8 +111,8 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
-    # declared so that a forced call is refused (400) rather than answered in free text
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def answer_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
