@@ -14,8 +14,9 @@ Hermes (Qwen2/Qwen2.5/Qwen3, Hermes-2/3) writes each call as
 
 Streaming: the call's first delta (id, name, empty arguments) leaves as soon as the name and
 the `"arguments":` key are read, then the arguments' characters as they come, so the markup
-never reaches the content. Whitespace next to a call is not content. Text that opens a call but
-is not one (not JSON, no name) is passed on as content, as the model wrote it.
+never reaches the content. Whitespace next to a call is not content. Text that opens and closes
+a call but is not one (not JSON, no name) is passed on as content, as the model wrote it; a call
+the answer's end cuts short keeps what was streamed of it, or is dropped if its name was not read.
 """
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ class HermesToolParser(ToolParser):
         out: list[Piece] = []
         if self._state == "text":
             self._content(self._buf, out)
-        elif self._state == "header":  # a call that never became one: the model's text, as is
-            self._content(self._call_space + self.OPEN + self._buf, out)
+        # a call cut before its name was read (max_tokens, a stop string) is dropped: its markup is
+        # no content, and finish_reason says why the answer ended
         self._buf = ""
         if self._space and not self.num_calls:
             out.append(self._space)
