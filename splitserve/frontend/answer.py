@@ -9,8 +9,10 @@ parser's pieces joined, so the two never disagree.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 
@@ -83,21 +85,44 @@ def usage(event: GenerationEvent) -> dict:
             "total_tokens": event.num_prompt_tokens + event.num_completion_tokens}
 
 
+@dataclass(slots=True)
+class Echo:
+    """What a completion repeats before its answer (`echo: true`)."""
+
+    text: str  # the prompt
+    prompt_ids: list[int] | None = None  # with logprobs: the prompt's tokens, scored (the first: null)
+    score_only: bool = False  # max_tokens 0: the prompt alone; the one token the engine made is dropped
+
+
 class Answer:
     """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`.
 
-    token_text, when given, names tokens for the logprobs the request asked for; echo is the
-    prompt text a completion repeats before its answer; tool_parser, when given, reads tool calls
-    out of a chat answer."""
+    token_text, when given, names tokens for the logprobs the request asked for; echo is what a
+    completion repeats before its answer; tool_parser, when given, reads tool calls out of a chat
+    answer."""
 
     def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool,
-                 return_token_ids: bool = False, token_text: TokenText | None = None, echo: str = "",
+                 return_token_ids: bool = False, token_text: TokenText | None = None, echo: Echo | None = None,
                  tool_parser: ToolParser | None = None) -> None:
         self.kind, self.id, self.model, self.include_usage = kind, answer_id, model, include_usage
         self.return_token_ids = return_token_ids
-        self.token_text, self.echo, self.tool_parser = token_text, echo, tool_parser
-        self._text_logprobs = CompletionLogprobs(token_text, len(echo)) if token_text and kind == "text" else None
+        self.token_text, self.tool_parser = token_text, tool_parser
+        self.echo = echo or Echo("")
+        self._text_logprobs = CompletionLogprobs(token_text, len(self.echo.text)) \
+            if token_text and kind == "text" else None
         self.created = int(time.time())
+
+    def view(self, event: GenerationEvent) -> GenerationEvent:
+        """The event as this answer shows it: a prompt-only score has no answer tokens."""
+        if not self.echo.score_only:
+            return event
+        return dataclasses.replace(event, text="", num_new_tokens=0, num_completion_tokens=0, token_ids=[],
+                                   logprobs=None, finish_reason="length" if event.finish_reason else None)
+
+    def _echo_logprobs(self, prompt_logprobs: list | None) -> dict | None:
+        if self._text_logprobs is None or self.echo.prompt_ids is None:
+            return None
+        return self._text_logprobs.prompt(self.echo.prompt_ids, prompt_logprobs or [], len(self.echo.text))
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -110,7 +135,7 @@ class Answer:
         return self._text_logprobs.chunk(entries or [])
 
     def full(self, text: str, last: GenerationEvent, token_ids: list[int] | None = None,
-             logprobs: list | None = None) -> dict:
+             logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict:
         if self.kind == "chat":
             message = {"role": "assistant", "content": text}
             if self.tool_parser is not None:
@@ -121,7 +146,11 @@ class Answer:
                       "finish_reason": self._finish_reason(last)}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": self.echo + text, "logprobs": self._logprobs(logprobs),
+            echoed = self._echo_logprobs(prompt_logprobs)
+            answered = self._logprobs(logprobs)
+            if echoed is not None:
+                answered = {key: echoed[key] + answered[key] for key in echoed}
+            choice = {"index": 0, "text": self.echo.text + text, "logprobs": answered,
                       "finish_reason": last.finish_reason}
             head = self._head("text_completion")
         if self.return_token_ids:
@@ -163,7 +192,7 @@ class Answer:
     async def _events(self, stream: RequestStream) -> AsyncIterator[GenerationEvent]:
         try:
             async for event in stream:
-                yield event
+                yield self.view(event)
         finally:
             stream.close()  # client gone mid-stream: abort in the engine, free its blocks
 
@@ -197,9 +226,15 @@ class Answer:
 
     async def text_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
         obj = "text_completion"
-        if self.echo:
-            yield self._chunk(obj, {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None})
+        echo_pending = bool(self.echo.text)
+        if echo_pending and self.echo.prompt_ids is None:
+            yield self._chunk(obj, {"index": 0, "text": self.echo.text, "logprobs": None, "finish_reason": None})
+            echo_pending = False
         async for event in self._events(stream):
+            if echo_pending:  # its logprobs come with the first token
+                yield self._chunk(obj, {"index": 0, "text": self.echo.text, "finish_reason": None,
+                                        "logprobs": self._echo_logprobs(event.prompt_logprobs)})
+                echo_pending = False
             if event.error:
                 yield sse(error_for(event).body())
                 break

@@ -120,11 +120,14 @@ class ChatCompletionRequest(_GenerationFields):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)  # 0: score the prompt (with echo)
     echo: bool = False
     suffix: str | None = None
 
     def answer_limit(self) -> int | None:
-        return self.max_tokens
+        # max_tokens 0 still runs one step: the prefill that scores the prompt samples a token,
+        # which the answer drops
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
 
 class TokenizeRequest(_Body):

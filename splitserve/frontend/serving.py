@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from splitserve.frontend.answer import Answer, error_for
+from splitserve.frontend.answer import Answer, Echo, error_for
 from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
@@ -173,13 +173,17 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None and body.logprobs is not False:
-            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported yet; "
-                                "use echo or logprobs alone", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 scores the prompt alone: it needs echo: true (and logprobs for "
+                                "the scores)", param="max_tokens")
         token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
-        echo = (await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt) \
-            if body.echo else ""
+        echo = None
+        if body.echo:
+            # with logprobs, the prompt's own logprobs come back too (evaluation harnesses score with them)
+            params.prompt_logprobs = params.logprobs
+            echo = Echo(await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt,
+                        token_ids if params.logprobs is not None else None, score_only=body.max_tokens == 0)
         stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
@@ -195,9 +199,11 @@ class OpenAIServing:
 
     async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
         watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
-        texts, token_ids, logprobs, last = [], [], [], None
+        texts, token_ids, logprobs, prompt_logprobs, last = [], [], [], None, None
         try:
             async for event in stream:
+                prompt_logprobs = prompt_logprobs or event.prompt_logprobs  # the first set: a retry may repeat it
+                event = answer.view(event)
                 texts.append(event.text)
                 token_ids.extend(event.token_ids)
                 logprobs.extend(event.logprobs or [])
@@ -207,7 +213,8 @@ class OpenAIServing:
             stream.close()  # a cancelled handler aborts the request too
         if last.error:
             raise error_for(last)
-        return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs), headers={"X-Request-Id": request_id})
+        return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs, prompt_logprobs),
+                            headers={"X-Request-Id": request_id})
 
 
 def requested_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
