@@ -59,7 +59,8 @@ def test_a_calls_first_delta_has_index_id_type_name_and_empty_arguments_then_fra
     _, _, deltas = stream_like_the_sdk(ANSWER, 4)
     firsts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
     assert [(f["index"], f["type"], f["function"]) for f in firsts] == [
-        (0, "function", {"name": "get_weather", "arguments": ""}), (1, "function", {"name": "get_time", "arguments": ""})]
+        (0, "function", {"name": "get_weather", "arguments": ""}),
+        (1, "function", {"name": "get_time", "arguments": ""})]
     fragments = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]]
     assert len(fragments) > 3 and all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"}
                                       for f in fragments)

@@ -36,6 +36,7 @@ def tool_deltas(pieces: list[Piece]) -> list[dict]:
     deltas: list[dict] = []
     for piece in pieces:
         last = deltas[-1] if deltas else {}
+        last_call = last["tool_calls"][0] if "tool_calls" in last else None
         if isinstance(piece, str):
             if "content" in last:
                 last["content"] += piece
@@ -44,8 +45,8 @@ def tool_deltas(pieces: list[Piece]) -> list[dict]:
         elif piece.id is not None:
             deltas.append({"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
                                            "function": {"name": piece.name, "arguments": ""}}]})
-        elif "tool_calls" in last and "id" not in last["tool_calls"][0] and last["tool_calls"][0]["index"] == piece.index:
-            last["tool_calls"][0]["function"]["arguments"] += piece.arguments
+        elif last_call is not None and "id" not in last_call and last_call["index"] == piece.index:
+            last_call["function"]["arguments"] += piece.arguments
         elif piece.arguments:
             deltas.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
     return deltas

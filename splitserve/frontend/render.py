@@ -82,7 +82,8 @@ def _tool_calls(calls: object, index: int) -> list[dict]:
         if not isinstance(arguments, dict):
             raise RenderError("a tool call's arguments must be a JSON object (as text)",
                               f"{where}[{j}].function.arguments")
-        out.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
