@@ -1,7 +1,9 @@
 """Tool calls through the HTTP API with the openai SDK's own tool-calling loop (a request, the tool's
-result, the final answer), streaming and not, colocated and split, on a tiny Qwen2 model whose chat
-template renders tools (the Hermes form); and every malformed tools request is a 400 with OpenAI's
-error body. The bundled SmolLM2 (a template without tools: the fallback prompt) is the real-model test."""
+result, the final answer), streaming and not, on a tiny Qwen2 model whose chat template renders tools
+(the Hermes form); and every malformed tools request is a 400 with OpenAI's error body. The bundled
+SmolLM2 (a template without tools: the fallback prompt) is the real-model test. (A forced call across
+a prefill and a decode instance: tests/test_structured_output.py; one more server start here cost
+45 s on the shared box.)"""
 from __future__ import annotations
 
 import json
@@ -22,29 +24,15 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 QUESTION = [{"role": "user", "content": "what is the weather in Rome?"}]
-ARRANGEMENTS = {"colocated": ("--instances", "1"),
-                "split": ("--prefill", "1", "--decode", "1", "--kv-transport", "shm")}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def server(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tools") / "tiny", arch="qwen2",
                                  chat_template=QWEN_TOOLS_TEMPLATE, max_position_embeddings=2048)
-    root, started = tmp_path_factory.mktemp("log"), {}
-
-    def get(name: str) -> DisaggServer:
-        if name not in started:
-            started[name] = DisaggServer(str(path), *ARRANGEMENTS[name], log_path=root / f"{name}.log").wait_ready()
-        return started[name]
-
-    yield get
-    for name, srv in started.items():
-        assert srv.stop() == 0, f"{name}: {srv.log()}"
-
-
-@pytest.fixture(params=list(ARRANGEMENTS))
-def server(request, servers):
-    return servers(request.param)
+    srv = DisaggServer(str(path), "--instances", "1", log_path=tmp_path_factory.mktemp("log") / "serve.log")
+    yield srv.wait_ready()
+    assert srv.stop() == 0, srv.log()
 
 
 def sdk(server) -> openai.OpenAI:
@@ -123,8 +111,7 @@ def test_a_named_function_is_called_exactly_once(server):
         check_calls(calls)
 
 
-def test_tool_choice_none_answers_in_text_without_tools_in_the_prompt(servers):
-    server = servers("colocated")
+def test_tool_choice_none_answers_in_text_without_tools_in_the_prompt(server):
     client = sdk(server)
     answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
                                             tools=[WEATHER], tool_choice="none", max_tokens=5,
@@ -159,8 +146,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
     ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{**CALL, "function": {
         "name": "get_weather", "arguments": "not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
 ])
-def test_bad_tool_requests_are_400_with_an_openai_error(servers, body, param):
-    r = httpx.post(servers("colocated").base_url + "/v1/chat/completions",
+def test_bad_tool_requests_are_400_with_an_openai_error(server, body, param):
+    r = httpx.post(server.base_url + "/v1/chat/completions",
                    json={"messages": QUESTION, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
