@@ -116,7 +116,7 @@ class HermesToolParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
         self._buf = ""  # text not yet handled
-        self._state = "text"  # text | header | arguments | end
+        self._state = self._on_text  # the handler for where the answer stands: text | header | arguments | end
         self._space = ""  # whitespace after content: sent only if content follows it
         self._call_space = ""  # the whitespace before an open tag: content again if no call follows
         self._depth, self._in_string, self._escaped = 0, False, False  # the arguments' JSON, so far
@@ -124,13 +124,13 @@ class HermesToolParser(ToolParser):
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
-        while self._buf and getattr(self, f"_on_{self._state}")(out):
+        while self._buf and self._state(out):
             pass
         return out
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
-        if self._state == "text":
+        if self._state == self._on_text:
             self._content(self._buf, out)
         # a call cut before its name was read (max_tokens, a stop string) is dropped: its markup is
         # no content, and finish_reason says why the answer ended
@@ -159,7 +159,7 @@ class HermesToolParser(ToolParser):
             return False
         self._content(self._buf[:start], out)
         self._call_space, self._space = self._space, ""  # whitespace before a call is layout, not content
-        self._buf, self._state = self._buf[start + len(self.OPEN):], "header"
+        self._buf, self._state = self._buf[start + len(self.OPEN):], self._on_header
         return True
 
     def _on_header(self, out: list[Piece]) -> bool:
@@ -167,13 +167,13 @@ class HermesToolParser(ToolParser):
         name = _json_string(header.group(1)) if header else None
         if name is not None:
             out.append(ToolCallDelta(self.num_calls, "", new_call_id(), name))
-            self._buf, self._state = self._buf[header.end():], "arguments"
+            self._buf, self._state = self._buf[header.end():], self._on_arguments
             self._depth, self._in_string, self._escaped = 0, False, False
             return True
         end = self._buf.find(self.CLOSE)
         if end < 0:
             return False
-        body, self._buf, self._state = self._buf[:end], self._buf[end + len(self.CLOSE):], "text"
+        body, self._buf, self._state = self._buf[:end], self._buf[end + len(self.CLOSE):], self._on_text
         call = self._whole_call(body)
         if call is None:
             self._content(self._call_space + self.OPEN + body + self.CLOSE, out)
@@ -219,7 +219,7 @@ class HermesToolParser(ToolParser):
         if end is None:
             return False
         self.num_calls += 1
-        self._state = "end"
+        self._state = self._on_end
         return True
 
     def _on_end(self, out: list[Piece]) -> bool:
@@ -227,7 +227,7 @@ class HermesToolParser(ToolParser):
         keys) is dropped: the call was already sent."""
         done = _CALL_END.match(self._buf)
         if done:
-            self._buf, self._state = self._buf[done.end():], "text"
+            self._buf, self._state = self._buf[done.end():], self._on_text
             return True
         rest = self._buf.lstrip()
         rest = rest[1:].lstrip() if rest.startswith("}") else rest
@@ -236,7 +236,7 @@ class HermesToolParser(ToolParser):
         close = self._buf.find(self.CLOSE)
         if close < 0:
             return False
-        self._buf, self._state = self._buf[close + len(self.CLOSE):], "text"
+        self._buf, self._state = self._buf[close + len(self.CLOSE):], self._on_text
         return True
 
     # ---- the format ----------------------------------------------------------------------
