@@ -34,8 +34,8 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 5  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
-# 4: priority; 5: logprobs, structured output
+PROTOCOL_VERSION = 6  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -50,7 +50,9 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: str | None = None
+    grammar: str | None = None
     answer_prefix_len: int = 0
 
 
@@ -140,6 +142,8 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     kv_descriptor: TransferDescriptor | None = None  # prefill role, with "prefill_done"
     kv_transfer: KVTransferReport | None = None  # decode role, on the final output
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # prompt tokens 1..n-1 (the first has no logprob), with the first token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -24,7 +24,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; k >= 0: each sampled token's logprob and the k most likely alternatives
     logprobs: int | None = None
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob (the first has none) and the k
+    # most likely alternatives, from the prefill (what evaluation harnesses score prompts with)
+    prompt_logprobs: int | None = None
     json_schema: str | None = None  # structured output: the answer is JSON valid under this schema
+    # structured output: any xgrammar grammar (Grammar.serialize_json), e.g. a forced tool call
+    grammar: str | None = None
     # a resumed request: the last n prompt tokens are answer tokens made elsewhere (its grammar
     # advances over them)
     answer_prefix_len: int = 0
@@ -55,8 +60,14 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             raise bad("json_schema", "must be None or a JSON schema as a string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or self.json_schema is not None):
+            raise bad("grammar", "must be None or a serialized xgrammar Grammar, and not given with json_schema")
         if not isinstance(self.answer_prefix_len, int) or isinstance(self.answer_prefix_len, bool) \
                 or self.answer_prefix_len < 0:
             raise bad("answer_prefix_len", "must be an integer >= 0")

@@ -172,7 +172,8 @@ def test_unknown_model_is_404(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice.function.name"),
 ])
 def test_bad_values_are_400_through_the_openai_client(client, model, change, param):
     args = {"model": model, "messages": CHAT, "max_tokens": 4, **change}

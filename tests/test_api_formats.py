@@ -125,12 +125,49 @@ def test_echo_repeats_the_prompt_stream_and_not(colocated):
                    if c.choices) == "hello world" + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_stream_and_not(server, checkpoint):
+    hf, client = checkpoint[1], openai_client(server)
+    prompt = [5, 17, 99, 3, 250, 41, 8, 17, 99]
+    args = dict(model=client.models.list().data[0].id, prompt=prompt, temperature=0, max_tokens=3, echo=True,
+                logprobs=TOP, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = client.completions.create(**args).choices[0]
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(prompt) + 3
+    rows = hf_rows(hf, prompt[:1], prompt[1:] + choice.token_ids)  # row i scores token i + 1
+    scored = prompt[1:] + choice.token_ids
+    assert all(abs(a - float(row[t])) < 1e-4 for a, row, t in zip(lp.token_logprobs[1:], rows, scored, strict=True))
+    assert all(max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)
+               for top, row in zip(lp.top_logprobs[1:], rows))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(**args, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+
+def test_max_tokens_0_with_echo_scores_only_the_prompt(colocated, checkpoint):
+    hf, client = checkpoint[1], openai_client(colocated)
+    prompt = [5, 17, 99, 3, 250]
+    args = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    answer = client.completions.create(**args)
+    choice = answer.choices[0]
+    rows = hf_rows(hf, prompt[:1], prompt[1:])
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(prompt)
+    assert all(abs(a - float(row[t])) < 1e-4 for a, row, t in zip(choice.logprobs.token_logprobs[1:], rows, prompt[1:]))
+    assert choice.finish_reason == "length" and answer.usage.completion_tokens == 0
+    assert choice.text == httpx.post(colocated.base_url + "/detokenize", json={"tokens": prompt}).json()["prompt"]
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": 3}, "logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
-    ("completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
 ])
 def test_bad_logprobs_requests_are_400_with_an_openai_error(colocated, path, body, param):

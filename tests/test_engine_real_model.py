@@ -116,3 +116,44 @@ def test_bundled_model_logprobs_equal_transformers_log_softmax(case):
         for row, token, e in zip(rows, tokens, entries, strict=True):
             assert e.token_id == token and abs(e.logprob - float(row[token])) < 1e-4
             assert max(abs(a - b) for a, b in zip(e.top_logprobs, row.topk(5).values.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("arrangement", ["colocated", "split"])
+def test_bundled_model_prompt_logprobs_equal_transformers_log_softmax(case, arrangement):
+    """Prompt logprobs (completions' echo + logprobs) come from the prefill, chunk by chunk; the
+    prompts share a long system prompt, which must be scored again, not taken from the prefix cache."""
+    from engine_support import run_disaggregated
+    from splitserve.kv_transfer import KVTransferConfig
+
+    loaded, prompts, hf = case
+    scheduler = SchedulerConfig(max_num_batched_tokens=128)  # several chunks per prompt
+
+    def engine(role: str) -> EngineCore:
+        kv = KVTransferConfig(transport="shm") if role != "colocated" else None
+        return EngineCore(EngineConfig(cache=CacheConfig(kv_cache_memory="128MiB"), scheduler=scheduler,
+                                       role=role, kv_transfer=kv, instance_id=role), loaded)
+
+    chosen = (0, 2, 4)  # 5 tokens, and two chats that share the system prompt
+    requests = [(str(i), prompts[i], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=5)) for i in chosen]
+    outs = []
+    if arrangement == "colocated":
+        core = engine("colocated")
+        for rid, prompt, params in requests:
+            core.add_request(rid, prompt, params)
+        while core.has_unfinished_requests():
+            outs += core.step()
+    else:
+        prefill, decode = engine("prefill"), engine("decode")
+        try:
+            run_disaggregated(prefill, decode, requests, outputs=outs)
+        finally:
+            prefill.close()
+            decode.close()
+    for i in chosen:
+        [entries] = [o.prompt_logprobs for o in outs if o.request_id == str(i) and o.prompt_logprobs is not None]
+        with torch.no_grad():
+            rows = torch.log_softmax(hf(torch.tensor([prompts[i]])).logits[0].float(), -1)[:-1]
+        assert len(entries) == len(prompts[i]) - 1
+        for row, token, e in zip(rows, prompts[i][1:], entries, strict=True):
+            assert e.token_id == token and abs(e.logprob - float(row[token])) < 1e-4
+            assert max(abs(a - b) for a, b in zip(e.top_logprobs, row.topk(5).values.tolist())) < 1e-4

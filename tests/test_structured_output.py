@@ -85,3 +85,27 @@ def test_tokens_that_break_the_grammar_or_a_bad_schema_are_refused(checkpoint):
     with pytest.raises(ValueError, match="JSON schema"):
         engine.add_request("y", PROMPT, SamplingParams(max_tokens=4, json_schema='{"type": "nonsense"}'))
     assert not engine.requests
+
+
+def test_a_forced_tool_call_grammar_is_continued_by_the_decode_instance(checkpoint):
+    from splitserve.frontend.tool_parsers import HermesToolParser
+
+    function = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}
+    grammar = HermesToolParser.forced_grammar([function], parallel=False).serialize_json()
+    prefill = make_engine(checkpoint, role="prefill", instance_id="p")
+    decode = make_engine(checkpoint, role="decode", instance_id="d")
+    requests = [(str(i), PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, grammar=grammar))
+                for i in range(3)]
+    try:
+        results = run_disaggregated(prefill, decode, requests)
+    finally:
+        prefill.close()
+        decode.close()
+    for i in range(3):
+        tokens, reason, error = results[str(i)][:3]
+        assert error is None and reason == "stop", (reason, error)
+        content, calls = HermesToolParser().parse(prefill.tokenizer.decode(tokens, skip_special_tokens=True))
+        assert content is None and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), function["parameters"])

@@ -39,6 +39,23 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML with tools in the Hermes form Qwen2/Qwen3 use (written for these tests): the tools as JSON
+# lines in the system turn, calls as <tool_call> blocks, results in a user turn as <tool_response>
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}{% if message.content or not loop.first %}\n{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _COMMON_WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from "
     "or one had by word but not what all were we when your can said there use an each which "
@@ -80,7 +97,7 @@ def smollm_tokenizer() -> PreTrainedTokenizerFast:
 
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embeddings: bool = False,
                           seed: int = 0, tokenizer: str = "bytes", max_shard_size: str | None = None,
-                          **overrides) -> Path:
+                          chat_template: str | None = None, **overrides) -> Path:
     """Write a 2-layer random-weight `arch` checkpoint (fp32 safetensors + tokenizer) to `path`.
 
     overrides go to the transformers config class (e.g. num_hidden_layers=3,
@@ -116,6 +133,8 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embedd
                     parameter.add_(0.1 * torch.randn_like(parameter))
                 elif name.endswith(".bias"):
                     parameter.copy_(0.1 * torch.randn_like(parameter))
+    if chat_template is not None:
+        tok.chat_template = chat_template
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kwargs)
     tok.save_pretrained(path)

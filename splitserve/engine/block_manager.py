@@ -47,8 +47,8 @@ class BlockManager:
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], list[bytes]]:
         """Blocks (and their hashes) holding a computed prefix of the request's tokens."""
-        if not self.enable_prefix_caching:
-            return [], []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], []  # prompt logprobs need every prompt position's logits: nothing is skipped
         tokens = request.all_token_ids
         # The last token is always recomputed: its logits are needed to sample.
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -216,6 +216,8 @@ class EngineCore:
                 num_cached_tokens=request.num_cached_tokens)
             if request in self.runner.last_logprobs:
                 out.logprobs = [self.runner.last_logprobs[request]]
+            if request.params.prompt_logprobs is not None and request.num_output_tokens == 1:
+                out.prompt_logprobs = request.prompt_logprobs
             if done:
                 try:
                     out.kv_descriptor = self._finish(request)

@@ -5,7 +5,7 @@ import torch
 
 from splitserve.config import CacheConfig, ModelConfig
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import sample, token_logprobs
+from splitserve.engine.sampler import prompt_token_logprobs, sample, token_logprobs
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.structured import advance_grammars, apply_grammar_masks
 from splitserve.models.llama import DecodeGroup, ForwardBatch, LlamaModel, PrefillChunk
@@ -28,6 +28,24 @@ def group_by_length(lens: list[int], slack: int | None = None) -> list[tuple[int
             groups.append((start, i - start))
             start = i
     return groups
+
+
+def prompt_score_rows(batch: ScheduledBatch) -> list[tuple[int, Request, int]]:
+    """(index in the step's input tokens, request, prompt position scored there) for every prompt
+    token a prefill chunk of a request asking for prompt logprobs predicts: the logits at position
+    p score prompt token p + 1. Only on the request's own prefill (a request that arrives with its
+    first token, at a decode instance, was scored where it was prefilled), and never twice (a
+    preempted request recomputes positions it has scored)."""
+    rows = []
+    index = len(batch.decodes)  # build_batch lays out the decodes first, then each chunk in order
+    for request, num_new in batch.prefills:
+        start = request.num_computed_tokens
+        if request.params.prompt_logprobs is not None and not request.output_token_ids:
+            last = min(start + num_new, request.num_prompt_tokens - 1)
+            for pos in range(max(start, len(request.prompt_logprobs)), last):
+                rows.append((index + pos - start, request, pos + 1))
+        index += num_new
+    return rows
 
 
 class ModelRunner:
@@ -98,7 +116,14 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, default_generator: torch.Generator) -> dict[Request, int]:
         """Run one step; returns the sampled token for each request that reached its end."""
         forward_batch, samplers = self.build_batch(batch)
-        logits = self.model.forward(forward_batch, self.kv_cache)  # [num_samples, vocab]
+        scored = prompt_score_rows(batch)
+        if scored:
+            forward_batch.sample_indices = torch.cat([forward_batch.sample_indices,
+                                                      self._tensor([index for index, _, _ in scored])])
+        logits = self.model.forward(forward_batch, self.kv_cache)  # [num_samples + num_scored, vocab]
+        if scored:
+            logits, prompt_logits = logits[:len(samplers)], logits[len(samplers):]
+            prompt_token_logprobs(prompt_logits, [(r, r.prompt_token_ids[pos]) for _, r, pos in scored])
         self.last_logprobs = {}
         if not samplers:
             return {}

@@ -58,7 +58,7 @@ def to_wire(o) -> TokenOutput:
     """An engine RequestOutput as the frontend gets it."""
     return TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
                        o.num_cached_tokens, o.error, False, o.kv_descriptor,
-                       transfer_report(o.kv_transfer, o.kv_outcome), o.logprobs)
+                       transfer_report(o.kv_transfer, o.kv_outcome), o.logprobs, o.prompt_logprobs)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

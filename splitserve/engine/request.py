@@ -49,7 +49,9 @@ class Request:
     remote_decode: bool = False  # stops after its first token; a decode instance continues it
     kv_transfer: object | None = None  # TransferRecord of the KV it received from a prefill instance
     kv_outcome: str | None = None  # that transfer's end for the client: ok | recomputed | failed
-    grammar: object | None = None  # xgrammar GrammarMatcher when params.json_schema is set
+    grammar: object | None = None  # RequestGrammar when params.json_schema or params.grammar is set
+    # params.prompt_logprobs: [protocol.TokenLogprobs] of prompt tokens 1, 2, ... scored so far
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,3 +95,4 @@ class RequestOutput:
     kv_transfer: object | None = None  # the TransferRecord of the KV this request received
     kv_outcome: str | None = None  # ok | recomputed | failed, decided by the decode connector
     logprobs: list | None = None  # [protocol.TokenLogprobs] for new_token_ids, when asked
+    prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token

@@ -29,6 +29,24 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     return out
 
 
+SCORE_ROWS = 256  # prompt positions scored at once: 256 x a 49k vocabulary is 50 MB of fp32
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[tuple[Request, int]]) -> None:
+    """logits: [num_scored, vocab], row i predicting targets[i]'s token; appends each token's
+    TokenLogprobs to its request's prompt_logprobs, in prompt order."""
+    for first in range(0, len(targets), SCORE_ROWS):
+        rows = torch.log_softmax(logits[first:first + SCORE_ROWS].float(), dim=-1)
+        part = targets[first:first + SCORE_ROWS]
+        k = max(r.params.prompt_logprobs for r, _ in part)
+        top = rows.topk(k, dim=-1) if k else None
+        for j, (request, token) in enumerate(part):
+            n = request.params.prompt_logprobs
+            request.prompt_logprobs.append(TokenLogprobs(
+                token, float(rows[j, token]), top.indices[j, :n].tolist() if n else [],
+                top.values[j, :n].tolist() if n else []))
+
+
 def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> None:
     # min_tokens: end-of-sequence and stop tokens may not be chosen before the minimum.
     for row, request in enumerate(requests):

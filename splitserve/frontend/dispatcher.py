@@ -58,7 +58,8 @@ class Dispatcher:
             max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-            json_schema=params.json_schema)
+            prompt_logprobs=params.prompt_logprobs,
+            json_schema=params.json_schema, grammar=params.grammar)
         state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
                              wire, priority=priority)
         self._dispatch(state)
@@ -69,8 +70,10 @@ class Dispatcher:
         router picks; parks it if none can take it only because a role change is under way."""
         prompt = state.prompt_token_ids + state.token_ids
         n = len(state.token_ids)
+        # a resumed request's prompt logprobs reached the client with its first token already
         wire = msgspec.structs.replace(state.wire_params, max_tokens=state.wire_params.max_tokens - n,
-                                       min_tokens=max(0, state.wire_params.min_tokens - n), answer_prefix_len=n)
+                                       min_tokens=max(0, state.wire_params.min_tokens - n), answer_prefix_len=n,
+                                       prompt_logprobs=None if n else state.wire_params.prompt_logprobs)
         request_id = f"{state.client_request_id[:64]}.{next(self._ids)}"
         try:
             payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority))

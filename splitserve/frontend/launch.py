@@ -27,6 +27,7 @@ from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_
 from splitserve.frontend.limits import add_limit_arguments, check_limit_args
 from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
                                           engine_link_from_args)
+from splitserve.frontend.tool_parsers import TOOL_PARSERS
 from splitserve.frontend.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
 from splitserve.protocol import encode_engine_config
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where engines connect (ZeroMQ endpoint; default: loopback, ephemeral port)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for engines")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default="hermes",
+                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen2/Qwen3)")
     p.add_argument("--retry-on-engine-failure", type=int, default=1,
                    help="times a request is sent to another instance when its engine dies before any "
                         "token reached the client (0: fail it at once)")
@@ -169,12 +172,12 @@ def start_engine_process(args: argparse.Namespace, config: EngineConfig, address
     return proc
 
 
-def load_renderer(model: str | None):
+def load_renderer(model: str | None, tool_call_parser: str = "hermes"):
     from splitserve.frontend.render import Renderer
     from splitserve.models.loader import load_tokenizer
 
     tokenizer, chat_template = load_tokenizer(model)
-    return Renderer(tokenizer, chat_template)
+    return Renderer(tokenizer, chat_template, TOOL_PARSERS[tool_call_parser])
 
 
 def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -225,7 +228,7 @@ async def serve(args: argparse.Namespace) -> int:
             client.attach_process(engine_id, proc)
         client.start()
         # The tokenizer loads here while the engines load the model in their processes.
-        client.renderer = await asyncio.to_thread(load_renderer, args.model)
+        client.renderer = await asyncio.to_thread(load_renderer, args.model, args.tool_call_parser)
         await client.wait_ready(engine_ids, args.startup_timeout)
         counters: dict[str, int] = {}
 

@@ -50,3 +50,14 @@ class CompletionLogprobs:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def prompt(self, prompt_ids: list[int], entries: list[TokenLogprobs], prompt_chars: int) -> dict:
+        """An echoed prompt's part: its first token has no logprob (nothing comes before it), the
+        others the engine's `entries`. Offsets start at 0; the answer's then start at prompt_chars."""
+        self.offset = 0
+        first = self.token_text(prompt_ids[0])
+        self.offset = len(first)
+        rest = self.chunk(entries)
+        self.offset = prompt_chars
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}

@@ -111,8 +111,8 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
-    # declared so that a forced call is refused (400) rather than answered in free text
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def answer_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -120,11 +120,14 @@ class ChatCompletionRequest(_GenerationFields):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)  # 0: score the prompt (with echo)
     echo: bool = False
     suffix: str | None = None
 
     def answer_limit(self) -> int | None:
-        return self.max_tokens
+        # max_tokens 0 still runs one step: the prefill that scores the prompt samples a token,
+        # which the answer drops
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
 
 class TokenizeRequest(_Body):

@@ -51,7 +51,8 @@ class OutputProcessor:
             self.metrics.observe_transfer(out.kv_transfer, kv_report["outcome"])
         event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens, state.num_completion_tokens,
                                 finished, reason if finished else None, out.error, out.rejected, kv_report,
-                                state.num_retries + state.num_resumes, list(out.new_token_ids), out.logprobs)
+                                state.num_retries + state.num_resumes, list(out.new_token_ids), out.logprobs,
+                                out.prompt_logprobs)
         # Ended by the engine for good (not handed over, not an error a prefill instance may hold
         # KV through, not a stop string the engine has not seen): nothing to abort anywhere.
         engine_done = out.finished and out.finish_reason not in ("prefill_done", "error") and reason == out.finish_reason

@@ -5,6 +5,12 @@ This is the only module that turns text into tokens or back. Engines see token i
     render:   messages --chat template (Jinja2)--> prompt text --tokenizer--> token ids
     derender: token ids --DecodeStream--> text deltas --StopStringMatcher--> client text
 
+Tools reach the template as transformers' apply_chat_template passes them (`tools`, and
+assistant `tool_calls` with their arguments as objects). A template that never reads `tools`
+(the bundled SmolLM2's) gets them written into the messages instead, in the tool parser's own
+format: a system prompt declaring them, earlier calls as the model would write them, results
+as a user turn (see `inline_tools`).
+
 The incremental detokenizer never emits half a UTF-8 character: the tokenizer's own
 `DecodeStream` holds bytes back until they form whole characters, so a stream never shows
 U+FFFD and the concatenated deltas equal the text of a non-streamed answer.
@@ -16,8 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers.decoders import DecodeStream
+
+from splitserve.frontend.tool_parsers import HermesToolParser, ToolParser
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -53,7 +62,32 @@ def _flatten_content(content: object, index: int) -> str:
                       param=f"messages[{index}].content")
 
 
-def _normalize_message(m: dict, index: int, developer_role: bool) -> dict:
+def _tool_calls(calls: object, index: int) -> list[dict]:
+    """An assistant message's OpenAI tool_calls -> the template's form (arguments as objects)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise RenderError("tool_calls must be a non-empty list of calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str) or call.get("type", "function") != \
+                "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RenderError('each tool call is {"id": ..., "type": "function", "function": {"name": ..., '
+                              '"arguments": "<JSON object>"}}', f"{where}[{j}]")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise RenderError("a tool call's arguments must be a JSON object (as text)",
+                              f"{where}[{j}].function.arguments")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def _normalize_message(m: dict, index: int, developer_role: bool, call_ids: set[str]) -> dict:
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise RenderError(f"unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}", f"messages[{index}].role")
@@ -72,13 +106,45 @@ def _normalize_message(m: dict, index: int, developer_role: bool) -> dict:
         msg["content"] = _flatten_content(m["content"], index)
     if role == "developer" and not developer_role:
         msg["role"] = "system"  # OpenAI's newer name for the system role; most templates predate it
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise RenderError("only an assistant message carries tool_calls", f"messages[{index}].tool_calls")
+        msg["tool_calls"] = _tool_calls(m["tool_calls"], index)
+        call_ids.update(c["id"] for c in msg["tool_calls"])
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise RenderError("a tool message needs tool_call_id: the id of the call it answers",
+                              f"messages[{index}].tool_call_id")
+        if call_id not in call_ids:
+            raise RenderError(f"tool_call_id {call_id!r} answers no tool call of an earlier assistant message",
+                              f"messages[{index}].tool_call_id")
     return msg
+
+
+def inline_tools(messages: list[dict], tools: list[dict] | None, fmt: type[ToolParser]) -> list[dict]:
+    """Tools, calls and results written into plain messages, for a template that has no tool support."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            m = {"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + calls)}
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": fmt.render_result(m["content"])}
+        out.append(m)
+    if tools:
+        prompt = fmt.tools_prompt([t["function"] for t in tools])
+        if out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
 
 
 class Renderer:
     """Chat template + tokenizer of one model; holds no weights."""
 
-    def __init__(self, tokenizer, chat_template: str | None) -> None:
+    def __init__(self, tokenizer, chat_template: str | None, tool_format: type[ToolParser] = HermesToolParser) -> None:
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: fast encode/decode
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -94,6 +160,10 @@ class Renderer:
         # A template that names the developer role renders it itself; for any other one a
         # developer message is rendered as a system message (what vLLM and OpenAI's own docs do).
         self.developer_role = bool(self.chat_template) and "developer" in self.chat_template
+        # Whether the template renders tools itself (reads the `tools` variable), as Qwen's do
+        self.supports_tools = bool(self.chat_template) and \
+            "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+        self.tool_format = tool_format
         self._token_texts: dict[int, str] = {}
         self._special = {
             "bos_token": tokenizer.bos_token or "",
@@ -107,14 +177,18 @@ class Renderer:
     def normalize_messages(self, messages: list[dict]) -> list[dict]:
         if not messages:
             raise RenderError("messages must hold at least one message", "messages")
-        return [_normalize_message(m, i, self.developer_role) for i, m in enumerate(messages)]
+        call_ids: set[str] = set()
+        return [_normalize_message(m, i, self.developer_role, call_ids) for i, m in enumerate(messages)]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> RenderedPrompt:
         if self._template is None:
             raise RenderError("this model has no chat template; use /v1/completions instead", "messages")
+        messages = self.normalize_messages(messages)
+        if not self.supports_tools:
+            messages, tools = inline_tools(messages, tools, self.tool_format), None
         try:
-            text = self._template.render(messages=self.normalize_messages(messages), tools=tools,
+            text = self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt, **self._special)
         except RenderError:
             raise

@@ -35,6 +35,7 @@ class GenerationEvent:
     num_retries: int = 0  # times the request was sent again after its engine died
     token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
+    prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
 
 
 def trial_report(report: KVTransferReport) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from splitserve.frontend.openai_schema import ApiError
+from splitserve.grammars import json_schema_grammar, xgrammar
 
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object
 
@@ -31,14 +32,13 @@ def json_schema_for(response_format: dict | None) -> str | None:
     return text
 
 
-def check_schema(text: str) -> None:
+def check_schema(text: str, param: str = "response_format.json_schema.schema") -> None:
     try:
-        import xgrammar
-    except ImportError:
+        xgrammar()
+    except ValueError:
         raise ApiError(400, "structured output is not supported on this server (xgrammar is not installed)",
-                       param="response_format") from None
+                       param=param) from None
     try:
-        xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
-    except Exception as e:  # noqa: BLE001 - whatever the compiler rejects, the user's schema caused it
-        raise ApiError(400, f"the JSON schema cannot be used for structured output: {e}",
-                       param="response_format.json_schema.schema") from None
+        json_schema_grammar(text)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None

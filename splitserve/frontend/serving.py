@@ -18,33 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from splitserve.frontend.answer import Answer, Echo, error_for
 from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.frontend.render import Renderer, RenderError
+from splitserve.frontend.request_state import RequestStream
 from splitserve.frontend.response_format import json_schema_for
-from splitserve.frontend.request_state import GenerationEvent, RequestStream
 from splitserve.frontend.router import NoInstanceAvailable
+from splitserve.frontend.tools import ToolPlan, plan_tools
 from splitserve.sampling import SamplingParams
 
-_json = msgspec.json.Encoder()
 INLINE_RENDER_CHARS = 16_384  # below this, rendering + tokenizing take well under a millisecond
 MAX_PENDING_RENDERS = 64
 Receive = Callable[[], Awaitable[dict]]  # the ASGI receive channel of the HTTP request
-
-
-def sse(payload: dict) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIServing:
@@ -89,14 +80,15 @@ class OpenAIServing:
         kv = min(i.hello.num_blocks_total * i.hello.block_size for i in self.client.live_instances())
         return min(self.client.max_model_len, kv)
 
-    def sampling_params(self, body: ChatCompletionRequest | CompletionRequest, num_prompt: int) -> SamplingParams:
+    def sampling_params(self, body: ChatCompletionRequest | CompletionRequest, num_prompt: int,
+                        grammar: str | None = None) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"only n=1 is supported, got n={body.n}; send n requests instead", param="n")
         logprobs = requested_logprobs(body)
         json_schema = json_schema_for(body.response_format)
-        if json_schema is not None and body.min_tokens:
-            raise ApiError(400, "min_tokens cannot be combined with response_format: the grammar may have "
-                                "to end the answer first", param="min_tokens")
+        if (json_schema is not None or grammar is not None) and body.min_tokens:
+            raise ApiError(400, "min_tokens cannot be combined with response_format or a forced tool call: the "
+                                "grammar may have to end the answer first", param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self.check_token_ids(stop_token_ids, "stop_token_ids")
         capacity = self._capacity_tokens()
@@ -115,14 +107,19 @@ class OpenAIServing:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, min_tokens=body.min_tokens,
                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-                              json_schema=json_schema)
+                              json_schema=json_schema, grammar=grammar)
 
-    async def render_chat(self, body) -> tuple[str, list[int]]:
+    def tool_plan(self, body) -> ToolPlan:
+        return plan_tools(body.tools, getattr(body, "tool_choice", None), getattr(body, "parallel_tool_calls", True),
+                          self.renderer.tool_format, getattr(body, "response_format", None))
+
+    async def render_chat(self, body, plan: ToolPlan | None = None) -> tuple[str, list[int]]:
+        plan = plan or self.tool_plan(body)
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
         size = sum(len(str(m.get("content") or "")) for m in messages) + (len(str(body.tools)) if body.tools else 0)
         try:
             rendered = await self.off_loop(size, self.renderer.render_chat, messages, body.add_generation_prompt,
-                                           body.tools)
+                                           plan.template_tools)
         except RenderError as e:
             raise ApiError(400, str(e), param=e.param) from None
         return rendered.text, rendered.token_ids
@@ -161,14 +158,13 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str, receive: Receive):
         self.check_model(body.model)
-        if body.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, "tool_choice 'required' or a named function is not supported yet (calls are not "
-                                "parsed); use 'auto' or 'none'", param="tool_choice")
-        _, token_ids = await self.render_chat(body)
-        params = self.sampling_params(body, len(token_ids))
+        plan = self.tool_plan(body)
+        _, token_ids = await self.render_chat(body, plan)
+        params = self.sampling_params(body, len(token_ids), plan.grammar)
         stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
-                        body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None)
+                        body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
+                        tool_parser=self.renderer.tool_format() if plan.parse else None)
         if body.stream:
             return self._streaming(answer.chat_chunks(stream), request_id)
         return await self._full(answer, stream, request_id, receive)
@@ -177,13 +173,17 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None and body.logprobs is not False:
-            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported yet; "
-                                "use echo or logprobs alone", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 scores the prompt alone: it needs echo: true (and logprobs for "
+                                "the scores)", param="max_tokens")
         token_ids = await self.completion_prompt_ids(body)
         params = self.sampling_params(body, len(token_ids))
-        echo = (await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt) \
-            if body.echo else ""
+        echo = None
+        if body.echo:
+            # with logprobs, the prompt's own logprobs come back too (evaluation harnesses score with them)
+            params.prompt_logprobs = params.logprobs
+            echo = Echo(await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt,
+                        token_ids if params.logprobs is not None else None, score_only=body.max_tokens == 0)
         stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
@@ -199,9 +199,11 @@ class OpenAIServing:
 
     async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
         watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
-        texts, token_ids, logprobs, last = [], [], [], None
+        texts, token_ids, logprobs, prompt_logprobs, last = [], [], [], None, None
         try:
             async for event in stream:
+                prompt_logprobs = prompt_logprobs or event.prompt_logprobs  # the first set: a retry may repeat it
+                event = answer.view(event)
                 texts.append(event.text)
                 token_ids.extend(event.token_ids)
                 logprobs.extend(event.logprobs or [])
@@ -211,7 +213,8 @@ class OpenAIServing:
             stream.close()  # a cancelled handler aborts the request too
         if last.error:
             raise error_for(last)
-        return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs), headers={"X-Request-Id": request_id})
+        return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs, prompt_logprobs),
+                            headers={"X-Request-Id": request_id})
 
 
 def requested_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -238,150 +241,3 @@ async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     stream.close()
-
-
-def error_for(event: GenerationEvent) -> ApiError:
-    if event.rejected:
-        error = ApiError(400, f"the engine refused the request: {event.error}")
-    elif event.kv_transfer is not None:
-        error = ApiError(503, event.error or "the KV transfer failed", "server_error",
-                         code="kv_transfer_failed", retry_after_s=1)
-    else:
-        error = ApiError(503, event.error or "the engine failed", "server_error", code="engine_failure",
-                         retry_after_s=1)
-    error.report = splitserve_report(event)
-    return error
-
-
-def splitserve_report(event: GenerationEvent) -> dict | None:
-    """The per-request report of docs/internals.md "Trial <-> server": present when the request
-    moved KV between instances or was retried on another instance after its engine died."""
-    if event.kv_transfer is None and not event.num_retries:
-        return None
-    report = {"retries": event.num_retries}
-    if event.kv_transfer is not None:
-        report["kv_transfer"] = event.kv_transfer
-    return report
-
-
-def with_report(payload: dict, event: GenerationEvent) -> dict:
-    report = splitserve_report(event)
-    return payload if report is None else {**payload, "splitserve": report}
-
-
-def usage(event: GenerationEvent) -> dict:
-    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_completion_tokens,
-            "total_tokens": event.num_prompt_tokens + event.num_completion_tokens}
-
-
-class Answer:
-    """Formats one answer as OpenAI does: `chat.completion[.chunk]` or `text_completion`.
-
-    token_text, when given, names tokens for the logprobs the request asked for; echo is the
-    prompt text a completion repeats before its answer."""
-
-    def __init__(self, kind: str, answer_id: str, model: str, include_usage: bool,
-                 return_token_ids: bool = False, token_text: TokenText | None = None, echo: str = "") -> None:
-        self.kind, self.id, self.model, self.include_usage = kind, answer_id, model, include_usage
-        self.return_token_ids = return_token_ids
-        self.token_text, self.echo = token_text, echo
-        self._text_logprobs = CompletionLogprobs(token_text, len(echo)) if token_text and kind == "text" else None
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, entries: list | None) -> dict | None:
-        if self.token_text is None:
-            return None
-        if self.kind == "chat":
-            return chat_logprobs(self.token_text, entries or [])
-        return self._text_logprobs.chunk(entries or [])
-
-    def full(self, text: str, last: GenerationEvent, token_ids: list[int] | None = None,
-             logprobs: list | None = None) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": last.finish_reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": self.echo + text, "logprobs": self._logprobs(logprobs),
-                      "finish_reason": last.finish_reason}
-            head = self._head("text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids or [])
-        return with_report({**head, "choices": [choice], "usage": usage(last)}, last)
-
-    def _ids(self, choice: dict, event: GenerationEvent, carries: bool = True) -> dict:
-        """The chunk that delivers an event's tokens names them (return_token_ids) and carries
-        their logprobs; any other chunk has empty lists."""
-        if self.return_token_ids:
-            choice["token_ids"] = list(event.token_ids) if carries else []
-        if self.token_text is not None:
-            choice["logprobs"] = self._logprobs(event.logprobs if carries else [])
-        return choice
-
-    def _per_token(self, event: GenerationEvent) -> bool:
-        """Whether every engine step gets a chunk, even one whose text is held back."""
-        return (self.return_token_ids or self.token_text is not None) and bool(event.token_ids)
-
-    def _chunk(self, obj: str, choice: dict, last: GenerationEvent | None = None) -> bytes:
-        chunk = {**self._head(obj), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        elif last is not None:  # no usage chunk follows: the finishing chunk carries the report
-            chunk = with_report(chunk, last)
-        return sse(chunk)
-
-    async def _events(self, stream: RequestStream) -> AsyncIterator[GenerationEvent]:
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            stream.close()  # client gone mid-stream: abort in the engine, free its blocks
-
-    def _tail(self, obj: str, last: GenerationEvent) -> list[bytes]:
-        out = []
-        if self.include_usage:
-            out.append(sse(with_report({**self._head(obj), "choices": [], "usage": usage(last)}, last)))
-        return out + [SSE_DONE]
-
-    async def chat_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk"
-        yield self._chunk(obj, {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None})
-        async for event in self._events(stream):
-            if event.error:
-                yield sse(error_for(event).body())
-                break
-            carried = bool(event.text) or (self._per_token(event) and not event.finished)
-            if carried:
-                yield self._chunk(obj, self._ids({"index": 0, "delta": {"content": event.text},
-                                                  "logprobs": None, "finish_reason": None}, event))
-            if event.finished:
-                yield self._chunk(obj, self._ids({"index": 0, "delta": {}, "logprobs": None,
-                                                  "finish_reason": event.finish_reason}, event,
-                                                 not carried), event)
-                for chunk in self._tail(obj, event):
-                    yield chunk
-                return
-        yield SSE_DONE
-
-    async def text_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
-        obj = "text_completion"
-        if self.echo:
-            yield self._chunk(obj, {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None})
-        async for event in self._events(stream):
-            if event.error:
-                yield sse(error_for(event).body())
-                break
-            if event.text or event.finished or self._per_token(event):
-                yield self._chunk(obj, self._ids({"index": 0, "text": event.text, "logprobs": None,
-                                                  "finish_reason": event.finish_reason if event.finished else None},
-                                                 event),
-                                  event if event.finished else None)
-            if event.finished:
-                for chunk in self._tail(obj, event):
-                    yield chunk
-                return
-        yield SSE_DONE
