@@ -1,0 +1,146 @@
+"""What if the instances played other roles? An arrangement's TTFT and inter-token gap, predicted
+for the demand of the last few seconds with the step-time model (control/stepmodel.py).
+
+A snapshot of queues cannot rank arrangements on its own: the number of running decodes is
+itself a result of the arrangement (one decode instance holding every stream steps slower, so
+streams pile up on it). So each prediction starts from the demand (requests, prompt and answer
+tokens per second over a window, and how long the prompts are) and finds each instance's
+steady state, then adds the backlog the instances hold now, spread as the router would:
+
+  router    new requests go to the colocated instances whenever one serves (frontend/router.py);
+            only an arrangement without one splits them over prefill and decode instances.
+            A prefill or decode instance beside a colocated one gets no new work.
+  colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill
+            f = lp * c (c: seconds per prompt token, attention included at the mean prompt
+            length) and of decode ld * a (a: seconds per decode, KV reads included). With
+            continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
+            (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
+            prefill chunk: o + a * n + the chunk of a long prompt (the p90 prompt, up to the
+            chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
+            1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
+  prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
+  decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n.
+  running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
+
+An instance past its capacity is held at 2% slack: its prediction is large but finite, so a
+less overloaded arrangement still ranks better.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitserve.control.stepmodel import StepModel, prefill_attn_ktok2
+
+MIN_SLACK = 0.02  # 1 - utilisation, for an instance given more work than it can do
+
+
+@dataclass(slots=True, frozen=True)
+class Demand:
+    """What arrived over the last window, per second, and how long it was."""
+
+    request_rate: float = 0.0
+    prompt_rate: float = 0.0       # prompt tokens/s
+    answer_rate: float = 0.0       # answer tokens/s (each request's max_tokens)
+    mean_prompt: float = 0.0
+    long_prompt: float = 0.0       # the p90 prompt: the chunk a running stream is likely to meet
+    mean_answer: float = 0.0
+
+    @classmethod
+    def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float) -> "Demand":
+        """arrivals: (time, prompt tokens, max answer tokens), any order; those in (now - window, now] count."""
+        recent = [(p, a) for t, p, a in arrivals if now_s - window_s < t <= now_s]
+        if not recent:
+            return cls()
+        prompts = sorted(p for p, _ in recent)
+        n = len(recent)
+        return cls(request_rate=n / window_s, prompt_rate=sum(prompts) / window_s,
+                   answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(prompts) / n,
+                   long_prompt=float(prompts[min(n - 1, int(0.9 * n))]), mean_answer=sum(a for _, a in recent) / n)
+
+    def describe(self) -> str:
+        return (f"demand {self.request_rate:.2f} req/s, {self.prompt_rate:.0f} prompt + {self.answer_rate:.0f} "
+                f"answer tokens/s, p90 prompt {self.long_prompt:.0f}")
+
+
+@dataclass(slots=True, frozen=True)
+class Backlog:
+    """What the live instances hold now, in total (the router would spread it again)."""
+
+    queued_prompt_tokens: int = 0
+    num_running: int = 0
+    decode_kv_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Prediction:
+    ttft_s: float
+    gap_s: float
+    serving: str                   # which instances take new work, e.g. "2 colocated"
+    saturated: tuple[str, ...] = ()  # the stages given more work than they can do
+
+    def pressure(self, ttft_target_s: float, gap_target_s: float) -> float:
+        return max(self.ttft_s / ttft_target_s, self.gap_s / gap_target_s)
+
+
+def _queueing(u: float) -> float:
+    """Mean wait in units of the service time, M/D/1 (Pollaczek-Khinchine with no service variance)."""
+    return u / (2 * (1 - u))
+
+
+@dataclass(slots=True, frozen=True)
+class WhatIf:
+    model: StepModel
+    chunk_budget: int = 256
+
+    def _per_token(self, demand: Demand) -> tuple[float, float, float]:
+        """(c, a, context): seconds per prompt token and per decode, and a decode's mean context."""
+        m = self.model
+        c = m.per_prefill_token_s + m.per_prefill_attn_s * demand.mean_prompt / 2000.0
+        context = demand.mean_prompt + demand.mean_answer / 2
+        return c, m.per_decode_seq_s + m.per_decode_kv_token_s * context, context
+
+    def predict(self, roles: list[str], demand: Demand, backlog: Backlog) -> Prediction:
+        """roles: of the live instances."""
+        colocated = roles.count("colocated")
+        if colocated:
+            return self._colocated(colocated, demand, backlog)
+        num_prefill, num_decode = roles.count("prefill"), roles.count("decode")
+        if not (num_prefill and num_decode):
+            return Prediction(math.inf, math.inf, "no instance for a stage", ("prefill", "decode"))
+        return self._separated(num_prefill, num_decode, demand, backlog)
+
+    def _colocated(self, k: int, demand: Demand, backlog: Backlog) -> Prediction:
+        m = self.model
+        c, a, context = self._per_token(demand)
+        lp, ld = demand.prompt_rate / k, demand.answer_rate / k
+        u = lp * c + ld * a
+        slack = max(1 - u, MIN_SLACK)
+        n = max(ld * m.overhead_s / slack, backlog.num_running / k)
+        kv = int(n * context)
+        gap = m.step_s(0, 0.0, math.ceil(n), kv)
+        if demand.prompt_rate > 0:
+            chunk = int(min(self.chunk_budget, demand.long_prompt))
+            gap = m.step_s(chunk, prefill_attn_ktok2(0, chunk), math.ceil(n), kv)
+        prompt = max(int(demand.mean_prompt), 1)
+        service = sum(m.step_s(min(self.chunk_budget, prompt - s), prefill_attn_ktok2(s, min(self.chunk_budget,
+                                                                                          prompt - s)),
+                               math.ceil(n), kv)
+                      for s in range(0, prompt, self.chunk_budget))
+        ttft = service * (1 + _queueing(1 - slack)) + backlog.queued_prompt_tokens / k * c
+        return Prediction(ttft, gap, f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else ())
+
+    def _separated(self, num_prefill: int, num_decode: int, demand: Demand, backlog: Backlog) -> Prediction:
+        m = self.model
+        c, a, context = self._per_token(demand)
+        prompt = max(int(demand.mean_prompt), 1)
+        service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
+        u_prefill = demand.prompt_rate / num_prefill * c + demand.request_rate / num_prefill * m.overhead_s
+        ttft = (service * (1 + _queueing(min(u_prefill, 1 - MIN_SLACK)))
+                + backlog.queued_prompt_tokens / num_prefill * c)
+        ld = demand.answer_rate / num_decode
+        u_decode = ld * a
+        n = max(ld * m.overhead_s / max(1 - u_decode, MIN_SLACK), backlog.num_running / num_decode)
+        gap = m.step_s(0, 0.0, math.ceil(n), int(n * context))
+        saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
+        return Prediction(ttft, gap, f"{num_prefill} prefill + {num_decode} decode", saturated)
