@@ -25,11 +25,11 @@ def controller(**kw) -> MixController:
 
 
 def chats(rate: float) -> Demand:  # short prompts, long answers: decode-bound
-    return Demand(rate, rate * 40, rate * 128, 40, 60, 128)
+    return Demand(rate, rate * 40, rate * 128, 40, 128, prompts=(20, 30, 40, 40, 50, 60))
 
 
 def documents(rate: float) -> Demand:  # long prompts, short answers: prefill chunks stall colocated streams
-    return Demand(rate, rate * 600, rate * 24, 600, 600, 24)
+    return Demand(rate, rate * 600, rate * 24, 600, 24, prompts=(600,) * 4)
 
 
 def mix_of(*roles: str) -> list[InstanceView]:
@@ -48,6 +48,14 @@ def test_the_what_if_sees_one_decode_instance_saturate_where_two_colocated_keep_
     assert cc.gap_s < TARGETS.gap_s < pd.gap_s
     cc, pd = (w.predict(roles, documents(0.3), Backlog()) for roles in (["colocated"] * 2, ["prefill", "decode"]))
     assert pd.gap_s < TARGETS.gap_s < cc.gap_s  # a 256-token chunk in every colocated stream's way
+
+
+def test_one_document_among_many_chats_is_the_chunk_a_long_colocated_stream_meets():
+    w = WhatIf(MODEL)
+    chats_only = Demand(2.0, 2.0 * 30, 2.0 * 128, 30, 128, prompts=(30,) * 12)
+    one_document = Demand(2.0, 2.0 * 80, 2.0 * 118, 80, 118, prompts=(30,) * 11 + (600,))
+    plain, stalled = (w.predict(["colocated"] * 2, d, Backlog()) for d in (chats_only, one_document))
+    assert stalled.gap_s - plain.gap_s > 0.5  # a 256-token chunk in the step, where chats add 30 tokens
 
 
 def test_the_what_if_routes_like_the_router_a_specialist_beside_a_colocated_instance_gets_nothing_new():
@@ -186,7 +194,8 @@ def test_demand_is_read_from_the_arrivals_of_the_window():
     arrivals = [(0.5, 1000, 10), (5.0, 40, 100), (6.0, 60, 100), (7.0, 600, 20)]
     d = Demand.from_arrivals(arrivals, now_s=7.0, window_s=4.0)
     assert (d.request_rate, d.prompt_rate, d.answer_rate) == (0.75, 175.0, 55.0)
-    assert d.long_prompt == 600 and d.mean_prompt == pytest.approx(700 / 3)
+    assert d.prompts == (40, 60, 600) and d.mean_prompt == pytest.approx(700 / 3)
+    assert (d.prompt_quantile(0.5), d.prompt_quantile(0.9), d.prompt_quantile(1.0)) == (60, 600, 600)
     assert Demand.from_arrivals([], 7.0, 4.0) == Demand()
 
 

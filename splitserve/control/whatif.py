@@ -15,8 +15,9 @@ steady state, then adds the backlog the instances hold now, spread as the router
             length) and of decode ld * a (a: seconds per decode, KV reads included). With
             continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
             (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
-            prefill chunk: o + a * n + the chunk of a long prompt (the p90 prompt, up to the
-            chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
+            prefill chunk: o + a * n + the chunk of the longest prompt it is likely to share
+            its instance with (of the m prompts that arrive there during its life, the
+            1 - 1/m quantile of recent prompts; up to the chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
             1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
   prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
   decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n.
@@ -43,8 +44,13 @@ class Demand:
     prompt_rate: float = 0.0       # prompt tokens/s
     answer_rate: float = 0.0       # answer tokens/s (each request's max_tokens)
     mean_prompt: float = 0.0
-    long_prompt: float = 0.0       # the p90 prompt: the chunk a running stream is likely to meet
     mean_answer: float = 0.0
+    prompts: tuple[int, ...] = ()  # the window's prompt lengths, sorted
+
+    def prompt_quantile(self, q: float) -> int:
+        if not self.prompts:
+            return 0
+        return self.prompts[min(len(self.prompts) - 1, max(0, int(q * len(self.prompts))))]
 
     @classmethod
     def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float) -> "Demand":
@@ -56,11 +62,11 @@ class Demand:
         n = len(recent)
         return cls(request_rate=n / window_s, prompt_rate=sum(prompts) / window_s,
                    answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(prompts) / n,
-                   long_prompt=float(prompts[min(n - 1, int(0.9 * n))]), mean_answer=sum(a for _, a in recent) / n)
+                   mean_answer=sum(a for _, a in recent) / n, prompts=tuple(prompts))
 
     def describe(self) -> str:
         return (f"demand {self.request_rate:.2f} req/s, {self.prompt_rate:.0f} prompt + {self.answer_rate:.0f} "
-                f"answer tokens/s, p90 prompt {self.long_prompt:.0f}")
+                f"answer tokens/s, prompts p90 {self.prompt_quantile(0.9)} max {self.prompt_quantile(1.0)}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,8 +125,10 @@ class WhatIf:
         n = max(ld * m.overhead_s / slack, backlog.num_running / k)
         kv = int(n * context)
         gap = m.step_s(0, 0.0, math.ceil(n), kv)
-        if demand.prompt_rate > 0:
-            chunk = int(min(self.chunk_budget, demand.long_prompt))
+        if demand.prompts:
+            life_s = demand.mean_answer * gap / max(1 - u, MIN_SLACK)  # its steps, prefills spread among them
+            meets = demand.request_rate / k * life_s
+            chunk = min(self.chunk_budget, demand.prompt_quantile(1 - 1 / max(meets, 1.0)))
             gap = m.step_s(chunk, prefill_attn_ktok2(0, chunk), math.ceil(n), kv)
         prompt = max(int(demand.mean_prompt), 1)
         service = sum(m.step_s(min(self.chunk_budget, prompt - s), prefill_attn_ktok2(s, min(self.chunk_budget,
