@@ -102,7 +102,7 @@ class MixController:
     margin: float = 0.2               # a mix must lower the worst pressure by this share to be adopted
     calm: float = 0.6                 # nothing moves while every prediction is under this share of its target
     patience: int = 2                 # intervals the same better mix must win before the first change
-    cooldown: int = 2                 # intervals after a change during which nothing else moves
+    cooldown: int = 5                 # intervals after a move during which nothing else moves (no flapping)
     _wanted: str = ""                 # the better mix of the last intervals, by what serves in it
     _streak: int = 0
     _follow: Change | None = None     # the second change of a two-change move, due next interval
