@@ -105,6 +105,22 @@ def test_chats_dominating_move_prefill_plus_decode_back_to_two_colocated():
         assert ctl.decide(settled, float(t), chats(1.4)).instance_id is None
 
 
+def test_back_to_colocated_the_prefill_instance_turns_first_so_the_decoding_streams_meet_no_new_prompts():
+    ctl = controller(patience=1)
+    views = [InstanceView("d", "decode", num_running=40, decode_kv_tokens=40 * 150), InstanceView("p", "prefill")]
+    step1 = ctl.decide(views, 0.0, chats(1.4))
+    assert (step1.instance_id, step1.to_role) == ("p", "colocated")
+
+
+def test_a_halfway_mix_left_by_a_dropped_second_step_is_not_held_by_the_cooldown():
+    ctl = controller(patience=1, cooldown=5)
+    views = mix_of("colocated", "colocated")
+    halfway = apply(views, ctl.decide(views, 0.0, documents(0.3)))
+    assert ctl.decide(halfway, 1.0, Demand()).instance_id is None  # the second step is dropped
+    back = ctl.decide(halfway, 2.0, chats(1.4))  # chats now: the halfway mix moves on at once
+    assert back.instance_id is not None and "cooldown" not in back.reason
+
+
 def test_hysteresis_a_mix_only_slightly_better_is_not_adopted():
     views = mix_of("colocated", "colocated")
     demand = documents(0.45)

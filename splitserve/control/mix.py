@@ -155,8 +155,8 @@ class MixController:
         """Work left in the wrong place by the changes (prompts queued on a new decode instance, streams
         running on a new prefill one): among mixes predicted equal, the one that moves less."""
         by_id = {v.instance_id: v for v in views}
-        return sum(by_id[i].queued_prompt_tokens if r == "decode" else by_id[i].num_running if r == "prefill" else 0
-                   for i, r in changes)
+        return sum(by_id[i].queued_prompt_tokens if r == "decode" else
+                   by_id[i].num_running if by_id[i].role == "decode" or r == "prefill" else 0 for i, r in changes)
 
     # ---- deciding ----------------------------------------------------------------------
 
@@ -192,6 +192,7 @@ class MixController:
             after = predict((follow,))
             if self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin):
                 return self._change(views, follow, now, after, now_s, "second of two steps")
+            self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
         if not scored:
             return self._none(now_s, f"{state}: no other mix keeps both stages covered", now)
         best_p, _, _, best, best_pred = scored[0]
@@ -212,7 +213,8 @@ class MixController:
         if self._streak < self.patience:
             return self._none(now_s, f"{state}: {target} better for {self._streak} of {self.patience} intervals",
                               now)
-        first = min((c for c in best if self.covered(views, c)), key=lambda c: (pressure(predict((c,))), c))
+        first = min((c for c in best if self.covered(views, c)),
+                    key=lambda c: (pressure(predict((c,))), self._disruption(views, (c,)), c))
         rest = [c for c in best if c != first]
         self._follow = rest[0] if rest else None
         step = (f"first of two steps to {best_pred.serving}; {predict((first,)).serving} serves in between"
