@@ -12,7 +12,7 @@ import pytest
 from splitserve.control.mix import InstanceView, MixController, MixTargets
 from splitserve.control.mix_loop import MixLoop
 from splitserve.control.stepmodel import StepModel
-from splitserve.control.whatif import Backlog, Demand, WhatIf
+from splitserve.control.whatif import Demand, Held, WhatIf
 
 # a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
 MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
@@ -32,6 +32,10 @@ def documents(rate: float) -> Demand:  # long prompts, short answers: prefill ch
     return Demand(rate, rate * 600, rate * 24, 600, 24, prompts=(600,) * 4)
 
 
+def held(roles: list[str]) -> list[Held]:
+    return [Held(role) for role in roles]
+
+
 def mix_of(*roles: str) -> list[InstanceView]:
     return [InstanceView(f"e{i}", role) for i, role in enumerate(roles)]
 
@@ -43,10 +47,10 @@ def apply(views: list[InstanceView], decision) -> list[InstanceView]:
 
 def test_the_what_if_sees_one_decode_instance_saturate_where_two_colocated_keep_up():
     w = WhatIf(MODEL)
-    cc, pd = (w.predict(roles, chats(1.4), Backlog()) for roles in (["colocated"] * 2, ["prefill", "decode"]))
+    cc, pd = (w.predict(held(roles), chats(1.4)) for roles in (["colocated"] * 2, ["prefill", "decode"]))
     assert pd.saturated == ("decode",) and not cc.saturated
     assert cc.gap_s < TARGETS.gap_s < pd.gap_s
-    cc, pd = (w.predict(roles, documents(0.3), Backlog()) for roles in (["colocated"] * 2, ["prefill", "decode"]))
+    cc, pd = (w.predict(held(roles), documents(0.3)) for roles in (["colocated"] * 2, ["prefill", "decode"]))
     assert pd.gap_s < TARGETS.gap_s < cc.gap_s  # a 256-token chunk in every colocated stream's way
 
 
@@ -54,25 +58,38 @@ def test_one_document_among_many_chats_is_the_chunk_a_long_colocated_stream_meet
     w = WhatIf(MODEL)
     chats_only = Demand(2.0, 2.0 * 30, 2.0 * 128, 30, 128, prompts=(30,) * 12)
     one_document = Demand(2.0, 2.0 * 80, 2.0 * 118, 80, 118, prompts=(30,) * 11 + (600,))
-    plain, stalled = (w.predict(["colocated"] * 2, d, Backlog()) for d in (chats_only, one_document))
+    plain, stalled = (w.predict(held(["colocated"] * 2), d) for d in (chats_only, one_document))
     assert stalled.gap_s - plain.gap_s > 0.5  # a 256-token chunk in the step, where chats add 30 tokens
 
 
 def test_the_what_if_routes_like_the_router_a_specialist_beside_a_colocated_instance_gets_nothing_new():
     w = WhatIf(MODEL)
-    one = w.predict(["colocated"], documents(0.3), Backlog())
-    assert w.predict(["colocated", "decode"], documents(0.3), Backlog()) == one
-    assert w.predict(["prefill", "colocated"], documents(0.3), Backlog()) == one
-    assert w.predict(["prefill", "prefill"], documents(0.3), Backlog()).saturated == ("prefill", "decode")
+    one = w.predict(held(["colocated"]), documents(0.3))
+    assert w.predict(held(["colocated", "decode"]), documents(0.3)) == one
+    assert w.predict(held(["prefill", "colocated"]), documents(0.3)) == one
+    assert w.predict(held(["prefill", "prefill"]), documents(0.3)).saturated == ("prefill", "decode")
 
 
-def test_the_backlog_held_now_counts_spread_over_the_instances_that_would_serve():
+def test_what_an_instance_holds_stays_there_and_new_requests_go_to_the_least_loaded():
     w = WhatIf(MODEL)
-    idle = w.predict(["prefill", "decode"], chats(0.2), Backlog())
-    behind = w.predict(["prefill", "decode"], chats(0.2), Backlog(queued_prompt_tokens=2000, num_running=60))
+    idle = w.predict([Held("prefill"), Held("decode")], chats(0.2))
+    behind = w.predict([Held("prefill", queued_prompt_tokens=2000), Held("decode", num_running=60)], chats(0.2))
     seconds_per_prompt_token = MODEL.per_prefill_token_s + MODEL.per_prefill_attn_s * 40 / 2000  # attention at 40
     assert behind.ttft_s == pytest.approx(idle.ttft_s + 2000 * seconds_per_prompt_token)
     assert behind.gap_s > 0.3 > idle.gap_s
+    # two colocated instances, one with a queue of documents: a new chat goes to the other, but
+    # streams on the first meet its chunks
+    cc = w.predict([Held("colocated", queued_prompt_tokens=2000), Held("colocated")], chats(0.2))
+    assert cc.ttft_s < 1.0 and cc.gap_s > 0.6
+
+
+def test_a_prefill_queue_is_left_to_drain_while_the_decode_instance_takes_the_chats():
+    # documents queued on the prefill instance when chats return: turning it colocated would put their
+    # chunks beside new streams; turning the decode instance colocated serves the chats apart
+    ctl = controller(patience=1)
+    views = [InstanceView("p", "prefill", queued_prompt_tokens=3000), InstanceView("d", "decode", num_running=20)]
+    d = ctl.decide(views, 0.0, chats(1.4))
+    assert (d.instance_id, d.to_role) == ("d", "colocated") and "second" not in d.reason
 
 
 def test_documents_arriving_move_two_colocated_instances_to_prefill_plus_decode_one_step_per_interval():
@@ -125,7 +142,7 @@ def test_hysteresis_a_mix_only_slightly_better_is_not_adopted():
     views = mix_of("colocated", "colocated")
     demand = documents(0.45)
     w = WhatIf(MODEL)
-    cc, pd = (w.predict(r, demand, Backlog()).pressure(4.0, 0.5) for r in (["colocated"] * 2, ["prefill", "decode"]))
+    cc, pd = (w.predict(held(r), demand).pressure(4.0, 0.5) for r in (["colocated"] * 2, ["prefill", "decode"]))
     assert 0.8 * cc < pd < cc  # 1 prefill + 1 decode is better, by less than the 20% margin
     ctl = controller(patience=1, margin=0.2)
     for t in range(5):

@@ -5,7 +5,7 @@ few seconds (control/whatif.py: requests, prompt and answer tokens per second, p
 and asks what if: for the mix as it is and for every mix one or two role changes away that
 leaves both stages covered, it predicts TTFT and the inter-token gap with the step-time model
 (Dynamo's load-based planner regresses step time the same way), new work spread as the router
-spreads it. Pressure is a prediction over its target; a mix's pressure is its worse stage's,
+spreads it and what each instance holds now left where it is. Pressure is a prediction over its target; a mix's pressure is its worse stage's,
 max(TTFT / target, gap / target).
 
 A mix whose pressure is `margin` (20%) below the current one's, best for `patience` intervals
@@ -29,7 +29,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
-from splitserve.control.whatif import Backlog, Demand, Prediction, WhatIf
+from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
 
 ROLES = ("prefill", "decode", "colocated")
 # Without a profile (`serve --adaptive` given none): the bundled model's fits on the shared 2-core
@@ -170,12 +170,11 @@ class MixController:
         model = self._model(views)
         scale = self._correction(views, model)
         whatif = WhatIf(model.scaled(scale), self.chunk_budget)
-        backlog = Backlog(sum(v.queued_prompt_tokens for v in live), sum(v.num_running for v in live),
-                          sum(v.decode_kv_tokens for v in live))
 
         def predict(changes: tuple[Change, ...]) -> Prediction:
             moved = dict(changes)
-            return whatif.predict([moved.get(v.instance_id, v.role) for v in live], demand, backlog)
+            return whatif.predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens, v.num_running)
+                                   for v in live], demand)
 
         def pressure(p: Prediction) -> float:
             return p.pressure(self.targets.ttft_s, self.targets.gap_s)

@@ -5,7 +5,8 @@ A snapshot of queues cannot rank arrangements on its own: the number of running 
 itself a result of the arrangement (one decode instance holding every stream steps slower, so
 streams pile up on it). So each prediction starts from the demand (requests, prompt and answer
 tokens per second over a window, and how long the prompts are) and finds each instance's
-steady state, then adds the backlog the instances hold now, spread as the router would:
+steady state under the new work the router would send it, then adds what each instance holds
+now, which stays where it is (a role change moves no queued prompt and no running stream):
 
   router    new requests go to the colocated instances whenever one serves (frontend/router.py);
             only an arrangement without one splits them over prefill and decode instances.
@@ -70,12 +71,12 @@ class Demand:
 
 
 @dataclass(slots=True, frozen=True)
-class Backlog:
-    """What the live instances hold now, in total (the router would spread it again)."""
+class Held:
+    """One live instance: the role it would play, and what it holds now (it keeps it)."""
 
+    role: str
     queued_prompt_tokens: int = 0
     num_running: int = 0
-    decode_kv_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,49 +107,56 @@ class WhatIf:
         context = demand.mean_prompt + demand.mean_answer / 2
         return c, m.per_decode_seq_s + m.per_decode_kv_token_s * context, context
 
-    def predict(self, roles: list[str], demand: Demand, backlog: Backlog) -> Prediction:
-        """roles: of the live instances."""
-        colocated = roles.count("colocated")
+    def predict(self, held: list[Held], demand: Demand) -> Prediction:
+        """held: one per live instance."""
+        colocated = [h for h in held if h.role == "colocated"]
         if colocated:
-            return self._colocated(colocated, demand, backlog)
-        num_prefill, num_decode = roles.count("prefill"), roles.count("decode")
-        if not (num_prefill and num_decode):
+            return self._colocated(colocated, demand)
+        prefill, decode = [h for h in held if h.role == "prefill"], [h for h in held if h.role == "decode"]
+        if not (prefill and decode):
             return Prediction(math.inf, math.inf, "no instance for a stage", ("prefill", "decode"))
-        return self._separated(num_prefill, num_decode, demand, backlog)
+        return self._separated(prefill, decode, demand)
 
-    def _colocated(self, k: int, demand: Demand, backlog: Backlog) -> Prediction:
-        m = self.model
+    def _chunk(self, tokens: float) -> int:
+        return int(min(self.chunk_budget, tokens))
+
+    def _colocated(self, serving: list[Held], demand: Demand) -> Prediction:
+        m, k = self.model, len(serving)
         c, a, context = self._per_token(demand)
         lp, ld = demand.prompt_rate / k, demand.answer_rate / k
         u = lp * c + ld * a
         slack = max(1 - u, MIN_SLACK)
-        n = max(ld * m.overhead_s / slack, backlog.num_running / k)
-        kv = int(n * context)
-        gap = m.step_s(0, 0.0, math.ceil(n), kv)
-        if demand.prompts:
-            life_s = demand.mean_answer * gap / max(1 - u, MIN_SLACK)  # its steps, prefills spread among them
-            meets = demand.request_rate / k * life_s
-            chunk = min(self.chunk_budget, demand.prompt_quantile(1 - 1 / max(meets, 1.0)))
-            gap = m.step_s(chunk, prefill_attn_ktok2(0, chunk), math.ceil(n), kv)
+        fluid_n = ld * m.overhead_s / slack
+        gaps, ttfts = [], []
         prompt = max(int(demand.mean_prompt), 1)
-        service = sum(m.step_s(min(self.chunk_budget, prompt - s), prefill_attn_ktok2(s, min(self.chunk_budget,
-                                                                                          prompt - s)),
-                               math.ceil(n), kv)
-                      for s in range(0, prompt, self.chunk_budget))
-        ttft = service * (1 + _queueing(1 - slack)) + backlog.queued_prompt_tokens / k * c
-        return Prediction(ttft, gap, f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else ())
+        for h in serving:
+            n = math.ceil(max(fluid_n, h.num_running))
+            kv = int(n * context)
+            chunk = self._chunk(h.queued_prompt_tokens)
+            if demand.prompts:
+                life_s = demand.mean_answer * m.step_s(0, 0.0, n, kv) / slack  # its steps, prefills among them
+                meets = demand.request_rate / k * life_s
+                chunk = max(chunk, self._chunk(demand.prompt_quantile(1 - 1 / max(meets, 1.0))))
+            gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
+            service = sum(m.step_s(self._chunk(prompt - s), prefill_attn_ktok2(s, self._chunk(prompt - s)), n, kv)
+                          for s in range(0, prompt, self.chunk_budget))
+            ttfts.append(service * (1 + _queueing(1 - slack)) + h.queued_prompt_tokens * c)
+        return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else ())
 
-    def _separated(self, num_prefill: int, num_decode: int, demand: Demand, backlog: Backlog) -> Prediction:
+    def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand) -> Prediction:
         m = self.model
         c, a, context = self._per_token(demand)
         prompt = max(int(demand.mean_prompt), 1)
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
-        u_prefill = demand.prompt_rate / num_prefill * c + demand.request_rate / num_prefill * m.overhead_s
+        u_prefill = (demand.prompt_rate * c + demand.request_rate * m.overhead_s) / len(prefill)
         ttft = (service * (1 + _queueing(min(u_prefill, 1 - MIN_SLACK)))
-                + backlog.queued_prompt_tokens / num_prefill * c)
-        ld = demand.answer_rate / num_decode
+                + min(h.queued_prompt_tokens for h in prefill) * c)
+        ld = demand.answer_rate / len(decode)
         u_decode = ld * a
-        n = max(ld * m.overhead_s / max(1 - u_decode, MIN_SLACK), backlog.num_running / num_decode)
-        gap = m.step_s(0, 0.0, math.ceil(n), int(n * context))
+        fluid_n = ld * m.overhead_s / max(1 - u_decode, MIN_SLACK)
+        gaps = []
+        for h in decode:
+            n = math.ceil(max(fluid_n, h.num_running))
+            gaps.append(m.step_s(0, 0.0, n, int(n * context)))
         saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
-        return Prediction(ttft, gap, f"{num_prefill} prefill + {num_decode} decode", saturated)
+        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated)
