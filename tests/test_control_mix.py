@@ -230,6 +230,8 @@ def test_demand_is_read_from_the_arrivals_of_the_window():
     assert d.prompts == (40, 60, 600) and d.mean_prompt == pytest.approx(700 / 3)
     assert (d.prompt_quantile(0.5), d.prompt_quantile(0.9), d.prompt_quantile(1.0)) == (60, 600, 600)
     assert Demand.from_arrivals([], 7.0, 4.0) == Demand()
+    longer = Demand.from_arrivals(arrivals, now_s=7.0, window_s=4.0, prompt_window_s=10.0)
+    assert longer.prompts == (40, 60, 600, 1000) and longer.request_rate == 0.75  # rates keep the short window
 
 
 def test_bad_settings_are_refused():

@@ -54,15 +54,19 @@ class Demand:
         return self.prompts[min(len(self.prompts) - 1, max(0, int(q * len(self.prompts))))]
 
     @classmethod
-    def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float) -> "Demand":
-        """arrivals: (time, prompt tokens, max answer tokens), any order; those in (now - window, now] count."""
+    def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float,
+                      prompt_window_s: float | None = None) -> "Demand":
+        """arrivals: (time, prompt tokens, max answer tokens), any order; rates from those in
+        (now - window_s, now], prompt lengths from a window of prompt_window_s (default the same):
+        a longer one, since a few documents a minute already stall colocated streams."""
         recent = [(p, a) for t, p, a in arrivals if now_s - window_s < t <= now_s]
+        prompt_window_s = prompt_window_s or window_s
+        prompts = sorted(p for t, p, _ in arrivals if now_s - prompt_window_s < t <= now_s)
         if not recent:
-            return cls()
-        prompts = sorted(p for p, _ in recent)
+            return cls(prompts=tuple(prompts))
         n = len(recent)
-        return cls(request_rate=n / window_s, prompt_rate=sum(prompts) / window_s,
-                   answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(prompts) / n,
+        return cls(request_rate=n / window_s, prompt_rate=sum(p for p, _ in recent) / window_s,
+                   answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(p for p, _ in recent) / n,
                    mean_answer=sum(a for _, a in recent) / n, prompts=tuple(prompts))
 
     def describe(self) -> str:

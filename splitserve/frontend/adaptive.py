@@ -34,6 +34,10 @@ ACTIONS = ("none", "change", "refused")
 # Long enough to hold a few requests at a fraction of a request per second, short enough that a
 # change of demand shows within seconds (with the default 1 s interval and a patience of 2).
 DEMAND_WINDOW_S = 6.0
+# Prompt lengths over a longer window: at 0.3 documents/s a 6 s window often holds none (the
+# measured demand-shift run moved only 11-35 s into its document phase, this the likely reason;
+# docs/benchmarks.md, "Adaptive stage mix").
+PROMPT_WINDOW_S = 30.0
 
 
 def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +103,7 @@ class AdaptiveMix:
         return mix_views(self.client.load_view(), self.threads, self.default_threads)
 
     def demand(self) -> Demand:
-        return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S)
+        return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S, PROMPT_WINDOW_S)
 
     async def _change_role(self, instance_id: str, role: str) -> None:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
