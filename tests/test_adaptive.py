@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
+import time
+from collections import deque
 
 import httpx
 import pytest
@@ -40,7 +42,7 @@ def test_flags_are_checked_with_the_fix_in_the_message():
         with pytest.raises(ValueError, match=message):
             serve_args(*flags)
     args = serve_args("--adaptive")
-    assert (args.slo_ttft_s, args.slo_gap_s, args.mix_interval_s) == (2.0, 0.25, 2.0)
+    assert (args.slo_ttft_s, args.slo_gap_s, args.mix_interval_s) == (2.0, 0.25, 1.0)
 
 
 def test_the_adapter_maps_each_field():
@@ -56,13 +58,16 @@ def test_the_adapter_maps_each_field():
 
 
 class RefusingClient:
-    """Two colocated instances under prompt pressure; every role change is refused."""
+    """1P1D whose decode instance is swamped by long answers; every role change is refused."""
 
     def __init__(self) -> None:
         self.calls = 0
+        now = time.monotonic()
+        self.arrivals = deque((now - i * 0.5, 40, 128) for i in range(10))  # 2 chats/s, 128-token answers
 
     def load_view(self):
-        return [InstanceLoadView(i, "colocated", True, False, 4, 4000, 4000, 1, 100, 0.0, 0.0) for i in ("x", "y")]
+        return [InstanceLoadView("x", "prefill", True, False, 0, 0, 0, 0, 0, 0.0, 0.0),
+                InstanceLoadView("y", "decode", True, False, 80, 8000, 0, 80, 12000, 0.0, 0.0)]
 
     async def change_role(self, instance_id, role):
         self.calls += 1
@@ -72,7 +77,7 @@ class RefusingClient:
 def test_a_refused_change_is_logged_counted_and_the_loop_goes_on():
     async def go():
         metrics = FrontendMetrics()
-        controller = MixController(FALLBACK_STEP_MODEL, MixTargets(0.01, 100.0), patience=1, cooldown=0)
+        controller = MixController(FALLBACK_STEP_MODEL, MixTargets(4.0, 0.5), patience=1, cooldown=0)
         mix = AdaptiveMix(RefusingClient(), metrics, controller, interval_s=0.01)
         mix.start()
         while mix.client.calls < 2:
@@ -86,34 +91,40 @@ def test_a_refused_change_is_logged_counted_and_the_loop_goes_on():
     asyncio.run(go())
 
 
-def test_adaptive_moves_an_instance_to_prefill_under_queued_long_prompts(tiny):
+def test_documents_turn_two_colocated_instances_into_prefill_plus_decode_in_two_steps_losing_nothing(tiny):
+    # The old rule moved one instance toward the stage under pressure (here: a colocated instance to
+    # prefill, leaving a prefill instance beside a colocated one that the router never sends new work).
+    # The what-if controller takes both steps to 1 prefill + 1 decode: with long prompts queued, every
+    # colocated stream meets a prefill chunk per step, while a decode instance steps without them.
     async def go():
         async with Cluster(tiny, {"engine-0": "colocated", "engine-1": "colocated"}) as cluster:
-            # a TTFT target no queue of long prompts can meet, and inter-token time to spare
-            args = serve_args("--adaptive", "--slo-ttft-s", "0.05", "--slo-gap-s", "60", "--mix-interval-s", "0.05",
+            args = serve_args("--adaptive", "--slo-ttft-s", "60", "--slo-gap-s", "0.2", "--mix-interval-s", "0.05",
                               "--threads-per-instance", "1")
             mix = adaptive_from_args(args, cluster.client, cluster.client.metrics, 2)
             streams = [cluster.client.submit(f"doc-{i}", prompt_of(200, seed=i), SamplingParams(
                 max_tokens=4, temperature=0, ignore_eos=True), []) for i in range(8)]
             for _ in range(200):
                 await mix.run_once()
-                if mix.loop.num_role_changes:
+                if mix.loop.num_role_changes >= 2:
                     break
-            changes = mix.loop.changes()
-            assert changes and changes[0]["applied"] and changes[0]["to_role"] == "prefill"
-            assert "prefill is short" in changes[0]["reason"]
-            moved = changes[0]["instance_id"]
-            assert {v.instance_id: v.role for v in cluster.client.load_view()}[moved] == "prefill"
+            first, second = mix.loop.changes()[:2]
+            assert first["applied"] and second["applied"] and first["instance_id"] != second["instance_id"]
+            assert "first of two steps to 1 prefill + 1 decode" in first["reason"]
+            assert "second of two steps" in second["reason"] and "predicted inter-token" in second["reason"]
+            roles = {v.instance_id: v.role for v in cluster.client.load_view()}
+            assert sorted(roles.values()) == ["decode", "prefill"]
+            moved = second["instance_id"]
             app = build_app(cluster.client, cluster.client.renderer, cluster.client.metrics, mix=mix)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
                 body = (await http.get("/admin/mix")).json()
-                assert body["roles"][moved] == "prefill" and body["num_role_changes"] == 1
-                assert body["changes"][0]["reason"] == changes[0]["reason"] and body["changes"][0]["wall_time"] > 0
+                assert body["roles"] == roles and body["num_role_changes"] == 2
+                assert body["changes"][1]["reason"] == second["reason"] and body["changes"][0]["wall_time"] > 0
+                json.dumps(body, allow_nan=False)
                 text = (await http.get("/metrics")).text
-                assert 'splitserve_mix_decisions_total{action="change"} 1.0' in text
-                assert f'splitserve_instance_role{{instance="{moved}",role="prefill"}} 1.0' in text
+                assert 'splitserve_mix_decisions_total{action="change"} 2.0' in text
+                assert f'splitserve_instance_role{{instance="{moved}",role="{roles[moved]}"}} 1.0' in text
                 assert (await build_and_get_without_mix(cluster)).status_code == 404
-            for stream in streams:  # nothing was lost by the change
+            for stream in streams:  # nothing was lost by the changes
                 finish = None
                 async for event in stream:
                     finish = event.finish_reason or finish

@@ -1,5 +1,7 @@
-"""The adaptive mix controller's decisions: hysteresis, one change per interval, cooldown,
-never a stage left without an instance, a reason for everything; and the loop that applies them."""
+"""The adaptive mix controller: it predicts each mix one or two role changes away (what-if), adopts
+one that lowers the worst SLO pressure by a margin for `patience` intervals, changes one instance
+per interval (a two-change move in two steps), cools down, never leaves a stage without an
+instance, gives a reason with the numbers; and the loop that applies its decisions."""
 from __future__ import annotations
 
 import asyncio
@@ -10,102 +12,239 @@ import pytest
 from splitserve.control.mix import InstanceView, MixController, MixTargets
 from splitserve.control.mix_loop import MixLoop
 from splitserve.control.stepmodel import StepModel
+from splitserve.control.whatif import Demand, Held, WhatIf
 
-MODEL = StepModel(overhead_s=0.01, per_prefill_token_s=0.001, per_decode_seq_s=0.005, per_decode_kv_token_s=1e-5)
-TARGETS = MixTargets(ttft_s=2.0, gap_s=0.5)
+# a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
+MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
+                  per_decode_kv_token_s=1.4e-5)
+TARGETS = MixTargets(ttft_s=4.0, gap_s=0.5)
 
 
 def controller(**kw) -> MixController:
     return MixController(MODEL, TARGETS, **kw)
 
 
-def idle_prefill(i):
-    return InstanceView(f"p{i}", "prefill")
+def chats(rate: float) -> Demand:  # short prompts, long answers: decode-bound
+    return Demand(rate, rate * 40, rate * 128, 40, 128, prompts=(20, 30, 40, 40, 50, 60))
 
 
-def busy_decode(i):  # 60 streams at 1k context: 0.01 + 0.3 + 0.6 = 0.91 s a step, 1.8x the gap target
-    return InstanceView(f"d{i}", "decode", num_running=60, decode_kv_tokens=60_000)
+def documents(rate: float) -> Demand:  # long prompts, short answers: prefill chunks stall colocated streams
+    return Demand(rate, rate * 600, rate * 24, 600, 24, prompts=(600,) * 4)
 
 
-def test_no_change_within_targets_and_the_reason_says_so():
-    d = controller().decide([InstanceView("p0", "prefill", queued_prompt_tokens=100),
-                             InstanceView("d0", "decode", num_running=4, decode_kv_tokens=400)])
-    assert d.instance_id is None
-    assert "within the hysteresis band" in d.reason and "TTFT estimate" in d.reason
+def held(roles: list[str]) -> list[Held]:
+    return [Held(role) for role in roles]
 
 
-def test_decode_pressure_moves_one_prefill_instance_only_after_patience_then_cools_down():
+def mix_of(*roles: str) -> list[InstanceView]:
+    return [InstanceView(f"e{i}", role) for i, role in enumerate(roles)]
+
+
+def apply(views: list[InstanceView], decision) -> list[InstanceView]:
+    return [InstanceView(v.instance_id, decision.to_role) if v.instance_id == decision.instance_id else v
+            for v in views]
+
+
+def test_the_what_if_sees_one_decode_instance_saturate_where_two_colocated_keep_up():
+    w = WhatIf(MODEL)
+    cc, pd = (w.predict(held(roles), chats(1.4)) for roles in (["colocated"] * 2, ["prefill", "decode"]))
+    assert pd.saturated == ("decode",) and not cc.saturated
+    assert cc.gap_s < TARGETS.gap_s < pd.gap_s
+    cc, pd = (w.predict(held(roles), documents(0.3)) for roles in (["colocated"] * 2, ["prefill", "decode"]))
+    assert pd.gap_s < TARGETS.gap_s < cc.gap_s  # a 256-token chunk in every colocated stream's way
+
+
+def test_one_document_among_many_chats_is_the_chunk_a_long_colocated_stream_meets():
+    w = WhatIf(MODEL)
+    chats_only = Demand(2.0, 2.0 * 30, 2.0 * 128, 30, 128, prompts=(30,) * 12)
+    one_document = Demand(2.0, 2.0 * 80, 2.0 * 118, 80, 118, prompts=(30,) * 11 + (600,))
+    plain, stalled = (w.predict(held(["colocated"] * 2), d) for d in (chats_only, one_document))
+    assert stalled.gap_s - plain.gap_s > 0.5  # a 256-token chunk in the step, where chats add 30 tokens
+
+
+def test_the_what_if_routes_like_the_router_a_specialist_beside_a_colocated_instance_gets_nothing_new():
+    w = WhatIf(MODEL)
+    one = w.predict(held(["colocated"]), documents(0.3))
+    assert w.predict(held(["colocated", "decode"]), documents(0.3)) == one
+    assert w.predict(held(["prefill", "colocated"]), documents(0.3)) == one
+    assert w.predict(held(["prefill", "prefill"]), documents(0.3)).saturated == ("prefill", "decode")
+
+
+def test_what_an_instance_holds_stays_there_and_new_requests_go_to_the_least_loaded():
+    w = WhatIf(MODEL)
+    idle = w.predict([Held("prefill"), Held("decode")], chats(0.2))
+    behind = w.predict([Held("prefill", queued_prompt_tokens=2000), Held("decode", num_running=60)], chats(0.2))
+    seconds_per_prompt_token = MODEL.per_prefill_token_s + MODEL.per_prefill_attn_s * 40 / 2000  # attention at 40
+    assert behind.ttft_s == pytest.approx(idle.ttft_s + 2000 * seconds_per_prompt_token)
+    assert behind.gap_s > 0.3 > idle.gap_s
+    # two colocated instances, one with a queue of documents: a new chat goes to the other, but
+    # streams on the first meet its chunks
+    cc = w.predict([Held("colocated", queued_prompt_tokens=2000), Held("colocated")], chats(0.2))
+    assert cc.ttft_s < 1.0 and cc.gap_s > 0.6
+
+
+def test_a_prefill_queue_is_left_to_drain_while_the_decode_instance_takes_the_chats():
+    # documents queued on the prefill instance when chats return: turning it colocated would put their
+    # chunks beside new streams; turning the decode instance colocated serves the chats apart
+    ctl = controller(patience=1)
+    views = [InstanceView("p", "prefill", queued_prompt_tokens=3000), InstanceView("d", "decode", num_running=20)]
+    d = ctl.decide(views, 0.0, chats(1.4))
+    assert (d.instance_id, d.to_role) == ("d", "colocated") and "second" not in d.reason
+
+
+def test_documents_arriving_move_two_colocated_instances_to_prefill_plus_decode_one_step_per_interval():
     ctl = controller(patience=2, cooldown=2)
-    views = [idle_prefill(0), idle_prefill(1), busy_decode(0), busy_decode(1)]
-    first = ctl.decide(views, 0.0)
-    assert first.instance_id is None and "decode pressure for 1 of 2 intervals" in first.reason
-    second = ctl.decide(views, 1.0)
-    assert (second.instance_id, second.from_role, second.to_role) == ("p0", "prefill", "decode")
-    assert "becomes decode" in second.reason and "inter-token estimate" in second.reason
-    third = ctl.decide(views, 2.0)
-    assert third.instance_id is None and "cooldown" in third.reason
+    views = mix_of("colocated", "colocated")
+    first = ctl.decide(views, 0.0, documents(0.3))
+    assert first.instance_id is None and "1 prefill + 1 decode" in first.reason and "1 of 2 intervals" in first.reason
+    step1 = ctl.decide(views, 1.0, documents(0.3))
+    assert step1.instance_id is not None and step1.to_role in ("prefill", "decode")
+    assert "first of two steps to 1 prefill + 1 decode" in step1.reason
+    assert "predicted inter-token" in step1.reason and "now, TTFT" in step1.reason and "pressure 0." in step1.reason
+    halfway = apply(views, step1)
+    step2 = ctl.decide(halfway, 2.0, documents(0.3))  # no patience, no cooldown for the second step
+    assert step2.instance_id is not None and step2.instance_id != step1.instance_id and "second of two" in step2.reason
+    assert sorted(v.role for v in apply(halfway, step2)) == ["decode", "prefill"]
+    assert step2.predicted_gap_s < TARGETS.gap_s < step2.gap_estimate_s
 
 
-def test_prefill_pressure_moves_the_least_busy_decode_instance():
+def test_chats_dominating_move_prefill_plus_decode_back_to_two_colocated():
     ctl = controller(patience=1)
-    views = [InstanceView("p0", "prefill", queued_prompt_tokens=8000),
-             InstanceView("d0", "decode", num_running=3, decode_kv_tokens=300),
-             InstanceView("d1", "decode", num_running=1, decode_kv_tokens=100)]
-    d = ctl.decide(views)
-    assert (d.instance_id, d.to_role) == ("d1", "prefill")
-    assert "prefill is short" in d.reason
+    views = mix_of("prefill", "decode")
+    step1 = ctl.decide(views, 0.0, chats(1.4))
+    assert step1.to_role == "colocated" and "first of two steps to 2 colocated" in step1.reason
+    assert "decode saturated now" in step1.reason and "1 colocated serves in between" in step1.reason
+    step2 = ctl.decide(apply(views, step1), 1.0, chats(1.4))
+    assert step2.to_role == "colocated" and [v.role for v in apply(apply(views, step1), step2)] == ["colocated"] * 2
+    # and it stays there while the chats keep coming
+    settled = apply(apply(views, step1), step2)
+    for t in range(2, 8):
+        assert ctl.decide(settled, float(t), chats(1.4)).instance_id is None
 
 
-def test_the_last_prefill_instance_becomes_colocated_never_decode():
-    d = controller(patience=1).decide([idle_prefill(0), busy_decode(0)])
-    assert (d.instance_id, d.from_role, d.to_role) == ("p0", "prefill", "colocated")
-
-
-def test_both_stages_over_target_changes_nothing():
+def test_back_to_colocated_the_prefill_instance_turns_first_so_the_decoding_streams_meet_no_new_prompts():
     ctl = controller(patience=1)
-    d = ctl.decide([InstanceView("p0", "prefill", queued_prompt_tokens=8000), busy_decode(0)])
-    assert d.instance_id is None and "both stages over target" in d.reason
+    views = [InstanceView("d", "decode", num_running=40, decode_kv_tokens=40 * 150), InstanceView("p", "prefill")]
+    step1 = ctl.decide(views, 0.0, chats(1.4))
+    assert (step1.instance_id, step1.to_role) == ("p", "colocated")
+
+
+def test_a_halfway_mix_left_by_a_dropped_second_step_is_not_held_by_the_cooldown():
+    ctl = controller(patience=1, cooldown=5)
+    views = mix_of("colocated", "colocated")
+    halfway = apply(views, ctl.decide(views, 0.0, documents(0.3)))
+    assert ctl.decide(halfway, 1.0, Demand()).instance_id is None  # the second step is dropped
+    back = ctl.decide(halfway, 2.0, chats(1.4))  # chats now: the halfway mix moves on at once
+    assert back.instance_id is not None and "cooldown" not in back.reason
+
+
+def test_hysteresis_a_mix_only_slightly_better_is_not_adopted():
+    views = mix_of("colocated", "colocated")
+    demand = documents(0.45)
+    w = WhatIf(MODEL)
+    cc, pd = (w.predict(held(r), demand).pressure(4.0, 0.5) for r in (["colocated"] * 2, ["prefill", "decode"]))
+    assert 0.8 * cc < pd < cc  # 1 prefill + 1 decode is better, by less than the 20% margin
+    ctl = controller(patience=1, margin=0.2)
+    for t in range(5):
+        d = ctl.decide(views, float(t), demand)
+        assert d.instance_id is None and "no mix predicts 20% less pressure" in d.reason
+    assert controller(patience=1, margin=0.05).decide(views, 0.0, demand).instance_id is not None
+
+
+def test_a_better_mix_must_win_patience_intervals_running():
+    ctl = controller(patience=3)
+    views = mix_of("colocated", "colocated")
+    for t in range(10):  # documents, then chats, then documents...: never three in a row
+        demand = documents(0.3) if t % 3 != 2 else chats(0.6)
+        assert ctl.decide(views, float(t), demand).instance_id is None
+
+
+def test_nothing_moves_while_every_target_is_met_with_room():
+    d = controller(patience=1).decide(mix_of("prefill", "decode"), 0.0, chats(0.4))
+    assert d.instance_id is None and "every target met with room" in d.reason
+    assert "TTFT" in d.reason and "demand 0.40 req/s" in d.reason
+
+
+def test_after_a_move_nothing_else_moves_during_the_cooldown():
+    ctl = controller(patience=1, cooldown=2)
+    views = mix_of("colocated", "colocated")
+    step1 = ctl.decide(views, 0.0, documents(0.3))
+    pd = apply(apply(views, step1), ctl.decide(apply(views, step1), 1.0, documents(0.3)))
+    assert sorted(v.role for v in pd) == ["decode", "prefill"]
+    assert "cooldown 2" in ctl.decide(pd, 2.0, chats(1.4)).reason
+    assert "cooldown 2" in ctl.decide(pd, 3.0, chats(1.4)).reason
+    assert ctl.decide(pd, 4.0, chats(1.4)).instance_id is not None
+
+
+def test_a_second_step_no_longer_worth_taking_is_dropped():
+    ctl = controller(patience=1)
+    views = mix_of("colocated", "colocated")
+    step1 = ctl.decide(views, 0.0, documents(0.3))
+    # the documents stopped: the second step is not taken, and the halfway mix is left as it is
+    d = ctl.decide(apply(views, step1), 1.0, Demand())
+    assert d.instance_id is None and "every target met with room" in d.reason
 
 
 def test_a_lost_decode_stage_is_rescued_at_once_by_a_survivor_turning_colocated():
     ctl = controller(patience=3, cooldown=5)
-    views = [idle_prefill(0), InstanceView("p1", "prefill", queued_prompt_tokens=50),
+    views = [InstanceView("p0", "prefill"), InstanceView("p1", "prefill", queued_prompt_tokens=50),
              InstanceView("d0", "decode", alive=False)]
-    d = ctl.decide(views)
+    d = ctl.decide(views, 0.0, chats(0.5))
     assert (d.instance_id, d.to_role) == ("p0", "colocated")
     assert "no live instance can decode" in d.reason
 
 
-def test_random_views_never_lead_to_a_decision_that_uncovers_a_stage():
+def test_random_views_and_demand_never_lead_to_a_decision_that_uncovers_a_stage():
     rng = random.Random(7)
     ctl = controller(patience=1, cooldown=0)
-    for _ in range(500):
+    for _ in range(300):
         views = [InstanceView(f"i{k}", rng.choice(["prefill", "decode", "colocated"]), alive=rng.random() > 0.2,
                               queued_prompt_tokens=rng.choice([0, 100, 5000, 20000]),
                               num_running=(n := rng.choice([0, 2, 30, 80])), decode_kv_tokens=n * 800)
-                 for k in range(rng.randint(1, 5))]
-        d = ctl.decide(views)
+                 for k in range(rng.randint(1, 4))]
+        demand = rng.choice([Demand(), chats(rng.uniform(0.1, 2)), documents(rng.uniform(0.05, 0.6))])
+        d = ctl.decide(views, 0.0, demand)
         assert d.reason
         if d.instance_id is not None and MixController.covered(views):
             assert MixController.covered(views, (d.instance_id, d.to_role)), (views, d)
 
 
-def test_measured_step_times_correct_the_model():
-    slow = [InstanceView("p0", "prefill"), InstanceView("d0", "decode", num_running=10, decode_kv_tokens=1000,
-                                                       recent_step_s=0.3)]
-    ttft, gap = controller().estimates(slow)
-    assert gap == pytest.approx(MODEL.step_s(0, 0, 10, 1000) * 3.0)  # 0.3 / 0.07 clamps at 3x
+def test_measured_step_times_correct_the_model_by_the_median_ratio_clamped():
+    ctl = controller()
+    step = MODEL.step_s(0, 0, 10, 1000)  # 0.109 s: 10 decodes at 100 tokens of context
+
+    def busy(i, ratio):
+        return InstanceView(f"c{i}", "colocated", num_running=10, decode_kv_tokens=1000, recent_step_s=step * ratio)
+
+    ctl.decide([busy(0, 0.6), busy(1, 2.0), busy(2, 1.2), InstanceView("idle", "colocated", recent_step_s=9.0)],
+               0.0, chats(0.5))
+    assert ctl.last["scale"] == pytest.approx(1.2)  # the median; an idle instance's step says nothing
+    ctl.decide([busy(0, 5.0), InstanceView("d", "decode")], 0.0, chats(0.5))
+    assert ctl.last["scale"] == 3.0  # clamped
+
+
+def test_demand_is_read_from_the_arrivals_of_the_window():
+    arrivals = [(0.5, 1000, 10), (5.0, 40, 100), (6.0, 60, 100), (7.0, 600, 20)]
+    d = Demand.from_arrivals(arrivals, now_s=7.0, window_s=4.0)
+    assert (d.request_rate, d.prompt_rate, d.answer_rate) == (0.75, 175.0, 55.0)
+    assert d.prompts == (40, 60, 600) and d.mean_prompt == pytest.approx(700 / 3)
+    assert (d.prompt_quantile(0.5), d.prompt_quantile(0.9), d.prompt_quantile(1.0)) == (60, 600, 600)
+    assert Demand.from_arrivals([], 7.0, 4.0) == Demand()
+    longer = Demand.from_arrivals(arrivals, now_s=7.0, window_s=4.0, prompt_window_s=10.0)
+    assert longer.prompts == (40, 60, 600, 1000) and longer.request_rate == 0.75  # rates keep the short window
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="low < high"):
-        controller(low=1.5, high=1.0)
+    with pytest.raises(ValueError, match="margin"):
+        controller(margin=1.5)
+    with pytest.raises(ValueError, match="patience"):
+        controller(patience=0)
     with pytest.raises(ValueError, match="role"):
         InstanceView("x", "both")
 
 
 def test_loop_applies_changes_logs_every_decision_and_survives_a_failed_change():
-    views = [idle_prefill(0), idle_prefill(1), busy_decode(0)]
+    views = mix_of("prefill", "decode")
     calls = []
 
     async def change_role(instance_id, role):
@@ -114,22 +253,22 @@ def test_loop_applies_changes_logs_every_decision_and_survives_a_failed_change()
             raise RuntimeError("409: draining")
 
     async def go():
-        loop = MixLoop(controller(patience=1, cooldown=0), lambda: views, change_role, interval_s=0.01, max_log=3)
+        loop = MixLoop(controller(patience=1, cooldown=0), lambda: views, change_role, interval_s=0.01, max_log=3,
+                       demand=lambda: chats(1.4))
         for _ in range(4):
             await loop.run_once()
         return loop
 
     loop = asyncio.run(go())
-    assert calls == [("p0", "decode")] * 4
-    assert loop.num_failed_changes == 1 and loop.num_role_changes == 3
+    assert len(calls) >= 3 and all(role == "colocated" for _, role in calls)
+    assert loop.num_failed_changes == 1 and loop.num_role_changes == len(calls) - 1
     assert len(loop.decisions) == 3  # bounded
-    assert all(d["applied"] for d in loop.changes())
-    assert loop.decisions[-1]["reason"].endswith("becomes decode")
+    assert all(d["applied"] and "-> colocated" in d["reason"] for d in loop.changes())
 
 
 def test_loop_runs_on_its_interval_until_stopped():
     async def go():
-        loop = MixLoop(controller(), lambda: [idle_prefill(0), busy_decode(0)], lambda *_: asyncio.sleep(0),
+        loop = MixLoop(controller(), lambda: mix_of("prefill", "decode"), lambda *_: asyncio.sleep(0),
                        interval_s=0.01)
         task = asyncio.create_task(loop.run())
         await asyncio.sleep(0.1)

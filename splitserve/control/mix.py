@@ -1,35 +1,44 @@
 """The adaptive stage mix: which instance, if any, should change role now, and why.
 
-Every interval the controller reads one `InstanceView` per instance and estimates, with the
-step-time model (control/stepmodel.py; Dynamo's load-based planner does the same with its
-regression of step time on prefill tokens and decode KV tokens):
-  TTFT      per prefill-capable instance (prefill or colocated): the time to work through its
-            queued prompt tokens, in budget-sized steps that also carry its running decodes;
-            the stage's figure is the mean (the router keeps them level);
-  inter-token time  per decode-capable instance (decode or colocated): one step with its
-            running decodes (and, colocated, a prefill chunk when prompts wait); the stage's
-            figure is the worst instance (its streams are the slowest).
-A measured recent step time, when given, corrects that instance's estimates by the ratio of
-measured to modelled (clamped), so a mis-fitted profile does not steer the mix.
+Every interval the controller reads one `InstanceView` per instance and the demand of the last
+few seconds (control/whatif.py: requests, prompt and answer tokens per second, prompt lengths),
+and asks what if: for the mix as it is and for every mix one or two role changes away that
+leaves both stages covered, it predicts TTFT and the inter-token gap with the step-time model
+(Dynamo's load-based planner regresses step time the same way), new work spread as the router
+spreads it and what each instance holds now left where it is. Pressure is a prediction over its target; a mix's pressure is its worse stage's,
+max(TTFT / target, gap / target).
 
-Pressure is estimate / target. One stage over `high` while the other is under `low`, for
-`patience` intervals running, moves one instance toward the pressed stage: a specialist of
-the relaxed stage flips over, or becomes colocated when it is the last one able to serve its
-stage (a colocated instance serves both). After a change nothing moves for `cooldown`
-intervals. No decision ever leaves a stage without an instance able to serve it.
+A mix whose pressure is `margin` (20%) below the current one's, best for `patience` intervals
+running, is adopted, unless every target is met with room (pressure under `calm`). Roles then
+change one instance per interval: a mix two changes away (two colocated instances becoming one
+prefill and one decode) goes through the better of its two halfway mixes, and its second
+change follows at the next interval, if it still beats the mix of the moment by the margin.
+After a change nothing else moves for `cooldown` intervals. The halfway mixes matter: beside a
+colocated instance, a prefill or decode instance gets no new work (frontend/router.py), so
+a single change from two colocated instances only ever helps as the first of two.
+
+Measured recent step times correct the model, by the median ratio of measured to modelled
+steps over the busy instances (clamped), so a loaded box or a mis-fitted profile does not
+steer the mix. A stage left with no live instance is rescued at once (no patience, no
+cooldown). No decision ever leaves a stage without an instance able to serve it.
 """
 from __future__ import annotations
 
-import math
+import itertools
+import statistics
 from dataclasses import asdict, dataclass, field
 
-from splitserve.control.stepmodel import StepModel, StepModels
+from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
+from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
 
 ROLES = ("prefill", "decode", "colocated")
-# Without a profile (`serve --adaptive` given none): the bundled model's 2-thread fit on the
-# shared 2-core box (docs/benchmarks.md, "Planner"); measured step times correct it per instance.
-FALLBACK_STEP_MODEL = StepModel(overhead_s=0.056, per_prefill_token_s=0.0013, per_prefill_attn_s=0.00074,
-                                per_decode_seq_s=0.0034, per_decode_kv_token_s=7.2e-6)
+# Without a profile (`serve --adaptive` given none): the bundled model's fits on the shared 2-core
+# box (docs/benchmarks.md, "Planner"); measured step times correct them per interval.
+FALLBACK_STEP_MODEL = StepModels({
+    1: StepModel(overhead_s=0.0447, per_prefill_token_s=0.00263, per_prefill_attn_s=0.00103,
+                 per_decode_seq_s=0.00494, per_decode_kv_token_s=1.43e-5),
+    2: StepModel(overhead_s=0.0556, per_prefill_token_s=0.00131, per_prefill_attn_s=0.00074,
+                 per_decode_seq_s=0.00337, per_decode_kv_token_s=7.2e-6)})
 PREFILL_CAPABLE = ("prefill", "colocated")
 DECODE_CAPABLE = ("decode", "colocated")
 
@@ -67,15 +76,22 @@ class Decision:
     instance_id: str | None = None    # None: no change this interval
     from_role: str | None = None
     to_role: str | None = None
-    ttft_estimate_s: float | None = None
+    ttft_estimate_s: float | None = None  # predicted for the mix as it is
     gap_estimate_s: float | None = None
+    predicted_ttft_s: float | None = None  # for the mix the change leads to
+    predicted_gap_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _fmt(x: float) -> str:
+    if x == float("inf"):
+        return "inf"
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+Change = tuple[str, str]  # (instance id, new role)
 
 
 @dataclass(slots=True)
@@ -83,125 +99,164 @@ class MixController:
     steps: StepModels | StepModel
     targets: MixTargets
     chunk_budget: int = 256           # colocated instances' max_num_batched_tokens
-    high: float = 1.0                 # pressure above which a stage asks for an instance
-    low: float = 0.5                  # pressure below which a stage can give one up
-    patience: int = 2                 # intervals a condition must hold before acting
-    cooldown: int = 3                 # intervals after a change during which nothing moves
-    _streak: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    margin: float = 0.2               # a mix must lower the worst pressure by this share to be adopted
+    calm: float = 0.6                 # nothing moves while every prediction is under this share of its target
+    patience: int = 2                 # intervals the same better mix must win before the first change
+    cooldown: int = 5                 # intervals after a move during which nothing else moves (no flapping)
+    _wanted: str = ""                 # the better mix of the last intervals, by what serves in it
+    _streak: int = 0
+    _follow: Change | None = None     # the second change of a two-change move, due next interval
     _since_change: int = 1 << 30
+    last: dict = field(default_factory=dict)  # the last interval's predictions, for tests and logs
 
     def __post_init__(self) -> None:
-        if not 0 < self.low < self.high:
-            raise ValueError(f"mix thresholds: need 0 < low < high, got low={self.low}, high={self.high}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"mix margin must be in [0, 1), got {self.margin}")
+        if not self.calm > 0:
+            raise ValueError(f"mix calm must be positive, got {self.calm}")
         if self.patience < 1 or self.cooldown < 0:
             raise ValueError("mix: patience must be >= 1 and cooldown >= 0 intervals")
 
-    def _model(self, view: InstanceView) -> StepModel:
-        return self.steps.for_threads(view.threads) if isinstance(self.steps, StepModels) else self.steps
+    # ---- the model ---------------------------------------------------------------------
 
-    def _correction(self, view: InstanceView, model: StepModel) -> float:
-        if not view.recent_step_s or not (view.num_running or view.queued_prompt_tokens):
-            return 1.0
-        chunk = min(view.queued_prompt_tokens, self.chunk_budget) if view.role != "decode" else 0
-        modelled = model.step_s(chunk, chunk * chunk / 2000.0, view.num_running, view.decode_kv_tokens)
-        return min(max(view.recent_step_s / modelled, 0.5), 3.0)
+    def _model(self, views: list[InstanceView]) -> StepModel:
+        threads = next((v.threads for v in views if v.alive), 1)
+        return self.steps.for_threads(threads) if isinstance(self.steps, StepModels) else self.steps
 
-    def ttft_estimate(self, view: InstanceView) -> float:
-        model = self._model(view)
-        q = view.queued_prompt_tokens
-        if view.role == "prefill":
-            est = model.step_s(q, q * q / 2000.0)  # the queue's prompts, whole (attention term per prompt ~ q^2/2)
-        else:
-            steps = max(math.ceil(q / self.chunk_budget), 1)
-            chunk = min(q, self.chunk_budget)
-            est = steps * model.step_s(chunk, chunk * chunk / 2000.0, view.num_running, view.decode_kv_tokens)
-        return est * self._correction(view, model)
-
-    def gap_estimate(self, view: InstanceView) -> float:
-        model = self._model(view)
-        chunk = min(view.queued_prompt_tokens, self.chunk_budget) if view.role == "colocated" else 0
-        est = model.step_s(chunk, chunk * chunk / 2000.0, max(view.num_running, 1), view.decode_kv_tokens)
-        return est * self._correction(view, model)
-
-    def estimates(self, views: list[InstanceView]) -> tuple[float, float]:
-        live = [v for v in views if v.alive]
-        pre = [self.ttft_estimate(v) for v in live if v.role in PREFILL_CAPABLE]
-        dec = [self.gap_estimate(v) for v in live if v.role in DECODE_CAPABLE]
-        return (sum(pre) / len(pre) if pre else math.inf), (max(dec) if dec else math.inf)
+    def _correction(self, views: list[InstanceView], model: StepModel) -> float:
+        ratios = []
+        for v in views:
+            if not (v.alive and v.recent_step_s and (v.num_running or v.queued_prompt_tokens)):
+                continue
+            chunk = min(v.queued_prompt_tokens, self.chunk_budget) if v.role in PREFILL_CAPABLE else 0
+            ratios.append(v.recent_step_s / model.step_s(chunk, prefill_attn_ktok2(0, chunk), v.num_running,
+                                                         v.decode_kv_tokens))
+        return min(max(statistics.median(ratios), 0.5), 3.0) if ratios else 1.0
 
     @staticmethod
-    def covered(views: list[InstanceView], change: tuple[str, str] | None = None) -> bool:
-        """True if, after `change` (instance id, new role), some live instance can prefill and one can decode."""
-        roles = [(change[1] if change and v.instance_id == change[0] else v.role) for v in views if v.alive]
+    def covered(views: list[InstanceView], change: Change | tuple[Change, ...] | None = None) -> bool:
+        """True if, after `change` (one (instance id, new role) or several), some live instance can
+        prefill and one can decode."""
+        changes = dict([change] if change and isinstance(change[0], str) else (change or ()))
+        roles = [changes.get(v.instance_id, v.role) for v in views if v.alive]
         return any(r in PREFILL_CAPABLE for r in roles) and any(r in DECODE_CAPABLE for r in roles)
 
-    def _move(self, views: list[InstanceView], toward: str) -> tuple[InstanceView, str] | None:
-        """One instance to move toward stage `toward` (prefill | decode), keeping both stages covered."""
-        away = "decode" if toward == "prefill" else "prefill"
+    def _candidates(self, views: list[InstanceView]) -> list[tuple[Change, ...]]:
+        """Every mix one or two role changes away that keeps both stages covered."""
         live = [v for v in views if v.alive]
-        # the least busy specialist of the relaxed stage first, then colocated instances
-        load = (lambda v: v.num_running) if away == "decode" else (lambda v: v.queued_prompt_tokens)
-        for view in sorted((v for v in live if v.role == away), key=load):
-            for role in (toward, "colocated"):
-                if self.covered(views, (view.instance_id, role)):
-                    return view, role
-        for view in sorted((v for v in live if v.role == "colocated"), key=load):
-            if self.covered(views, (view.instance_id, toward)):
-                return view, toward
-        return None
+        singles = [(v.instance_id, r) for v in live for r in ROLES if r != v.role]
+        # a pair is made one change at a time: one of its halfway mixes must keep both stages covered too
+        pairs = [(x, y) for x, y in itertools.combinations(singles, 2)
+                 if x[0] != y[0] and (self.covered(views, x) or self.covered(views, y))]
+        return [c for c in [(s,) for s in singles] + pairs if self.covered(views, c)]
 
-    def decide(self, views: list[InstanceView], now_s: float = 0.0) -> Decision:
+    @staticmethod
+    def _disruption(views: list[InstanceView], changes: tuple[Change, ...]) -> int:
+        """Work left in the wrong place by the changes (prompts queued on a new decode instance, streams
+        running on a new prefill one): among mixes predicted equal, the one that moves less."""
+        by_id = {v.instance_id: v for v in views}
+        return sum(by_id[i].queued_prompt_tokens if r == "decode" else
+                   by_id[i].num_running if by_id[i].role == "decode" or r == "prefill" else 0 for i, r in changes)
+
+    # ---- deciding ----------------------------------------------------------------------
+
+    def decide(self, views: list[InstanceView], now_s: float = 0.0, demand: Demand | None = None) -> Decision:
         self._since_change += 1
-        ttft, gap = self.estimates(views)
-        p_ttft, p_gap = ttft / self.targets.ttft_s, gap / self.targets.gap_s
-        state = (f"TTFT estimate {_fmt(ttft)} ({p_ttft:.2f}x its {_fmt(self.targets.ttft_s)} target), "
-                 f"inter-token estimate {_fmt(gap)} ({p_gap:.2f}x its {_fmt(self.targets.gap_s)} target)")
+        demand = demand or Demand()
         if not self.covered(views):
-            return self._rescue(views, now_s, state, ttft, gap)
-        wants = None
-        if p_ttft > self.high and p_gap < self.low:
-            wants = "prefill"
-        elif p_gap > self.high and p_ttft < self.low:
-            wants = "decode"
-        for stage in self._streak:
-            self._streak[stage] = self._streak[stage] + 1 if stage == wants else 0
-        if wants is None:
-            why = ("both stages over target: no instance can be spared; add instances"
-                   if p_ttft > self.high and p_gap > self.high else "within the hysteresis band")
-            return self._none(now_s, f"{state}; {why}", ttft, gap)
-        if self._since_change <= self.cooldown:
-            return self._none(now_s, f"{state}; {wants} needs help but the last change was "
-                                     f"{self._since_change} interval(s) ago (cooldown {self.cooldown})", ttft, gap)
-        if self._streak[wants] < self.patience:
-            return self._none(now_s, f"{state}; {wants} pressure for {self._streak[wants]} of "
-                                     f"{self.patience} intervals", ttft, gap)
-        move = self._move(views, wants)
-        if move is None:
-            return self._none(now_s, f"{state}; {wants} needs help but every move would leave a stage "
-                                     "with no instance able to serve it", ttft, gap)
-        view, role = move
-        self._since_change = 0
-        self._streak[wants] = 0
-        other = "inter-token" if wants == "prefill" else "TTFT"
-        return Decision(now_s, f"{state}: {wants} is short while {other} has slack, for {self.patience} intervals; "
-                               f"{view.instance_id} ({view.role}, {view.num_running} running, "
-                               f"{view.queued_prompt_tokens} prompt tokens queued) becomes {role}",
-                        view.instance_id, view.role, role, ttft, gap)
+            self._wanted, self._streak, self._follow = "", 0, None
+            return self._rescue(views, now_s)
+        live = [v for v in views if v.alive]
+        model = self._model(views)
+        scale = self._correction(views, model)
+        whatif = WhatIf(model.scaled(scale), self.chunk_budget)
 
-    def _rescue(self, views: list[InstanceView], now_s: float, state: str, ttft: float, gap: float) -> Decision:
+        def predict(changes: tuple[Change, ...]) -> Prediction:
+            moved = dict(changes)
+            return whatif.predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens, v.num_running)
+                                   for v in live], demand)
+
+        def pressure(p: Prediction) -> float:
+            return p.pressure(self.targets.ttft_s, self.targets.gap_s)
+
+        now = predict(())
+        p_now = pressure(now)
+        scored = sorted(((pressure(p), len(c), self._disruption(views, c), c, p)
+                         for c in self._candidates(views) for p in [predict(c)]), key=lambda x: x[:4])
+        self.last = {"now": now, "scale": scale, "candidates": [(x[3], x[4]) for x in scored]}
+        state = f"now {self._describe(now, p_now)}; {demand.describe()}; model x{scale:.2f}"
+
+        if self._follow is not None:
+            follow, self._follow = self._follow, None
+            after = predict((follow,))
+            if self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin):
+                return self._change(views, follow, now, after, now_s, "second of two steps")
+            self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
+        if not scored:
+            return self._none(now_s, f"{state}: no other mix keeps both stages covered", now)
+        best_p, _, _, best, best_pred = scored[0]
+        if p_now < self.calm:
+            self._wanted, self._streak = "", 0
+            return self._none(now_s, f"{state}: every target met with room (under {self.calm:.2f}x)", now)
+        if best_p >= p_now * (1 - self.margin):
+            self._wanted, self._streak = "", 0
+            return self._none(now_s, f"{state}: no mix predicts {self.margin:.0%} less pressure (best: "
+                                     f"{best_pred.serving}, {best_p:.2f}x)", now)
+        # the same mix (by what serves), whichever instances play which role in it
+        self._streak = self._streak + 1 if best_pred.serving == self._wanted else 1
+        self._wanted = best_pred.serving
+        target = f"{best_pred.serving} ({self._describe(best_pred, best_p)})"
+        if self._since_change <= self.cooldown:
+            return self._none(now_s, f"{state}: {target} would be better, but the last change was "
+                                     f"{self._since_change} interval(s) ago (cooldown {self.cooldown})", now)
+        if self._streak < self.patience:
+            return self._none(now_s, f"{state}: {target} better for {self._streak} of {self.patience} intervals",
+                              now)
+        first = min((c for c in best if self.covered(views, c)),
+                    key=lambda c: (pressure(predict((c,))), self._disruption(views, (c,)), c))
+        rest = [c for c in best if c != first]
+        self._follow = rest[0] if rest else None
+        step = (f"first of two steps to {best_pred.serving}; {predict((first,)).serving} serves in between"
+                if rest else "")
+        return self._change(views, first, now, best_pred, now_s, step)
+
+    def change_failed(self) -> None:
+        """The last change was refused or failed: a second step planned after it is no longer due."""
+        self._follow = None
+
+    def _change(self, views: list[InstanceView], change: Change, now: Prediction, target: Prediction,
+                now_s: float, step: str) -> Decision:
+        """`target`: the prediction for the mix this change leads to (after its second step, if any)."""
+        view = next(v for v in views if v.instance_id == change[0])
+        self._since_change = 0
+        self._wanted, self._streak = "", 0
+        t = self.targets
+        full = f" ({' and '.join(now.saturated)} saturated now)" if now.saturated else ""
+        reason = (f"{view.instance_id} {view.role} -> {change[1]}{f' ({step})' if step else ''}: predicted "
+                  f"inter-token {_fmt(target.gap_s)} vs {_fmt(now.gap_s)} now, TTFT {_fmt(target.ttft_s)} vs "
+                  f"{_fmt(now.ttft_s)}; pressure {target.pressure(t.ttft_s, t.gap_s):.2f}x vs "
+                  f"{now.pressure(t.ttft_s, t.gap_s):.2f}x{full}; serving {target.serving} instead of {now.serving}")
+        return Decision(now_s, reason, view.instance_id, view.role, change[1], now.ttft_s, now.gap_s,
+                        target.ttft_s, target.gap_s)
+
+    def _describe(self, p: Prediction, pressure: float) -> str:
+        full = f", {' and '.join(p.saturated)} saturated" if p.saturated else ""
+        return (f"{p.serving}: TTFT {_fmt(p.ttft_s)} / {_fmt(self.targets.ttft_s)}, inter-token {_fmt(p.gap_s)} / "
+                f"{_fmt(self.targets.gap_s)}, pressure {pressure:.2f}x{full}")
+
+    def _rescue(self, views: list[InstanceView], now_s: float) -> Decision:
         """A stage lost its last instance: a survivor turns colocated at once (no patience, no cooldown)."""
         live = [v for v in views if v.alive]
-        missing = "prefill" if not any(v.role in PREFILL_CAPABLE for v in live) else "decode"
         if not live:
-            return self._none(now_s, "no live instance: nothing to change", ttft, gap)
+            return Decision(now_s, "no live instance: nothing to change")
+        missing = "prefill" if not any(v.role in PREFILL_CAPABLE for v in live) else "decode"
         # the least loaded survivor of the stage that still has the most instances
         count = {role: sum(v.role == role for v in live) for role in ROLES}
         view = min(live, key=lambda v: (-count[v.role], v.num_running + v.queued_prompt_tokens))
         self._since_change = 0
         return Decision(now_s, f"no live instance can {missing}: {view.instance_id} ({view.role}) becomes "
-                               "colocated so both stages are served", view.instance_id, view.role, "colocated",
-                        ttft, gap)
+                               "colocated so both stages are served", view.instance_id, view.role, "colocated")
 
     @staticmethod
-    def _none(now_s: float, reason: str, ttft: float, gap: float) -> Decision:
-        return Decision(now_s, reason, ttft_estimate_s=ttft, gap_estimate_s=gap)
+    def _none(now_s: float, reason: str, now: Prediction) -> Decision:
+        return Decision(now_s, reason, ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s)

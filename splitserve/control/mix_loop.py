@@ -1,7 +1,8 @@
 """Running the mix controller: every interval read the instances, decide, apply, log why.
 
-The frontend gives two callables: `views()` returns one InstanceView per instance, and
-`change_role(instance_id, role)` (async) performs a live role change. Every decision, change
+The frontend gives the callables: `views()` returns one InstanceView per instance,
+`change_role(instance_id, role)` (async) performs a live role change, and optionally `demand()`
+the Demand of the last few seconds (control/whatif.py). Every decision, change
 or not, goes to a bounded in-memory log that /metrics and the trial report can read.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from splitserve.control.mix import Decision, InstanceView, MixController
+from splitserve.control.whatif import Demand
 
 log = logging.getLogger(__name__)
 
@@ -20,18 +22,20 @@ log = logging.getLogger(__name__)
 class MixLoop:
     def __init__(self, controller: MixController, views: Callable[[], list[InstanceView]],
                  change_role: Callable[[str, str], Awaitable[object]], interval_s: float = 2.0,
-                 max_log: int = 512, clock: Callable[[], float] = time.monotonic):
+                 max_log: int = 512, clock: Callable[[], float] = time.monotonic,
+                 demand: Callable[[], Demand] | None = None):
         if interval_s <= 0:
             raise ValueError(f"mix interval must be positive seconds, got {interval_s}")
         self.controller, self.views, self.change_role = controller, views, change_role
-        self.interval_s, self.clock = interval_s, clock
+        self.interval_s, self.clock, self.demand = interval_s, clock, demand
         self.decisions: deque[dict] = deque(maxlen=max_log)
         self.num_role_changes = 0
         self.num_failed_changes = 0
         self._stopped = asyncio.Event()
 
     async def run_once(self) -> Decision:
-        decision = self.controller.decide(self.views(), self.clock())
+        demand = self.demand() if self.demand is not None else None
+        decision = self.controller.decide(self.views(), self.clock(), demand)
         entry = decision.to_dict()
         if decision.instance_id is not None:
             try:
@@ -41,6 +45,7 @@ class MixLoop:
                 log.info("mix: %s", decision.reason)
             except Exception as exc:  # a refused or failed change must not stop the loop
                 self.num_failed_changes += 1
+                self.controller.change_failed()
                 entry.update(applied=False, error=f"{type(exc).__name__}: {exc}")
                 log.warning("mix: change of %s to %s failed: %s", decision.instance_id, decision.to_role, exc)
         else:

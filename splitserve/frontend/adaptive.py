@@ -1,6 +1,7 @@
 """`serve --adaptive`: the mix controller (control/mix.py) wired to a running frontend.
 
     every --mix-interval-s:  EngineClient.load_view() --mix_views--> [InstanceView]
+                             EngineClient.arrivals (last DEMAND_WINDOW_S) --> Demand
         --MixController.decide--> Decision --(a change)--> EngineClient.change_role(id, role)
     every decision, change or not, with its reason -> the bounded log behind GET /admin/mix,
     splitserve_mix_decisions_total{action} and the per-instance role gauge on /metrics.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.control.mix import FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets
 from splitserve.control.mix_loop import MixLoop
+from splitserve.control.whatif import Demand
 
 if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
     from fastapi import FastAPI
@@ -29,6 +31,13 @@ if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
 
 log = logging.getLogger(__name__)
 ACTIONS = ("none", "change", "refused")
+# Long enough to hold a few requests at a fraction of a request per second, short enough that a
+# change of demand shows within seconds (with the default 1 s interval and a patience of 2).
+DEMAND_WINDOW_S = 6.0
+# Prompt lengths over a longer window: at 0.3 documents/s a 6 s window often holds none (the
+# measured demand-shift run moved only 11-35 s into its document phase, this the likely reason;
+# docs/benchmarks.md, "Adaptive stage mix").
+PROMPT_WINDOW_S = 30.0
 
 
 def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +48,7 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-gap-s", type=float, default=None,
                    help="--adaptive: inter-token gap target, seconds (default 0.25)")
     p.add_argument("--mix-interval-s", type=float, default=None,
-                   help="--adaptive: seconds between decisions (default 2)")
+                   help="--adaptive: seconds between decisions (default 1)")
     p.add_argument("--profile", default=None,
                    help="--adaptive: a `splitserve profile` JSON for the step-time model (default: the "
                         "bundled model's fit; measured step times correct either)")
@@ -55,7 +64,7 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
         return
     args.slo_ttft_s = 2.0 if args.slo_ttft_s is None else args.slo_ttft_s
     args.slo_gap_s = 0.25 if args.slo_gap_s is None else args.slo_gap_s
-    args.mix_interval_s = 2.0 if args.mix_interval_s is None else args.mix_interval_s
+    args.mix_interval_s = 1.0 if args.mix_interval_s is None else args.mix_interval_s
     for flag, value in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
                         ("--mix-interval-s", args.mix_interval_s)):
         if not value > 0:
@@ -85,13 +94,16 @@ class AdaptiveMix:
         self.client, self.metrics = client, metrics
         self.threads, self.default_threads = threads or {}, default_threads
         self.started_wall = time.time()
-        self.loop = MixLoop(controller, self.views, self._change_role, interval_s)
+        self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand)
         for action in ACTIONS:
             metrics.mix_decisions.labels(action)  # present at 0 from the start
         self._task: asyncio.Task | None = None
 
     def views(self) -> list[InstanceView]:
         return mix_views(self.client.load_view(), self.threads, self.default_threads)
+
+    def demand(self) -> Demand:
+        return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S, PROMPT_WINDOW_S)
 
     async def _change_role(self, instance_id: str, role: str) -> None:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
@@ -109,7 +121,8 @@ class AdaptiveMix:
             decision = await self.loop.run_once()
         entry = self.loop.decisions[-1]  # run_once logs every decision
         entry["wall_time"] = time.time()  # the trial lines the timeline up with its own clock
-        for key in ("ttft_estimate_s", "gap_estimate_s"):  # inf (a stage with no instance) is not JSON
+        # inf (a stage with no instance) is not JSON
+        for key in ("ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s", "predicted_gap_s"):
             if entry.get(key) is not None and not math.isfinite(entry[key]):
                 entry[key] = None
         action = "none" if decision.instance_id is None else ("change" if entry.get("applied") else "refused")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections import deque
 
 from splitserve.frontend.dispatcher import Dispatcher
 from splitserve.frontend.engine_link import EngineLink
@@ -37,6 +38,9 @@ class EngineClient:
                                      retry_on_engine_failure)
         self.roles = RoleChanger(self.dispatcher)
         self.address = self.link.address
+        # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an
+        # adaptive mix (frontend/adaptive.py) plans for; bounded, read-only to others
+        self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
     @property
     def renderer(self) -> Renderer | None:
@@ -96,7 +100,9 @@ class EngineClient:
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                stop: list[str], priority: int = 0) -> RequestStream:
         """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one."""
-        return self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority)
+        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority)
+        self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens))
+        return stream
 
     def drain(self, engine_id: str) -> None:
         """No new requests for this instance; it is told to stop once it holds nothing."""

@@ -1,0 +1,166 @@
+"""What if the instances played other roles? An arrangement's TTFT and inter-token gap, predicted
+for the demand of the last few seconds with the step-time model (control/stepmodel.py).
+
+A snapshot of queues cannot rank arrangements on its own: the number of running decodes is
+itself a result of the arrangement (one decode instance holding every stream steps slower, so
+streams pile up on it). So each prediction starts from the demand (requests, prompt and answer
+tokens per second over a window, and how long the prompts are) and finds each instance's
+steady state under the new work the router would send it, then adds what each instance holds
+now, which stays where it is (a role change moves no queued prompt and no running stream):
+
+  router    new requests go to the colocated instances whenever one serves (frontend/router.py);
+            only an arrangement without one splits them over prefill and decode instances.
+            A prefill or decode instance beside a colocated one gets no new work.
+  colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill
+            f = lp * c (c: seconds per prompt token, attention included at the mean prompt
+            length) and of decode ld * a (a: seconds per decode, KV reads included). With
+            continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
+            (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
+            prefill chunk: o + a * n + the chunk of the longest prompt it is likely to share
+            its instance with (of the m prompts that arrive there during its life, the
+            1 - 1/m quantile of recent prompts; up to the chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
+            1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
+  prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
+  decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n.
+  running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
+
+An instance past its capacity is held at 2% slack: its prediction is large but finite, so a
+less overloaded arrangement still ranks better.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitserve.control.stepmodel import StepModel, prefill_attn_ktok2
+
+MIN_SLACK = 0.02  # 1 - utilisation, for an instance given more work than it can do
+
+
+@dataclass(slots=True, frozen=True)
+class Demand:
+    """What arrived over the last window, per second, and how long it was."""
+
+    request_rate: float = 0.0
+    prompt_rate: float = 0.0       # prompt tokens/s
+    answer_rate: float = 0.0       # answer tokens/s (each request's max_tokens)
+    mean_prompt: float = 0.0
+    mean_answer: float = 0.0
+    prompts: tuple[int, ...] = ()  # the window's prompt lengths, sorted
+
+    def prompt_quantile(self, q: float) -> int:
+        if not self.prompts:
+            return 0
+        return self.prompts[min(len(self.prompts) - 1, max(0, int(q * len(self.prompts))))]
+
+    @classmethod
+    def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float,
+                      prompt_window_s: float | None = None) -> "Demand":
+        """arrivals: (time, prompt tokens, max answer tokens), any order; rates from those in
+        (now - window_s, now], prompt lengths from a window of prompt_window_s (default the same):
+        a longer one, since a few documents a minute already stall colocated streams."""
+        recent = [(p, a) for t, p, a in arrivals if now_s - window_s < t <= now_s]
+        prompt_window_s = prompt_window_s or window_s
+        prompts = sorted(p for t, p, _ in arrivals if now_s - prompt_window_s < t <= now_s)
+        if not recent:
+            return cls(prompts=tuple(prompts))
+        n = len(recent)
+        return cls(request_rate=n / window_s, prompt_rate=sum(p for p, _ in recent) / window_s,
+                   answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(p for p, _ in recent) / n,
+                   mean_answer=sum(a for _, a in recent) / n, prompts=tuple(prompts))
+
+    def describe(self) -> str:
+        return (f"demand {self.request_rate:.2f} req/s, {self.prompt_rate:.0f} prompt + {self.answer_rate:.0f} "
+                f"answer tokens/s, prompts p90 {self.prompt_quantile(0.9)} max {self.prompt_quantile(1.0)}")
+
+
+@dataclass(slots=True, frozen=True)
+class Held:
+    """One live instance: the role it would play, and what it holds now (it keeps it)."""
+
+    role: str
+    queued_prompt_tokens: int = 0
+    num_running: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Prediction:
+    ttft_s: float
+    gap_s: float
+    serving: str                   # which instances take new work, e.g. "2 colocated"
+    saturated: tuple[str, ...] = ()  # the stages given more work than they can do
+
+    def pressure(self, ttft_target_s: float, gap_target_s: float) -> float:
+        return max(self.ttft_s / ttft_target_s, self.gap_s / gap_target_s)
+
+
+def _queueing(u: float) -> float:
+    """Mean wait in units of the service time, M/D/1 (Pollaczek-Khinchine with no service variance)."""
+    return u / (2 * (1 - u))
+
+
+@dataclass(slots=True, frozen=True)
+class WhatIf:
+    model: StepModel
+    chunk_budget: int = 256
+
+    def _per_token(self, demand: Demand) -> tuple[float, float, float]:
+        """(c, a, context): seconds per prompt token and per decode, and a decode's mean context."""
+        m = self.model
+        c = m.per_prefill_token_s + m.per_prefill_attn_s * demand.mean_prompt / 2000.0
+        context = demand.mean_prompt + demand.mean_answer / 2
+        return c, m.per_decode_seq_s + m.per_decode_kv_token_s * context, context
+
+    def predict(self, held: list[Held], demand: Demand) -> Prediction:
+        """held: one per live instance."""
+        colocated = [h for h in held if h.role == "colocated"]
+        if colocated:
+            return self._colocated(colocated, demand)
+        prefill, decode = [h for h in held if h.role == "prefill"], [h for h in held if h.role == "decode"]
+        if not (prefill and decode):
+            return Prediction(math.inf, math.inf, "no instance for a stage", ("prefill", "decode"))
+        return self._separated(prefill, decode, demand)
+
+    def _chunk(self, tokens: float) -> int:
+        return int(min(self.chunk_budget, tokens))
+
+    def _colocated(self, serving: list[Held], demand: Demand) -> Prediction:
+        m, k = self.model, len(serving)
+        c, a, context = self._per_token(demand)
+        lp, ld = demand.prompt_rate / k, demand.answer_rate / k
+        u = lp * c + ld * a
+        slack = max(1 - u, MIN_SLACK)
+        fluid_n = ld * m.overhead_s / slack
+        gaps, ttfts = [], []
+        prompt = max(int(demand.mean_prompt), 1)
+        for h in serving:
+            n = math.ceil(max(fluid_n, h.num_running))
+            kv = int(n * context)
+            chunk = self._chunk(h.queued_prompt_tokens)
+            if demand.prompts:
+                life_s = demand.mean_answer * m.step_s(0, 0.0, n, kv) / slack  # its steps, prefills among them
+                meets = demand.request_rate / k * life_s
+                chunk = max(chunk, self._chunk(demand.prompt_quantile(1 - 1 / max(meets, 1.0))))
+            gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
+            service = sum(m.step_s(self._chunk(prompt - s), prefill_attn_ktok2(s, self._chunk(prompt - s)), n, kv)
+                          for s in range(0, prompt, self.chunk_budget))
+            ttfts.append(service * (1 + _queueing(1 - slack)) + h.queued_prompt_tokens * c)
+        return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else ())
+
+    def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand) -> Prediction:
+        m = self.model
+        c, a, context = self._per_token(demand)
+        prompt = max(int(demand.mean_prompt), 1)
+        service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
+        u_prefill = (demand.prompt_rate * c + demand.request_rate * m.overhead_s) / len(prefill)
+        ttft = (service * (1 + _queueing(min(u_prefill, 1 - MIN_SLACK)))
+                + min(h.queued_prompt_tokens for h in prefill) * c)
+        ld = demand.answer_rate / len(decode)
+        u_decode = ld * a
+        fluid_n = ld * m.overhead_s / max(1 - u_decode, MIN_SLACK)
+        gaps = []
+        for h in decode:
+            n = math.ceil(max(fluid_n, h.num_running))
+            gaps.append(m.step_s(0, 0.0, n, int(n * context)))
+        saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
+        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated)
