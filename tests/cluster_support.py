@@ -39,13 +39,14 @@ def mapped_segments() -> list[str]:
 class Cluster:
     def __init__(self, model_dir, roles: dict[str, str], *, transport: str = "shm", kv="2MiB", max_num_seqs=16,
                  heartbeat_timeout_s: float = 1.0, retry_on_engine_failure: int = 1, lease_s: float = 30.0,
-                 orphan_grace_s: float = 10.0) -> None:
+                 orphan_grace_s: float = 10.0, max_queued_requests: int = 256) -> None:
         self.model_dir, self.roles = str(model_dir), roles
         self.kv_config = KVTransferConfig(transport=transport, lease_s=lease_s)
         self.kv, self.max_num_seqs = kv, max_num_seqs
         self.client = EngineClient(load_renderer(self.model_dir), Router(), FrontendMetrics(),
                                    heartbeat_timeout_s=heartbeat_timeout_s,
-                                   retry_on_engine_failure=retry_on_engine_failure, orphan_grace_s=orphan_grace_s)
+                                   retry_on_engine_failure=retry_on_engine_failure, orphan_grace_s=orphan_grace_s,
+                                   max_queued_requests=max_queued_requests)
         self.engines: dict[str, EngineProcess] = {}
         self.threads: dict[str, threading.Thread] = {}
         self._loaded = load_model(self.model_dir)

@@ -140,7 +140,9 @@ def test_randomized_role_changes_and_aborts_leave_nothing_behind(tiny):
     roles = {"e0": "prefill", "e1": "decode", "e2": "colocated"}
 
     async def go():
-        async with Cluster(tiny, roles, max_num_seqs=8) as cluster:
+        # every request may be queued at once: this test is about what role flips and aborts leave
+        # behind, and on a loaded box 1,000 arrivals in 6 s otherwise meet the 429 admission limit
+        async with Cluster(tiny, roles, max_num_seqs=8, max_queued_requests=1000) as cluster:
             async def one(i: int) -> dict:
                 await asyncio.sleep(rng.random() * 6)
                 abort = rng.randrange(1, 12) if rng.random() < 0.3 else None
