@@ -35,24 +35,18 @@ import json
 import os
 import re
 import secrets
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from splitserve.testbed.bulk import BulkFlow
+from splitserve.testbed.netns import (STATE_DIR, NetbedUnavailable, cleanup_stale, enter_netns, free_subnet, ip,
+                                      kill_namespace_pids, qdisc_available, sh, stop_session, unavailable_reason)
+
+__all__ = ["Host", "LinkSpec", "NetBed", "NetbedUnavailable", "cleanup_stale", "qdisc_available",
+           "unavailable_reason"]
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?bit\s*$", re.IGNORECASE)
 _UNIT = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
-_STATE_DIR = Path(tempfile.gettempdir()) / "splitserve-netbed"
-
-
-class NetbedUnavailable(RuntimeError):
-    """A bed cannot be built on this machine; the message says why and what would fix it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,66 +93,11 @@ class Host:
         """A command line that runs `argv` inside this host."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if check and done.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done
-
-
-_probe_cache: list[str | None] = []
-
-
-def unavailable_reason() -> str | None:
-    """None when a bed can be built here, else why not (a skip reason)."""
-    if _probe_cache:
-        return _probe_cache[0]
-    reason = None
-    if sys.platform != "linux":
-        reason = "network namespaces need Linux"
-    elif os.geteuid() != 0:
-        reason = "network namespaces need root (run as root, or in a container with CAP_NET_ADMIN)"
-    elif not (shutil.which("ip") and shutil.which("tc")):
-        reason = "`ip` and `tc` (iproute2) are not installed"
-    else:
-        probe = f"ss-probe-{secrets.token_hex(3)}"
-        done = _ip("netns", "add", probe, check=False)
-        if done.returncode:
-            reason = f"`ip netns add` failed: {done.stderr.strip()}"
-        else:
-            _ip("netns", "del", probe, check=False)
-    _probe_cache.append(reason)
-    return reason
-
-
-_qdisc_cache: dict[str, bool] = {}
-
-
-def qdisc_available(kind: str) -> bool:
-    """Whether the kernel has a queueing discipline (netem is missing from some kernels)."""
-    if kind not in _qdisc_cache:
-        dev = f"ssq{secrets.token_hex(3)}"
-        _ip("link", "add", dev, "type", "dummy", check=False)
-        args = {"netem": ["delay", "1ms"], "tbf": ["rate", "1mbit", "burst", "32kb", "latency", "50ms"]}
-        done = _sh(["tc", "qdisc", "add", "dev", dev, "root", kind, *args.get(kind, [])], check=False)
-        _ip("link", "del", dev, check=False)
-        _qdisc_cache[kind] = done.returncode == 0
-    return _qdisc_cache[kind]
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    used = _ip("-4", "-o", "addr", "show").stdout + _ip("-4", "route", "show", "table", "all").stdout
-    for _ in range(200):
-        net = ipaddress.IPv4Network(f"10.{200 + secrets.randbelow(51)}.{secrets.randbelow(256)}.0/24")
-        if f"10.{net.network_address.packed[1]}.{net.network_address.packed[2]}." not in used:
-            return net
-    raise NetbedUnavailable("no free 10.200-250.x.0/24 subnet for the bed; remove stale beds "
-                            "(python -m splitserve.testbed cleanup)")
+    def enter(self) -> None:
+        """Move the calling thread (only it, and the threads it starts later) into this host's
+        network namespace: sockets it opens from now on live there. For fast tests that run
+        several "hosts" as threads of one process; a thread cannot go back."""
+        enter_netns(self.netns)
 
 
 class NetBed:
@@ -186,7 +125,7 @@ class NetBed:
         self._names = tuple(hosts)
         self._procs: list[subprocess.Popen] = []
         self._flows: list[BulkFlow] = []
-        self._state_file = _STATE_DIR / f"{self.run_id}.json"
+        self._state_file = STATE_DIR / f"{self.run_id}.json"
         self._open = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -209,25 +148,25 @@ class NetBed:
         atexit.register(self.close)
         try:
             self._write_state()
-            self.subnet = _free_subnet()
+            self.subnet = free_subnet()
             hosts = list(self.subnet.hosts())
             self.gateway = str(hosts[0])
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            ip("link", "add", self.bridge, "type", "bridge")
+            ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            ip("link", "set", self.bridge, "up")
             for i, name in enumerate(self._names):
                 host = Host(name, f"ss-{self.run_id}-{name}", str(hosts[1 + i]),
                             f"ssv{self.run_id}{i:x}", f"ssp{self.run_id}{i:x}")
                 self.hosts[name] = host
                 self._write_state()
-                _ip("netns", "add", host.netns)
-                _ip("link", "add", host.veth_root, "type", "veth", "peer", "name", host.veth_host)
-                _ip("link", "set", host.veth_host, "netns", host.netns)
-                _ip("link", "set", host.veth_root, "master", self.bridge, "up")
+                ip("netns", "add", host.netns)
+                ip("link", "add", host.veth_root, "type", "veth", "peer", "name", host.veth_host)
+                ip("link", "set", host.veth_host, "netns", host.netns)
+                ip("link", "set", host.veth_root, "master", self.bridge, "up")
                 inside = ["-n", host.netns]
-                _ip(*inside, "addr", "add", f"{host.address}/24", "dev", host.veth_host)
-                _ip(*inside, "link", "set", host.veth_host, "up")
-                _ip(*inside, "link", "set", "lo", "up")
+                ip(*inside, "addr", "add", f"{host.address}/24", "dev", host.veth_host)
+                ip(*inside, "link", "set", host.veth_host, "up")
+                ip(*inside, "link", "set", "lo", "up")
                 self._shape(host, self.links[name])
         except BaseException:
             self.close()
@@ -243,16 +182,16 @@ class NetBed:
         for flow in self._flows:
             flow.stop()
         for proc in self._procs:
-            _stop(proc)
+            stop_session(proc)
         for host in self.hosts.values():
-            _kill_namespace_pids(host.netns)
-            _ip("link", "del", host.veth_root, check=False)
-            _ip("netns", "del", host.netns, check=False)
-        _ip("link", "del", self.bridge, check=False)
+            kill_namespace_pids(host.netns)
+            ip("link", "del", host.veth_root, check=False)
+            ip("netns", "del", host.netns, check=False)
+        ip("link", "del", self.bridge, check=False)
         self._state_file.unlink(missing_ok=True)
 
     def _write_state(self) -> None:
-        _STATE_DIR.mkdir(parents=True, exist_ok=True)
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
         self._state_file.write_text(json.dumps({
             "pid": os.getpid(), "bridge": self.bridge,
             "hosts": {n: [h.netns, h.veth_root] for n, h in self.hosts.items()}}))
@@ -260,17 +199,17 @@ class NetBed:
     # -- links -----------------------------------------------------------------------------
     def _shape(self, host: Host, spec: LinkSpec) -> None:
         for inside, dev in (([], host.veth_root), (["ip", "netns", "exec", host.netns], host.veth_host)):
-            _sh([*inside, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+            sh([*inside, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
             rate_bytes = spec.rate_bps / 8
             # burst: at least one 64 KiB GSO segment, and about 1 ms of traffic at high rates
             burst = max(64 * 1024, int(rate_bytes / 1000))
             tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "latency", "100ms"]
             if spec.delay_ms:
-                _sh([*inside, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                sh([*inside, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                      "delay", f"{spec.delay_ms}ms"])
-                _sh([*inside, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "10:", *tbf])
+                sh([*inside, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "10:", *tbf])
             else:
-                _sh([*inside, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+                sh([*inside, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
 
     def set_link(self, name: str, spec: LinkSpec) -> None:
         """Reshape a host's link while processes run."""
@@ -281,10 +220,10 @@ class NetBed:
 
     def link_down(self, name: str) -> None:
         """`ip link set down` on the host's end in the root namespace: the host is cut off."""
-        _ip("link", "set", self.host(name).veth_root, "down")
+        ip("link", "set", self.host(name).veth_root, "down")
 
     def link_up(self, name: str) -> None:
-        _ip("link", "set", self.host(name).veth_root, "up")
+        ip("link", "set", self.host(name).veth_root, "up")
 
     # -- processes -------------------------------------------------------------------------
     def host(self, name: str) -> Host:
@@ -314,60 +253,3 @@ class NetBed:
         return {"run_id": self.run_id, "bridge": self.bridge, "gateway": self.gateway,
                 "hosts": {n: {"netns": h.netns, "address": h.address, "link": self.links[n].label}
                           for n, h in self.hosts.items()}}
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(grace_s)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_namespace_pids(netns: str) -> None:
-    """Whatever still runs inside the bed's own namespace was started through it."""
-    done = _ip("netns", "pids", netns, check=False)
-    pids = [int(p) for p in done.stdout.split() if p.isdigit()]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 2
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def cleanup_stale() -> list[str]:
-    """Remove beds whose owning process is gone; returns their run ids."""
-    removed = []
-    for path in sorted(_STATE_DIR.glob("*.json")) if _STATE_DIR.exists() else []:
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        pid = int(state.get("pid", 0))
-        if pid > 0 and _alive(pid):
-            continue
-        for netns, veth_root in state.get("hosts", {}).values():
-            _kill_namespace_pids(netns)
-            _ip("link", "del", veth_root, check=False)
-            _ip("netns", "del", netns, check=False)
-        _ip("link", "del", state.get("bridge", ""), check=False)
-        path.unlink(missing_ok=True)
-        removed.append(path.stem)
-    return removed

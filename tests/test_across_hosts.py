@@ -1,0 +1,98 @@
+"""1P1D with prefill and decode on different hosts of the bed (network namespaces on shaped
+links): the KV crosses the link over tcp, and the answer is the colocated one, token for token.
+Off loopback the KV socket refuses any peer that does not know the secret."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from cluster_support import Cluster, prompt_of
+from netbed_support import BedCluster, needs_netns
+from splitserve.kv_transfer import KVTransferConfig
+from splitserve.kv_transfer.messages import Fetch, Hello
+from splitserve.kv_transfer.transport import AuthError, NetworkError
+from splitserve.kv_transfer.wire import Connection, client_handshake
+from splitserve.testbed.netbed import LinkSpec, NetBed
+from tiny_models import write_tiny_checkpoint
+
+PD = {"prefill-0": ("prefill", "a"), "decode-0": ("decode", "b")}
+PROMPTS = [(150, 0), (40, 1), (97, 2)]  # 150 tokens: three prefill chunks, ten KV blocks
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("hosts") / "m", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny):
+    async def go():
+        async with Cluster(tiny, {"c": "colocated"}) as cluster:
+            return [(await cluster.generate(prompt_of(n, seed), 24))["tokens"] for n, seed in PROMPTS]
+    return asyncio.run(go())
+
+
+@needs_netns
+def test_prefill_and_decode_on_two_hosts_give_the_colocated_greedy_tokens(tiny, colocated):
+    async def go(bed):
+        async with BedCluster(tiny, bed, PD) as cluster:
+            results = await asyncio.gather(*(cluster.generate(prompt_of(n, seed), 24, request_id=f"r{i}")
+                                             for i, (n, seed) in enumerate(PROMPTS)))
+            assert [r["tokens"] for r in results] == colocated
+            for r in results:
+                report = r["event"].kv_transfer
+                assert report["outcome"] == "ok" and report["transport"] == "tcp" and report["bytes"] > 0
+            await cluster.wait_idle()
+
+    with NetBed(("a", "b"), LinkSpec.parse("1gbit")) as bed:
+        asyncio.run(go(bed))
+
+
+def _kv_address(cluster: BedCluster) -> tuple[str, int]:
+    source = cluster.engines["prefill-0"].core.connector.sender.source_info
+    return source.host, source.port
+
+
+@needs_netns
+def test_a_kv_socket_off_loopback_refuses_a_peer_without_the_secret(tiny):
+    with pytest.raises(ValueError, match="--kv-secret-file"):
+        KVTransferConfig(transport="tcp", host="10.200.0.2")  # the prefill side will not even start
+
+    async def go(bed):
+        async with BedCluster(tiny, bed, PD) as cluster:
+            host, port = _kv_address(cluster)
+            assert host == bed.hosts["a"].address
+
+            def as_host_b(probe):  # a peer on host b, without the secret
+                outcome = []
+
+                def run():
+                    bed.hosts["b"].enter()
+                    conn = Connection(socket.create_connection((host, port), timeout=3), 3)
+                    try:
+                        outcome.append(probe(conn))
+                    except Exception as e:  # noqa: BLE001 - the test inspects it
+                        outcome.append(e)
+                    finally:
+                        conn.close()
+                thread = threading.Thread(target=run)
+                thread.start()
+                thread.join(10)
+                return outcome[0]
+
+            wrong = as_host_b(lambda conn: client_handshake(conn, b"not-the-secret", 3))
+            assert isinstance(wrong, AuthError) and "authentication failed" in str(wrong)
+            empty = as_host_b(lambda conn: (conn.recv(), conn.send(Hello(client_nonce=b"x" * 16, mac=b"")),
+                                            conn.recv())[-1])
+            assert not empty.ok and "kv secret" in empty.error
+            skipped = as_host_b(lambda conn: (conn.recv(), conn.send(Fetch("r0", 0, b"")), conn.recv())[-1])
+            assert isinstance(skipped, NetworkError) and "closed" in str(skipped), skipped  # no KV, no reply
+            # the refusals cost the real peer nothing
+            result = await cluster.generate(prompt_of(40, 1), 8)
+            assert result["event"].kv_transfer["outcome"] == "ok"
+
+    with NetBed(("a", "b")) as bed:
+        asyncio.run(go(bed))
