@@ -89,7 +89,7 @@ def _tail(path: Path | None, num_lines: int = 40) -> str:
 @contextlib.contextmanager
 def serve_across(bed: NetBed, placement: dict[str, tuple[str, str]], model: str | None = None,
                  serve_args: list[str] | tuple = (), engine_args: list[str] | tuple = (),
-                 log_dir: Path | None = None, port: int | None = None, startup_timeout_s: float = 300.0,
+                 log_path: Path | None = None, port: int | None = None, startup_timeout_s: float = 300.0,
                  preexec_fn=None):
     """Yield an AcrossServer once every instance joined; stop all of it on exit.
     `placement`: engine id -> (role, bed host). `engine_args`: flags every engine gets (threads,
@@ -105,7 +105,7 @@ def serve_across(bed: NetBed, placement: dict[str, tuple[str, str]], model: str 
             {"id": engine_id, "role": role, "host": bed.hosts[host].address}
             for engine_id, (role, host) in placement.items()]}))
         http_port = port or free_port("127.0.0.1")
-        log_path = (log_dir / "across-serve.log") if log_dir else folder / "serve.log"
+        log_path = log_path or folder / "serve.log"  # the frontend's and every engine's output
         log_path.parent.mkdir(parents=True, exist_ok=True)
         server = AcrossServer(f"http://127.0.0.1:{http_port}", address, secrets_dir=folder)
         with open(log_path, "ab") as log:
