@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -100,6 +101,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=Path("bench/results/logs"))
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the bed and servers come down
     rates, bulk_modes = args.rates.split(","), args.bulk.split(",")
     engine = ["--kv-cache-memory", "256MiB", *args.engine_arg]
     doc = {"prompt_tokens": args.prompt_tokens, "requests": args.requests, "engine_args": engine,

@@ -30,6 +30,7 @@ import httpx
 import yaml
 
 from splitserve.testbed.netbed import NetBed
+from splitserve.testbed.netns import stop_session
 
 
 @dataclass(slots=True)
@@ -60,7 +61,8 @@ def engine_command(engine_id: str, role: str, address: str, kv_host: str, model:
     """The hand-start command of one instance (topology.hand_start_command, filled in)."""
     cmd = [sys.executable, "-m", "splitserve.cli", "engine", "--role", role, "--engine-id", engine_id,
            "--connect", address, "--kv-transport", "tcp", "--kv-host", kv_host,
-           "--kv-secret-file", str(kv_secret), "--engine-secret-file", str(engine_secret)]
+           "--kv-secret-file", str(kv_secret), "--engine-secret-file", str(engine_secret),
+           "--parent-pid", str(os.getpid())]  # one host's pids are all ours: it exits if we die
     if model:
         cmd += ["--model", model]
     return cmd + list(engine_args)
@@ -113,8 +115,7 @@ def serve_across(bed: NetBed, placement: dict[str, tuple[str, str]], model: str 
                 [sys.executable, "-m", "splitserve.cli", "serve", "--topology", str(topology), "--port",
                  str(http_port), "--kv-transport", "tcp", "--engine-secret-file", str(engine_secret),
                  "--kv-secret-file", str(kv_secret), *(["--model", model] if model else []), *serve_args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=preexec_fn)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
             try:
                 for engine_id, (role, host) in placement.items():
                     cmd = engine_command(engine_id, role, address, bed.hosts[host].address, model,
@@ -124,19 +125,14 @@ def serve_across(bed: NetBed, placement: dict[str, tuple[str, str]], model: str 
                 wait_http(server.base_url, [server.serve, *server.engines.values()], log_path, startup_timeout_s)
                 yield server
             finally:
-                _stop(server.serve)
+                # the frontend stays in our process group (a signal to us reaches it too) and
+                # starts no process itself; the engines go with the bed's sessions
+                if server.serve.poll() is None:
+                    server.serve.terminate()
+                    try:
+                        server.serve.wait(10)
+                    except subprocess.TimeoutExpired:
+                        server.serve.kill()
+                        server.serve.wait(5)
                 for proc in server.engines.values():
-                    _stop(proc)
-
-
-def _stop(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, 15)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        proc.wait(5)
+                    stop_session(proc)
