@@ -51,6 +51,34 @@ def test_prefill_and_decode_on_two_hosts_give_the_colocated_greedy_tokens(tiny, 
         asyncio.run(go(bed))
 
 
+@needs_netns
+def test_overlapped_handover_streams_the_kv_during_the_prefill_and_keeps_the_greedy_tokens(tiny, colocated):
+    """kv send mode overlap: the decode host gets each multi-chunk request after its first chunk
+    (a streamed descriptor, no first token yet) and still answers exactly as colocated."""
+    async def go(bed):
+        async with BedCluster(tiny, bed, PD, send_mode="overlap") as cluster:
+            early = []
+            send = cluster.client.link.send
+
+            def spy(engine_id, message):
+                descriptor = getattr(message, "kv_descriptor", None)
+                if descriptor is not None and descriptor.streamed:
+                    early.append((engine_id, message.request_id, list(message.first_token_ids)))
+                return send(engine_id, message)
+            cluster.client.link.send = spy
+            results = await asyncio.gather(*(cluster.generate(prompt_of(n, seed), 24, request_id=f"r{i}")
+                                             for i, (n, seed) in enumerate(PROMPTS)))
+            assert [r["tokens"] for r in results] == colocated
+            assert all(r["event"].kv_transfer["outcome"] == "ok" for r in results)
+            # the prompts longer than one 64-token chunk went over early, without a first token
+            assert sorted(rid.split(".")[0] for _, rid, _ in early) == ["r0", "r2"]
+            assert all(engine_id == "decode-0" and first == [] for engine_id, _, first in early)
+            await cluster.wait_idle()
+
+    with NetBed(("a", "b"), LinkSpec.parse("100mbit")) as bed:
+        asyncio.run(go(bed))
+
+
 def _kv_address(cluster: BedCluster) -> tuple[str, int]:
     source = cluster.engines["prefill-0"].core.connector.sender.source_info
     return source.host, source.port
