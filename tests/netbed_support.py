@@ -25,9 +25,10 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespa
 
 class BedCluster(Cluster):
     def __init__(self, model_dir, bed: NetBed, placement: dict[str, tuple[str, str]], send_mode: str = "end",
-                 **kwargs) -> None:
+                 decode_fault_rate: float = 0.0, **kwargs) -> None:
         self.bed, self.placement = bed, placement  # engine id -> (role, bed host)
         self.send_mode = send_mode  # kv send mode: end | overlap
+        self.decode_fault_rate = decode_fault_rate  # transfers the decode instances fail on purpose
         self.kv_secret = secrets.token_hex(16).encode()
         super().__init__(model_dir, {i: role for i, (role, _) in placement.items()}, transport="tcp",
                          bind=f"tcp://{bed.gateway}:0", link=EngineLinkSecurity(secrets.token_hex(32).encode()),
@@ -37,8 +38,9 @@ class BedCluster(Cluster):
         """Each engine serves its KV on its own host's address, which needs the secret."""
         config = super()._config(engine_id, role)
         host = self.bed.hosts[self.placement[engine_id][1]]
-        config.kv_transfer = dataclasses.replace(self.kv_config, host=host.address, secret=self.kv_secret,
-                                                 send_mode=self.send_mode)
+        config.kv_transfer = dataclasses.replace(
+            self.kv_config, host=host.address, secret=self.kv_secret, send_mode=self.send_mode,
+            fault_rate=self.decode_fault_rate if role == "decode" else 0.0)
         return config
 
     def start_engine(self, engine_id: str, role: str) -> None:

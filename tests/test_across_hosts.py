@@ -79,6 +79,22 @@ def test_overlapped_handover_streams_the_kv_during_the_prefill_and_keeps_the_gre
         asyncio.run(go(bed))
 
 
+@needs_netns
+def test_a_failed_stream_is_resumed_and_keeps_the_greedy_tokens(tiny, colocated):
+    """Every transfer fails on the decode side: the streamed one ends with the decode instance
+    lacking the first token, so the frontend resumes the request once, handing it over at the end
+    this time; that transfer fails too and the decode instance recomputes. The answer is intact."""
+    async def go(bed):
+        async with BedCluster(tiny, bed, PD, send_mode="overlap", decode_fault_rate=1.0) as cluster:
+            result = await cluster.generate(prompt_of(150, 0), 24)
+            assert result["tokens"] == colocated[0] and result["error"] is None
+            assert result["event"].kv_transfer["outcome"] == "recomputed"
+            await cluster.wait_idle()
+
+    with NetBed(("a", "b")) as bed:
+        asyncio.run(go(bed))
+
+
 def _kv_address(cluster: BedCluster) -> tuple[str, int]:
     source = cluster.engines["prefill-0"].core.connector.sender.source_info
     return source.host, source.port

@@ -111,8 +111,8 @@ class PrefillConnector(ColocatedConnector):
         self.prefilling: set[str] = set()  # requests that will hand their KV over when their prompt is done
         self.held: dict[str, Request] = {}  # handed over; blocks kept until confirmed, expired or aborted
         self.overlap = config.kv_transfer.send_mode == "overlap"
-        # overlap mode: requests handed over mid-prompt -> (block ids, tokens whose KV is final)
-        self.streaming: dict[str, tuple[list[int], int]] = {}
+        # overlap mode: requests handed over mid-prompt -> (block ids, tokens whose KV is final, descriptor)
+        self.streaming: dict[str, tuple[list[int], int, TransferDescriptor]] = {}
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         super().on_add(request, descriptor)
@@ -128,28 +128,30 @@ class PrefillConnector(ColocatedConnector):
         if seen is None:
             descriptor = self.sender.open(rid, request.block_table, request.num_prompt_tokens)
             self.sender.advance(rid, ready)
-            self.streaming[rid] = (list(request.block_table), ready)
+            self.streaming[rid] = (list(request.block_table), ready, descriptor)
             return descriptor
-        blocks, before = seen
+        blocks, before, descriptor = seen
         if ready < before or request.block_table[:len(blocks)] != blocks:
             # preempted and restarted: what was streamed is stale; the decode side fails the pull
             self.sender.abort(rid)
             del self.streaming[rid]
             return None
         self.sender.advance(rid, ready)
-        self.streaming[rid] = (blocks, ready)
+        self.streaming[rid] = (blocks, ready, descriptor)
         return None
 
     def on_finished(self, request: Request) -> tuple[bool, TransferDescriptor | None]:
         self.prefilling.discard(request.request_id)
-        streamed = self.streaming.pop(request.request_id, None) is not None
+        streamed = self.streaming.pop(request.request_id, None)
         if request.status is not RequestStatus.FINISHED_PREFILL_DONE:
             if streamed:
                 self.sender.abort(request.request_id)  # the decode side stops waiting
             return False, None  # finished on its first token (stop, length): nothing to hand over
         self.held[request.request_id] = request
         if streamed and self.sender.complete(request.request_id, request.output_token_ids[:1]):
-            return True, None  # the decode instance already has the request and streams the rest
+            return True, streamed[2]  # streamed: the frontend knows whether D already has it
+        if streamed:
+            self.sender.abort(request.request_id)  # the decode side gave it up: a fresh hold, handed over now
         descriptor = self.sender.register(request.request_id, request.block_table, request.num_prompt_tokens)
         return True, descriptor
 
@@ -252,7 +254,7 @@ class DecodeConnector(ColocatedConnector):
                 request.num_computed_tokens = request.num_prompt_tokens
                 self.blocks.publish_computed(request)
                 arrivals.decode.append(request)
-            elif self.failure_policy == "recompute" and not streamed:
+            elif self.failure_policy == "recompute" and request.output_token_ids:  # a streamed one may lack it
                 request.kv_outcome = "recomputed"
                 request.status = RequestStatus.WAITING  # prompt + first token are prefilled here
                 arrivals.prefill.append(request)

@@ -144,8 +144,9 @@ class Dispatcher:
         """kv send mode overlap: P finished the prompt's first chunk and offers a streamed
         descriptor. D gets the request now and pulls the blocks as P computes them; the first
         token reaches D at the end of that stream, and the client from P as usual."""
-        if state.decode_instance_id is None or not self.router.plays(state.decode_instance_id, "decode"):
-            return  # P still hands over at the end, with a descriptor of its own
+        if (state.stream_failed or state.decode_instance_id is None
+                or not self.router.plays(state.decode_instance_id, "decode")):
+            return  # P hands over at the end (the streamed descriptor then carries everything)
         state.streamed_to = state.decode_instance_id
         self.link.send(state.streamed_to, GenerateRequest(state.request_id, state.sent_prompt, state.sent_params,
                                                           out.kv_descriptor, [], priority=state.priority))
@@ -163,10 +164,11 @@ class Dispatcher:
         self.router.on_finish(prefill_id, state.request_id)
         if state.streamed_to is not None:  # D has had it since the first chunk
             failed = any(self._stream_failed(o) for o in state.held_outputs)
-            if out.kv_descriptor is None and not failed and self.router.plays(state.streamed_to, "decode"):
-                state.instance_id = state.streamed_to  # _on_outputs delivers D's held outputs next
+            completed = out.kv_descriptor is not None and out.kv_descriptor.streamed  # else P gave the hold up
+            if completed and not failed and self.router.plays(state.streamed_to, "decode"):
+                state.instance_id = state.streamed_to  # _process delivers D's held outputs next
                 return
-            state.streamed_to, state.held_outputs = None, []
+            state.streamed_to, state.held_outputs, state.stream_failed = None, [], True
             self._redispatch(state, "the streamed KV handover failed")
             return
         if not self.router.plays(state.decode_instance_id, "decode"):
@@ -213,7 +215,7 @@ class Dispatcher:
                 self._hand_over_early(state, out)
                 continue
             if state.streamed_to == engine_id and self._stream_failed(out):
-                state.streamed_to = None  # D never got the first token: resume, recomputing it
+                state.streamed_to, state.stream_failed = None, True  # D lacks the first token: resume
                 self._redispatch(state, "the streamed KV transfer failed")
                 continue
             is_first = not state.token_ids

@@ -71,6 +71,7 @@ class RequestState:
     # and its outputs that came before P's first token (delivered right after it)
     streamed_to: str | None = None
     held_outputs: list = field(default_factory=list)
+    stream_failed: bool = False  # once failed, it is handed over at the end (no resume loop)
 
     @property
     def num_prompt_tokens(self) -> int:
