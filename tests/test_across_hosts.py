@@ -95,6 +95,36 @@ def test_a_failed_stream_is_resumed_and_keeps_the_greedy_tokens(tiny, colocated)
         asyncio.run(go(bed))
 
 
+@needs_netns
+def test_a_decode_host_whose_link_goes_down_mid_stream_is_resumed_on_the_prefill_host(tiny):
+    """`ip link set down` on host b while it decodes: the frontend hears nothing from decode-0,
+    declares it dead, the prefill instance takes over as colocated, and the stream resumes there
+    with the same greedy tokens (the engines really sit behind their links: cutting b cuts it off)."""
+    prompt = prompt_of(20, 3)
+
+    async def reference():
+        async with Cluster(tiny, {"c": "colocated"}) as cluster:
+            return (await cluster.generate(prompt, 400))["tokens"]
+
+    async def go(bed, expected):
+        async with BedCluster(tiny, bed, PD) as cluster:
+            stream = asyncio.create_task(cluster.generate(prompt, 400))
+            while not cluster.client.dispatcher.requests or not any(
+                    s.instance_id == "decode-0" and s.token_ids for s in cluster.client.dispatcher.requests.values()):
+                await asyncio.sleep(0.005)  # the answer is streaming from decode-0, on host b
+            bed.link_down("b")
+            result = await asyncio.wait_for(stream, 30)
+            assert result["tokens"] == expected and result["error"] is None
+            assert result["event"].num_retries == 1  # resumed once
+            assert {i: inst.alive for i, inst in cluster.client.instances.items()} == {
+                "prefill-0": True, "decode-0": False}
+            assert cluster.client.instances["prefill-0"].hello.role == "colocated"
+
+    expected = asyncio.run(reference())
+    with NetBed(("a", "b")) as bed:
+        asyncio.run(go(bed, expected))
+
+
 def _kv_address(cluster: BedCluster) -> tuple[str, int]:
     source = cluster.engines["prefill-0"].core.connector.sender.source_info
     return source.host, source.port
