@@ -1,7 +1,7 @@
 """What the link costs: a 2k-token handover between hosts of the bed, per link speed, with and
 without a bulk flow (the "backup") sharing the link.
 
-    flock -w 2400 /work/measure.lock nice -n -5 .venv/bin/python bench/hosts.py \
+    .venv/bin/python bench/hosts.py \
         --rates 10gbit,1gbit,100mbit --bulk off,on --requests 2 --out bench/results/hosts_handover.json
 
 One bed (hosts a and b), the bundled model: `splitserve serve --topology` in the root namespace,

@@ -1,6 +1,6 @@
 """Link loss across hosts: take a host's link down (`ip link set down`) while streams run.
 
-    flock -w 2400 /work/measure.lock nice -n -5 .venv/bin/python bench/hosts_drill.py \
+    .venv/bin/python bench/hosts_drill.py \
         --out bench/results/hosts_drill.json
 
 1P1D on the bed (prefill on host a, decode on host b, 1gbit links, bundled model, 1 thread each).
