@@ -125,6 +125,30 @@ def test_a_decode_host_whose_link_goes_down_mid_stream_is_resumed_on_the_prefill
         asyncio.run(go(bed, expected))
 
 
+@needs_netns
+def test_a_prefill_host_cut_off_mid_prompt_in_overlap_mode_is_retried_on_the_decode_host(tiny, colocated):
+    """The decode host already streams the prompt's KV (overlap mode) when host a's link goes
+    down: the request had no token yet, so it is retried on host b (colocated now), the broken
+    stream is dropped, and the answer is the colocated one."""
+    async def go(bed):
+        async with BedCluster(tiny, bed, PD, send_mode="overlap") as cluster:
+            send = cluster.client.link.send
+
+            def cut_at_the_early_handover(engine_id, message):
+                descriptor = getattr(message, "kv_descriptor", None)
+                if descriptor is not None and descriptor.streamed:
+                    bed.link_down("a")  # P is between chunks of this prompt
+                return send(engine_id, message)
+            cluster.client.link.send = cut_at_the_early_handover
+            result = await asyncio.wait_for(cluster.generate(prompt_of(150, 0), 24), 30)
+            assert result["tokens"] == colocated[0] and result["error"] is None
+            assert result["event"].num_retries == 1
+            assert cluster.client.instances["decode-0"].hello.role == "colocated"
+
+    with NetBed(("a", "b")) as bed:
+        asyncio.run(go(bed))
+
+
 def _kv_address(cluster: BedCluster) -> tuple[str, int]:
     source = cluster.engines["prefill-0"].core.connector.sender.source_info
     return source.host, source.port
