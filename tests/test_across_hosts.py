@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -133,6 +134,10 @@ def test_a_prefill_host_cut_off_mid_prompt_in_overlap_mode_is_retried_on_the_dec
     async def go(bed):
         async with BedCluster(tiny, bed, PD, send_mode="overlap") as cluster:
             send = cluster.client.link.send
+            prefill = cluster.engines["prefill-0"].core
+            step = prefill.step
+            # a tiny model finishes the prompt faster than `ip link set down` runs: slow each chunk
+            prefill.step = lambda: (time.sleep(0.2), step())[1]
 
             def cut_at_the_early_handover(engine_id, message):
                 descriptor = getattr(message, "kv_descriptor", None)
