@@ -39,11 +39,13 @@ def mapped_segments() -> list[str]:
 class Cluster:
     def __init__(self, model_dir, roles: dict[str, str], *, transport: str = "shm", kv="2MiB", max_num_seqs=16,
                  heartbeat_timeout_s: float = 1.0, retry_on_engine_failure: int = 1, lease_s: float = 30.0,
-                 orphan_grace_s: float = 10.0, max_queued_requests: int = 256) -> None:
+                 orphan_grace_s: float = 10.0, bind: str = "tcp://127.0.0.1:0", link=None,
+                 max_queued_requests: int = 256) -> None:
         self.model_dir, self.roles = str(model_dir), roles
         self.kv_config = KVTransferConfig(transport=transport, lease_s=lease_s)
         self.kv, self.max_num_seqs = kv, max_num_seqs
-        self.client = EngineClient(load_renderer(self.model_dir), Router(), FrontendMetrics(),
+        self.link = link  # EngineLinkSecurity: needed when `bind` is not loopback
+        self.client = EngineClient(load_renderer(self.model_dir), Router(), FrontendMetrics(), bind=bind, link=link,
                                    heartbeat_timeout_s=heartbeat_timeout_s,
                                    retry_on_engine_failure=retry_on_engine_failure, orphan_grace_s=orphan_grace_s,
                                    max_queued_requests=max_queued_requests)
@@ -58,7 +60,7 @@ class Cluster:
 
     def start_engine(self, engine_id: str, role: str) -> None:
         process = EngineProcess(EngineCore(self._config(engine_id, role), self._loaded), engine_id,
-                                self.client.address)
+                                self.client.address, link=self.link)
         thread = threading.Thread(target=process.run, name=f"engine {engine_id}", daemon=True)
         self.engines[engine_id], self.threads[engine_id] = process, thread
         thread.start()

@@ -78,6 +78,11 @@ class ColocatedConnector:
     def on_finished(self, request: Request) -> tuple[bool, TransferDescriptor | None]:
         return False, None
 
+    def on_prefill_progress(self, request: Request) -> TransferDescriptor | None:
+        """After a prompt chunk that did not end the prompt: a descriptor to hand over now (the
+        decode instance pulls while the rest is prefilled), or None."""
+        return None
+
     def abort(self, request_id: str) -> bool:
         return False
 
@@ -105,6 +110,9 @@ class PrefillConnector(ColocatedConnector):
         self.blocks = block_manager
         self.prefilling: set[str] = set()  # requests that will hand their KV over when their prompt is done
         self.held: dict[str, Request] = {}  # handed over; blocks kept until confirmed, expired or aborted
+        self.overlap = config.kv_transfer.send_mode == "overlap"
+        # overlap mode: requests handed over mid-prompt -> (block ids, tokens whose KV is final, descriptor)
+        self.streaming: dict[str, tuple[list[int], int, TransferDescriptor]] = {}
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         super().on_add(request, descriptor)
@@ -112,12 +120,39 @@ class PrefillConnector(ColocatedConnector):
         self.prefilling.add(request.request_id)
         return False
 
+    def on_prefill_progress(self, request: Request) -> TransferDescriptor | None:
+        if not self.overlap or request.request_id not in self.prefilling or request.grammar is not None:
+            return None
+        rid, ready = request.request_id, request.num_computed_tokens
+        seen = self.streaming.get(rid)
+        if seen is None:
+            descriptor = self.sender.open(rid, request.block_table, request.num_prompt_tokens)
+            self.sender.advance(rid, ready)
+            self.streaming[rid] = (list(request.block_table), ready, descriptor)
+            return descriptor
+        blocks, before, descriptor = seen
+        if ready < before or request.block_table[:len(blocks)] != blocks:
+            # preempted and restarted: what was streamed is stale; the decode side fails the pull
+            self.sender.abort(rid)
+            del self.streaming[rid]
+            return None
+        self.sender.advance(rid, ready)
+        self.streaming[rid] = (blocks, ready, descriptor)
+        return None
+
     def on_finished(self, request: Request) -> tuple[bool, TransferDescriptor | None]:
         self.prefilling.discard(request.request_id)
+        streamed = self.streaming.pop(request.request_id, None)
         if request.status is not RequestStatus.FINISHED_PREFILL_DONE:
+            if streamed:
+                self.sender.abort(request.request_id)  # the decode side stops waiting
             return False, None  # finished on its first token (stop, length): nothing to hand over
-        descriptor = self.sender.register(request.request_id, request.block_table, request.num_prompt_tokens)
         self.held[request.request_id] = request
+        if streamed and self.sender.complete(request.request_id, request.output_token_ids[:1]):
+            return True, streamed[2]  # streamed: the frontend knows whether D already has it
+        if streamed:
+            self.sender.abort(request.request_id)  # the decode side gave it up: a fresh hold, handed over now
+        descriptor = self.sender.register(request.request_id, request.block_table, request.num_prompt_tokens)
         return True, descriptor
 
     def poll(self) -> Arrivals:
@@ -129,6 +164,8 @@ class PrefillConnector(ColocatedConnector):
 
     def abort(self, request_id: str) -> bool:
         self.prefilling.discard(request_id)
+        if self.streaming.pop(request_id, None) is not None:
+            self.sender.abort(request_id)  # the request still owns its blocks: the scheduler frees them
         request = self.held.pop(request_id, None)
         if request is None:
             return False
@@ -160,13 +197,16 @@ class DecodeConnector(ColocatedConnector):
         self.failure_policy = config.kv_failure_policy
         self.blocks = block_manager
         self.waiting: dict[str, Request] = {}  # WAITING_FOR_KV, until the receiver reports the transfer
+        self.streamed: set[str] = set()  # of those, handed over mid-prompt (overlap mode)
         self.receiver = KVReceiver(config.kv_transfer, kv, make_transport(config.kv_transfer, network),
                                    self._allocate, self._free)
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         if descriptor is None:
             return False  # e.g. a stream resumed here by recomputing: prefill it like any prompt
-        if not request.output_token_ids:
+        if descriptor.streamed:
+            self.streamed.add(request.request_id)  # its first token comes at the end of the stream
+        elif not request.output_token_ids:
             raise ValueError("a KV descriptor needs the first token the prefill instance produced")
         if descriptor.num_tokens != request.num_prompt_tokens:
             raise ValueError(f"KV descriptor covers {descriptor.num_tokens} tokens but the prompt has "
@@ -178,7 +218,8 @@ class DecodeConnector(ColocatedConnector):
 
     def _allocate(self, request_id: str, num_blocks: int) -> DestinationBlocks | None:
         request = self.waiting[request_id]
-        need = request.num_tokens  # prompt + first token: room for the first decode step too
+        # prompt + first token: room for the first decode step too (streamed: the token comes last)
+        need = request.num_tokens + (1 if request_id in self.streamed else 0)
         if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
             raise ValueError(f"request needs {self.blocks.blocks_needed(need)} KV blocks; this decode "
                              f"instance has {self.blocks.num_blocks} in all")
@@ -198,15 +239,22 @@ class DecodeConnector(ColocatedConnector):
         arrivals = Arrivals()
         for record in self.receiver.poll():
             request = self.waiting.pop(record.request_id, None)
+            streamed = record.request_id in self.streamed
+            self.streamed.discard(record.request_id)
             if request is None or record.outcome is TransferOutcome.ABORTED:
                 continue
             request.kv_transfer = record
+            if streamed and record.outcome is TransferOutcome.DONE:
+                if not record.first_token_ids:
+                    record.outcome, record.error_kind = TransferOutcome.FAILED, "bug"
+                    record.error = "the stream ended without the first token"
+                request.output_token_ids = list(record.first_token_ids)
             if record.outcome is TransferOutcome.DONE:
                 request.kv_outcome = "ok"
                 request.num_computed_tokens = request.num_prompt_tokens
                 self.blocks.publish_computed(request)
                 arrivals.decode.append(request)
-            elif self.failure_policy == "recompute":
+            elif self.failure_policy == "recompute" and request.output_token_ids:  # a streamed one may lack it
                 request.kv_outcome = "recomputed"
                 request.status = RequestStatus.WAITING  # prompt + first token are prefilled here
                 arrivals.prefill.append(request)
@@ -222,6 +270,7 @@ class DecodeConnector(ColocatedConnector):
     def abort(self, request_id: str) -> bool:
         if request_id not in self.waiting:
             return False
+        self.streamed.discard(request_id)
         # The blocks come back through _free, now or at a later poll; keep the request findable until then.
         self.receiver.abort(request_id)
         return True

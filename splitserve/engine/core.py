@@ -132,8 +132,9 @@ class EngineCore:
             raise TypeError("params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if kv_descriptor is not None and not first_token_ids:
-            raise ValueError("a KV descriptor comes with the first token the prefill instance produced")
+        if kv_descriptor is not None and not first_token_ids and not kv_descriptor.streamed:
+            raise ValueError("a KV descriptor comes with the first token the prefill instance produced "
+                             "(only a streamed one, from kv send mode overlap, brings it at the end)")
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int) or not (
@@ -146,7 +147,7 @@ class EngineCore:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         if kv_descriptor is not None:
-            request.output_token_ids = list(first_token_ids)
+            request.output_token_ids = list(first_token_ids or [])
         n = params.answer_prefix_len
         self.grammars.attach(request, (prompt_token_ids[-n:] if n else []) + request.output_token_ids)
         if not self.connector.on_add(request, kv_descriptor):
@@ -207,6 +208,7 @@ class EngineCore:
         self._observe_step(time.perf_counter() - started, batch.num_tokens)
         finished = set(self.scheduler.update(batch, sampled))
         self.num_steps += 1
+        outputs += self._prefill_progress(batch, sampled)
         for request, token in sampled.items():
             done = request in finished
             out = RequestOutput(
@@ -226,6 +228,19 @@ class EngineCore:
                     continue
                 out.kv_transfer, out.kv_outcome = request.kv_transfer, request.kv_outcome
             outputs.append(out)
+        return outputs
+
+    def _prefill_progress(self, batch, sampled: dict) -> list[RequestOutput]:
+        """Prompts still being prefilled (no token this step): the connector may hand one over
+        now (overlap mode)."""
+        outputs = []
+        for request, _ in batch.prefills:
+            if request in sampled or request.request_id not in self.requests:
+                continue
+            descriptor = self.connector.on_prefill_progress(request)
+            if descriptor is not None:
+                outputs.append(RequestOutput(request.request_id, [], num_prompt_tokens=request.num_prompt_tokens,
+                                             kv_descriptor=descriptor))
         return outputs
 
     def _finish(self, request: Request):

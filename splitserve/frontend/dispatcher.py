@@ -94,6 +94,7 @@ class Dispatcher:
         # before), does it take an admission slot.
         self.router.on_start(plan, routable)
         state.request_id, state.sent_prompt, state.sent_params = request_id, prompt, wire
+        state.streamed_to, state.held_outputs = None, []
         self._set_plan(state, plan)
         self.requests[request_id] = state
 
@@ -142,12 +143,37 @@ class Dispatcher:
         self.metrics.requests.labels(reason).inc()
         state.queue.put_nowait(self.outputs.finish_event(state, reason, error))
 
+    def _hand_over_early(self, state: RequestState, out) -> None:
+        """kv send mode overlap: P finished the prompt's first chunk and offers a streamed
+        descriptor. D gets the request now and pulls the blocks as P computes them; the first
+        token reaches D at the end of that stream, and the client from P as usual."""
+        if (state.stream_failed or state.decode_instance_id is None
+                or not self.router.plays(state.decode_instance_id, "decode")):
+            return  # P hands over at the end (the streamed descriptor then carries everything)
+        state.streamed_to = state.decode_instance_id
+        self.link.send(state.streamed_to, GenerateRequest(state.request_id, state.sent_prompt, state.sent_params,
+                                                          out.kv_descriptor, [], priority=state.priority))
+
+    @staticmethod
+    def _stream_failed(out) -> bool:
+        return out.finished and out.finish_reason == "error" and out.kv_transfer is not None and (
+            out.kv_transfer.outcome == "failed")
+
     def _hand_over(self, state: RequestState, out) -> None:
         """P finished the prompt: D pulls its KV and continues after the first token. If D can no
         longer take it (dead, drained, changing role), the KV is dropped and the request resumes
         by recomputing prompt + first token wherever the router sends it now."""
         prefill_id = state.instance_id
         self.router.on_finish(prefill_id, state.request_id)
+        if state.streamed_to is not None:  # D has had it since the first chunk
+            failed = any(self._stream_failed(o) for o in state.held_outputs)
+            completed = out.kv_descriptor is not None and out.kv_descriptor.streamed  # else P gave the hold up
+            if completed and not failed and self.router.plays(state.streamed_to, "decode"):
+                state.instance_id = state.streamed_to  # _process delivers D's held outputs next
+                return
+            state.streamed_to, state.held_outputs, state.stream_failed = None, [], True
+            self._redispatch(state, "the streamed KV handover failed")
+            return
         if not self.router.plays(state.decode_instance_id, "decode"):
             self._redispatch(state, f"decode instance {state.decode_instance_id} can no longer take it")
             return
@@ -178,10 +204,23 @@ class Dispatcher:
             self.roles.on_role_changed(engine_id, message)
 
     def _on_outputs(self, engine_id: str, message: StepOutputs) -> None:
-        for out in message.outputs:
+        self._process(engine_id, message.outputs)
+
+    def _process(self, engine_id: str, outputs: list) -> None:
+        for out in outputs:
             state = self.requests.get(out.request_id)
+            if state is not None and state.streamed_to == engine_id != state.instance_id:
+                state.held_outputs.append(out)  # D ahead of P's first token (overlap mode)
+                continue
             if state is None or state.instance_id != engine_id:
                 continue  # aborted or stopped here while the engine was still stepping
+            if out.kv_descriptor is not None and out.kv_descriptor.streamed and not out.new_token_ids:
+                self._hand_over_early(state, out)
+                continue
+            if state.streamed_to == engine_id and self._stream_failed(out):
+                state.streamed_to, state.stream_failed = None, True  # D lacks the first token: resume
+                self._redispatch(state, "the streamed KV transfer failed")
+                continue
             is_first = not state.token_ids
             processed = self.outputs.process(state, out)
             event = processed.event
@@ -198,6 +237,9 @@ class Dispatcher:
             elif processed.handed_over:
                 self._hand_over(state, out)
             state.queue.put_nowait(event)
+            if state.held_outputs and state.instance_id == state.streamed_to:
+                held, state.held_outputs = state.held_outputs, []
+                self._process(state.instance_id, held)
 
     # ---- instances coming and going ----------------------------------------------------
 

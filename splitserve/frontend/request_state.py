@@ -68,6 +68,11 @@ class RequestState:
     priority: int = 0  # lower first under --scheduling-policy priority; sent to every stage
     sent_prompt: list[int] = field(default_factory=list)  # what the current dispatch sent: the prompt,
     sent_params: WireSamplingParams | None = None  # plus tokens recomputed on a resume; what remains of the answer
+    # kv send mode overlap: the decode instance that got the request while P still prefilled it,
+    # and its outputs that came before P's first token (delivered right after it)
+    streamed_to: str | None = None
+    held_outputs: list = field(default_factory=list)
+    stream_failed: bool = False  # once failed, it is handed over at the end (no resume loop)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from splitserve.kv_transfer.config import TRANSPORTS, KVTransferConfig
+from splitserve.kv_transfer.config import SEND_MODES, TRANSPORTS, KVTransferConfig
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
                        help="file holding the shared secret peers must prove (needed when "
                             "--kv-host is not loopback); a file keeps it out of `ps`")
     group.add_argument("--kv-seed", type=int, default=0, help="seed of the fault injection")
+    group.add_argument("--kv-send-mode", choices=SEND_MODES, default="end",
+                       help="prefill instance: end = hand the KV over once the prompt is prefilled; "
+                            "overlap = hand the request to the decode instance after the first chunk and "
+                            "stream the blocks as chunks finish, hiding a slow link behind the prefill (tcp)")
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig:
@@ -40,6 +44,6 @@ def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig:
         return KVTransferConfig(transport=args.kv_transport, lease_s=args.kv_lease_s,
                                 fault_rate=args.kv_fault_rate, delay_ms=args.kv_delay_ms,
                                 host=args.kv_host, port=args.kv_port, secret=secret,
-                                seed=args.kv_seed)
+                                seed=args.kv_seed, send_mode=args.kv_send_mode)
     except ValueError as exc:
         raise ValueError(f"{exc} (--kv-* flags)") from None

@@ -5,6 +5,7 @@ import ipaddress
 from dataclasses import dataclass
 
 TRANSPORTS = ("fake", "shm", "tcp")
+SEND_MODES = ("end", "overlap")
 
 
 @dataclass(slots=True)
@@ -25,6 +26,9 @@ class KVTransferConfig:
     max_transfers_per_source: int = 2  # of those, at most this many talk to one prefill instance
     max_peers: int = 64  # prefill side: connections served at once; more are closed on accept
     seed: int = 0  # for fault injection, so a trial can be replayed
+    # end: the KV moves once the prompt is prefilled; overlap: the decode instance gets the request
+    # after the first chunk and the blocks stream over tcp as the chunks finish (prefill side's say)
+    send_mode: str = "end"
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -43,6 +47,11 @@ class KVTransferConfig:
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("kv secret is too short to be worth anything; use at least 8 bytes "
                              "(e.g. `openssl rand -hex 16`)")
+        if self.send_mode not in SEND_MODES:
+            raise ValueError(f"kv send mode must be one of {SEND_MODES}, got {self.send_mode!r}")
+        if self.send_mode == "overlap" and self.transport != "tcp":
+            raise ValueError("kv send mode 'overlap' streams blocks over tcp while the prompt is prefilled; "
+                             "use --kv-transport tcp (shm copies the whole prompt in milliseconds anyway)")
         if self.secret is None and not is_loopback(self.host):
             raise ValueError(f"kv host {self.host!r} is reachable from other machines: without a "
                              "secret anyone there could read or release KV blocks; set a kv "

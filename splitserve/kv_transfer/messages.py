@@ -35,6 +35,9 @@ class TransferDescriptor(msgspec.Struct, frozen=True):
     num_tokens: int  # tokens whose KV is in the blocks
     num_blocks: int
     access_token: bytes = b""  # random per hold; every request about these blocks must carry it
+    # overlap mode: handed over while the prompt is still being prefilled; the blocks stream as
+    # chunks finish and the first token comes at the end of the stream (tcp only)
+    streamed: bool = False
 
 
 class TransferOutcome(str, enum.Enum):
@@ -64,6 +67,7 @@ class TransferRecord(msgspec.Struct):
     error_kind: str = ""  # injected | network | source_gone | auth | no_space | cancelled | ...
     dst_block_ids: list[int] = []
     num_cached_blocks: int = 0  # leading dst blocks the decode side already had (not moved)
+    first_token_ids: list[int] = []  # a streamed transfer: the prefill's first token, sent last
 
     @property
     def seconds(self) -> float:
@@ -95,6 +99,7 @@ class Fetch(msgspec.Struct, tag="fetch"):
     request_id: str
     first_block: int = 0  # skip blocks the puller already has
     token: bytes = b""  # the descriptor's access_token
+    streamed: bool = False  # answer with BlockRange rounds as the prefill advances, then StreamEnd
 
 
 class Confirm(msgspec.Struct, tag="confirm"):
@@ -119,4 +124,17 @@ class LayerHeader(msgspec.Struct, tag="layer"):
     num_bytes: int  # raw bytes that follow: kv[layer].index_select(2, block_ids), contiguous
 
 
-ControlMessage = Union[Challenge, Hello, Welcome, Begin, Fetch, Confirm, Abort, Reply, LayerHeader]
+class BlockRange(msgspec.Struct, tag="range"):
+    """Streamed fetch: one LayerHeader + bytes per layer follow for blocks [first_block,
+    first_block + num_blocks); num_blocks 0 is a keepalive while the prefill has no new block."""
+    first_block: int
+    num_blocks: int
+
+
+class StreamEnd(msgspec.Struct, tag="end"):
+    """Streamed fetch: every block was sent; the prefill's first token, for the decode side."""
+    first_token_ids: list[int]
+
+
+ControlMessage = Union[Challenge, Hello, Welcome, Begin, Fetch, Confirm, Abort, Reply, LayerHeader, BlockRange,
+                       StreamEnd]

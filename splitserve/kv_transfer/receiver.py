@@ -233,8 +233,12 @@ class KVReceiver:
         try:
             if transfer.cancel.wait(self._faults.delay_s):
                 raise TransferCancelled("aborted during the injected delay")
-            record.num_bytes = self.transport.pull(descriptor, self.kv, record.dst_block_ids,
-                                                   on_layer, record.num_cached_blocks)
+            if descriptor.streamed:  # only the tcp transport takes one (descriptor_problem)
+                record.num_bytes = self.transport.pull(descriptor, self.kv, record.dst_block_ids, on_layer,
+                                                       record.num_cached_blocks, record.first_token_ids)
+            else:
+                record.num_bytes = self.transport.pull(descriptor, self.kv, record.dst_block_ids,
+                                                       on_layer, record.num_cached_blocks)
             record.outcome = TransferOutcome.DONE
         except TransferError as exc:
             aborted = isinstance(exc, TransferCancelled)

@@ -4,6 +4,10 @@ A request's path on a prefill instance, once its prefill ends:
 
     register(request_id, block_ids, num_tokens)   engine thread -> a TransferDescriptor for
         the frontend to hand to a decode instance; the blocks are now HELD under a lease.
+    open / advance / complete                       overlap mode, engine thread: a hold made
+        after the prompt's first chunk (a `streamed` descriptor), its ready tokens advanced
+        after every chunk, completed with the first token; the server streams blocks as they
+        become ready (wait_ready) and the first token last.
     peer_begin / peer_confirm / peer_abort          server thread (or the fake transport):
         the decode side asks for the block ids, confirms receipt, or gives up.
     poll()                                          engine thread, once per step: returns the
@@ -25,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import torch
 
 from splitserve.kv_transfer import layout
@@ -57,6 +62,8 @@ class _Hold:
     confirmed: bool = False
     aborted_by_peer: bool = False
     num_begins: int = 0
+    ready_tokens: int = -1  # streamed: tokens whose KV is final so far; -1: all (a complete hold)
+    first_token_ids: list[int] | None = None  # streamed: set by complete()
 
 
 @dataclass(slots=True)
@@ -83,6 +90,7 @@ class KVSender:
         self._shm_name = shm_name
         self._clock = clock
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a streamed hold advanced or ended
         self._holds: dict[str, _Hold] = {}
         self._stats = SenderStats()
         self._address = (config.host, config.port)
@@ -114,12 +122,60 @@ class KVSender:
             self._stats.num_registered += 1
         return TransferDescriptor(self.source_info, request_id, num_tokens, num_blocks, token)
 
-    def abort(self, request_id: str) -> Release | None:
+    def open(self, request_id: str, block_ids: list[int], num_tokens: int) -> TransferDescriptor:
+        """A streamed hold: the prompt's blocks are allocated, their KV not all computed yet."""
+        descriptor = self.register(request_id, block_ids, num_tokens)
         with self._lock:
+            self._holds[request_id].ready_tokens = 0
+        return msgspec.structs.replace(descriptor, streamed=True)
+
+    def advance(self, request_id: str, ready_tokens: int) -> bool:
+        """The KV of the first `ready_tokens` tokens is final; False if the hold is gone."""
+        with self._changed:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ready_tokens < 0:
+                return False
+            hold.ready_tokens = max(hold.ready_tokens, min(ready_tokens, hold.num_tokens))
+            hold.deadline = self._clock() + self.config.lease_s  # alive while the prompt advances
+            self._changed.notify_all()
+            return True
+
+    def complete(self, request_id: str, first_token_ids: list[int]) -> bool:
+        """The prompt is done: every block is final and the first token known."""
+        with self._changed:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ready_tokens < 0 or hold.aborted_by_peer or self._clock() >= hold.deadline:
+                return False  # the decode side gave up (or never came): hand over afresh
+            hold.ready_tokens, hold.first_token_ids = hold.num_tokens, list(first_token_ids)
+            hold.deadline = self._clock() + self.config.lease_s
+            self._changed.notify_all()
+            return True
+
+    def wait_ready(self, request_id: str, token: bytes, num_sent_blocks: int,
+                   timeout_s: float) -> tuple[int, list[int] | None] | None:
+        """Server thread, streamed hold: (blocks ready, first token or None) once more than
+        `num_sent_blocks` are ready, the hold is complete, or `timeout_s` passed; None if the
+        hold is gone. A partly filled last block is ready only when the hold is complete."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                hold = self._live_hold(request_id, token)
+                if hold is None:
+                    return None
+                complete = hold.first_token_ids is not None
+                ready = len(hold.block_ids) if complete else hold.ready_tokens // self.block_size
+                left = deadline - time.monotonic()
+                if ready > num_sent_blocks or complete or left <= 0:
+                    return ready, hold.first_token_ids
+                self._changed.wait(left)
+
+    def abort(self, request_id: str) -> Release | None:
+        with self._changed:
             hold = self._holds.pop(request_id, None)
             if hold is None:
                 return None
             self._stats.num_aborted += 1
+            self._changed.notify_all()  # a server thread streaming it stops now
         return Release(request_id, hold.block_ids, ReleaseReason.ABORTED)
 
     def poll(self) -> list[Release]:
@@ -147,7 +203,9 @@ class KVSender:
 
     def stats(self) -> SenderStats:
         with self._lock:
-            live = [h for h in self._holds.values() if not (h.confirmed or h.aborted_by_peer)]
+            # a streamed hold still prefilling holds nothing yet: its request owns the blocks
+            live = [h for h in self._holds.values() if not (h.confirmed or h.aborted_by_peer)
+                    and (h.ready_tokens < 0 or h.first_token_ids is not None)]
             self._stats.num_held = len(live)
             self._stats.num_held_blocks = sum(len(h.block_ids) for h in live)
             return SenderStats(**{k: getattr(self._stats, k) for k in SenderStats.__slots__})
@@ -194,4 +252,5 @@ class KVSender:
                 return Reply(ok=True)  # nothing left to release
             hold.aborted_by_peer = True  # poll() hands the blocks back
             self._stats.num_aborted += 1
+            self._changed.notify_all()
         return Reply(ok=True)

@@ -12,6 +12,9 @@ when no secret is set.
     Fetch(request_id, first_block) -> per layer: LayerHeader + that layer's blocks
                            [first_block:] as raw bytes
                            (tcp transport; shm readers copy from the shared pool instead)
+    Fetch(request_id, first_block, streamed=True) -> overlap mode: rounds of BlockRange + the
+                           layers of the blocks the prefill finished since the last round (a
+                           keepalive range of 0 blocks every KEEPALIVE_S), then StreamEnd(first token)
     Confirm(request_id) -> Reply: ok only if the blocks were held the whole time
     Abort(request_id)   -> Reply(ok=True): free now instead of at lease expiry
 
@@ -26,12 +29,15 @@ import threading
 import torch
 
 from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
-from splitserve.kv_transfer.messages import Abort, Begin, Confirm, Fetch, LayerHeader, Reply
+from splitserve.kv_transfer.messages import (Abort, Begin, BlockRange, Confirm, Fetch, LayerHeader, Reply,
+                                             StreamEnd)
 from splitserve.kv_transfer.sender import KVSender
 from splitserve.kv_transfer.transport import AuthError, TransferError, block_index
 from splitserve.kv_transfer.wire import Connection, server_handshake
 
 log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 1.0  # well under the puller's io_timeout_s: a prompt queued behind others is not a dead peer
 
 
 class KVServer:
@@ -130,6 +136,8 @@ class KVServer:
             conn.send(sender.peer_confirm(message.request_id, message.token))
         elif isinstance(message, Abort):
             conn.send(sender.peer_abort(message.request_id, message.token))
+        elif isinstance(message, Fetch) and message.streamed:
+            self._stream_as_ready(conn, message.request_id, message.token, message.first_block)
         elif isinstance(message, Fetch):
             self._stream(conn, message.request_id, message.token, message.first_block)
         else:
@@ -144,7 +152,32 @@ class KVServer:
             conn.send(Reply(ok=False, error=f"first_block {first_block} is outside the "
                                             f"{len(reply.block_ids)} blocks of {request_id!r}"))
             return
-        block_ids = reply.block_ids[first_block:]
+        self._send_blocks(conn, reply.block_ids[first_block:])
+
+    def _stream_as_ready(self, conn: Connection, request_id: str, token: bytes, first_block: int) -> None:
+        """Overlap mode: each round sends the blocks the prefill finished since the last one (a
+        BlockRange, then every layer of them), a keepalive while none are new, and StreamEnd with
+        the first token once the prompt is done."""
+        reply = self.sender.peer_begin(request_id, token)
+        if not reply.ok:
+            conn.send(reply)
+            return
+        sent = first_block
+        while not self._stop.is_set():
+            state = self.sender.wait_ready(request_id, token, sent, KEEPALIVE_S)
+            if state is None:
+                conn.send(self.sender.peer_begin(request_id, token))  # the reason it is gone
+                return
+            ready, first_token_ids = state
+            conn.send(BlockRange(sent, max(ready - sent, 0)))
+            if ready > sent:
+                self._send_blocks(conn, reply.block_ids[sent:ready])
+                sent = ready
+            if first_token_ids is not None and sent >= len(reply.block_ids):
+                conn.send(StreamEnd(first_token_ids))
+                return
+
+    def _send_blocks(self, conn: Connection, block_ids: list[int]) -> None:
         kv = self.sender.kv  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
         # Reading without the lock is safe: if the hold ends meanwhile, the peer's Confirm
         # fails and it discards what it read.

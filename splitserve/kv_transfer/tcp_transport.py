@@ -2,7 +2,9 @@
 
 Per transfer, on one authenticated connection: Fetch(request_id), then for each layer
 a LayerHeader and `kv[layer].index_select(2, src_blocks)` as raw bytes, written into our blocks as
-they arrive (the next layer is on the wire while this one is copied); then Confirm.
+they arrive (the next layer is on the wire while this one is copied); then Confirm. A streamed
+descriptor (overlap mode) gets the same per block range, as the prefill finishes chunks, and the
+first token at the end (server.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
 from splitserve.kv_transfer.config import KVTransferConfig
-from splitserve.kv_transfer.messages import Confirm, Fetch, LayerHeader, Reply, TransferDescriptor
+from splitserve.kv_transfer.messages import (BlockRange, Confirm, Fetch, LayerHeader, Reply, StreamEnd,
+                                             TransferDescriptor)
 from splitserve.kv_transfer.shm_transport import control_call, open_control, release_over_control
 from splitserve.kv_transfer.transport import (KVTransport, NetworkError, SourceGone, TransferError,
                                               block_index, check_layout)
@@ -25,12 +28,20 @@ class TcpTransport(KVTransport):
     def __init__(self, config: KVTransferConfig):
         self.config = config
 
-    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer, first_block: int = 0) -> int:
+    def pull(self, descriptor, dst_kv, dst_block_ids, on_layer, first_block: int = 0,
+             first_token_ids: list[int] | None = None) -> int:
+        """A streamed descriptor (overlap mode) also appends the prefill's first token to
+        `first_token_ids`."""
         check_layout(descriptor, dst_kv, descriptor.num_blocks, dst_block_ids)
         conn = open_control(self.config, descriptor)
         try:
-            conn.send(Fetch(descriptor.request_id, first_block, descriptor.access_token))
-            num_bytes = self._receive_layers(conn, dst_kv, dst_block_ids[first_block:], on_layer)
+            conn.send(Fetch(descriptor.request_id, first_block, descriptor.access_token, descriptor.streamed))
+            if descriptor.streamed:
+                num_bytes, first = self._receive_rounds(conn, dst_kv, dst_block_ids, first_block, on_layer)
+                if first_token_ids is not None:
+                    first_token_ids.extend(first)
+            else:
+                num_bytes = self._receive_layers(conn, dst_kv, dst_block_ids[first_block:], on_layer)
             confirm = control_call(conn, Confirm(descriptor.request_id, descriptor.access_token))
             if not confirm.ok:
                 raise SourceGone(confirm.error)
@@ -41,6 +52,26 @@ class TcpTransport(KVTransport):
                                 f"{exc}") from None
         finally:
             conn.close()
+
+    def _receive_rounds(self, conn, dst_kv, dst_block_ids, first_block, on_layer) -> tuple[int, list[int]]:
+        """BlockRange rounds (each: every layer of the blocks the prefill finished since the
+        last), until StreamEnd brings the first token."""
+        num_bytes, expected = 0, first_block
+        while True:
+            message = conn.recv()
+            if isinstance(message, StreamEnd):
+                if expected != len(dst_block_ids):
+                    raise TransferError(f"the stream ended after {expected} of {len(dst_block_ids)} blocks")
+                return num_bytes, list(message.first_token_ids)
+            if isinstance(message, Reply):
+                raise SourceGone(message.error or "prefill instance refused the fetch")
+            if not isinstance(message, BlockRange) or message.first_block != expected or (
+                    expected + message.num_blocks > len(dst_block_ids)):
+                raise TransferError(f"expected blocks from {expected} of {len(dst_block_ids)}, got {message!r}")
+            if message.num_blocks:  # else a keepalive: the prefill has no new block yet
+                stop = expected + message.num_blocks
+                num_bytes += self._receive_layers(conn, dst_kv, dst_block_ids[expected:stop], on_layer)
+                expected = stop
 
     def _receive_layers(self, conn, dst_kv, dst_block_ids, on_layer) -> int:
         layer_bytes = (layout.block_numel(tuple(dst_kv.shape)) // dst_kv.shape[0]

@@ -123,6 +123,8 @@ def descriptor_problem(descriptor: TransferDescriptor, dst_kv: torch.Tensor, tra
         return f"the descriptor's address {source.host!r}:{source.port} cannot be dialled"
     if transport == "shm" and segment_owner(source.shm_name) is None:
         return f"the descriptor's segment name {source.shm_name!r} is not a splitserve segment name"
+    if descriptor.streamed and transport != "tcp":
+        return f"a streamed descriptor (kv send mode overlap) needs the tcp transport; this instance uses {transport!r}"
     if len(descriptor.access_token) > 64:
         return "the descriptor's access token is longer than any this version issues"
     return None

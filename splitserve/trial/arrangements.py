@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from splitserve.trial.network import launched_across
 from splitserve.trial.spec import Arrangement
 
 
@@ -80,8 +81,13 @@ def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup
         base_url = arr.url.rstrip("/")
         yield Endpoint(base_url, wait_ready(base_url, 30.0))
         return
-    port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
+    if arr.network is not None:  # engines on the hosts of a bed, over its shaped links
+        with launched_across(arr.network, arr.serve_args, model, log_dir / f"{arr.name}.log",
+                             startup_timeout_s, cpus) as (base_url, pid):
+            yield Endpoint(base_url, wait_ready(base_url, 30.0), pid)
+        return
+    port = free_port()
     log_path = log_dir / f"{arr.name}.log"
     if log_path.exists():  # a repeat: keep every launch's log
         log_path = log_dir / f"{arr.name}.{len(list(log_dir.glob(arr.name + '.*log')))}.log"

@@ -70,6 +70,8 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
         res = arrangement_resources(with_kv_split(arr, spec.kv_cache_memory))
         launch = (" ".join(arr.serve_args) if arr.serve_args is not None else
                   " ".join(arr.command) if arr.command else arr.url)
+        if arr.network is not None:
+            launch += f"\n      across hosts of a network bed: {arr.network.describe()}"
         lines.append(f"  {arr.name} [{arrangement_kind(arr)}]: {res.describe()}\n      {launch}")
     if spec.tune:
         base = next(a for a in spec.arrangements if a.name == spec.tune.base)

@@ -66,6 +66,7 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
             "name": res.name,
             "kind": arrangement_kind(arr),
             "launch": {"serve": arr.serve_args, "command": arr.command, "url": arr.url, "cores": arr.cores},
+            "network": arr.network.describe() if arr.network else None,
             "resources": ({**dataclasses.asdict(resources), "describe": resources.describe()}
                           if resources else None),
             "launches": getattr(res, "launches", []),

@@ -14,6 +14,7 @@ from splitserve.trial.classes import (SLO, Patience, arrangement_cost, check_slo
                                      read_priority, read_slo_overrides)
 from splitserve.trial.method import (CapacitySpec, RelativeRate, TuneSpec, read_capacity, read_relative_rate,
                                     read_tune)
+from splitserve.trial.network import Network, read_network
 from splitserve.trial.section import Section, SpecError, read_length_dist, LengthDist
 
 ARRIVAL_PATTERNS = ("constant", "poisson", "gamma", "on_off", "phases", "trace")
@@ -78,6 +79,7 @@ class Arrangement:
     cores: int | None = None               # total threads the arrangement uses
     grid_point: bool = False               # made by `tune:`, not written in the spec
     cost_per_hour: float | None = None     # else cores x the spec's price_per_core_hour
+    network: Network | None = None         # engines on hosts of a bed, over a shaped link (network.py)
 
 
 @dataclass(slots=True)
@@ -339,6 +341,7 @@ def _read_arrangements(raw_list: list) -> list[Arrangement]:
                           command=sec.str_list("command", default=None), url=sec.str("url", default=None),
                           cores=sec.int("cores", default=None, minimum=1),
                           cost_per_hour=sec.float("cost_per_hour", default=None, positive=True))
+        arr.network = read_network(sec, arr.name, arr.serve_args)
         sec.finish()
         given = [key for key, value in (("serve", arr.serve_args), ("command", arr.command), ("url", arr.url))
                  if value is not None]

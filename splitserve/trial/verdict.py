@@ -36,8 +36,8 @@ def verdict(doc: dict) -> str:
     if capacity is not None:
         text, answer = capacity
         return (text + answer + (" " + fixed + fixed_answer if fixed else "") + classes_sentence(doc) + _tuned(doc)
-                + _warnings(doc) + note)
-    return fixed + fixed_answer + classes_sentence(doc) + _tuned(doc) + _warnings(doc) + note
+                + _network(doc) + _warnings(doc) + note)
+    return fixed + fixed_answer + classes_sentence(doc) + _tuned(doc) + _network(doc) + _warnings(doc) + note
 
 
 def _best(arrs: list[dict], kind: str, key) -> dict | None:
@@ -174,6 +174,12 @@ def _tuned(doc: dict) -> str:
               f"that is {tuning['base']} itself")
     return (f" Colocated settings tried at x{tuning['rate_multiplier']:.3g} of the nominal rate (the reference's "
             f"capacity), share of requests good: {tried}; the best is {tuning['best']}, and {joined}.")
+
+
+def _network(doc: dict) -> str:
+    """Which arrangements crossed a link between hosts, and which one: part of what they paid."""
+    across = [f"{a['name']} ({a['network']})" for a in doc["arrangements"] if a.get("network")]
+    return f" Across hosts: {'; '.join(across)}; the others ran on one host." if across else ""
 
 
 def _warnings(doc: dict) -> str:
