@@ -31,6 +31,7 @@ threads inside kv_transfer/).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -43,6 +44,7 @@ from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVS
 from splitserve.protocol import KVStats
 
 FAILURE_POLICIES = ("recompute", "fail")
+MakeRoom = Callable[[Request, int], bool]  # (request, num_tokens) -> may its blocks be allocated now
 
 
 def allocate_kv_cache(config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype):
@@ -191,11 +193,14 @@ class PrefillConnector(ColocatedConnector):
 class DecodeConnector(ColocatedConnector):
     role = "decode"
 
-    def __init__(self, config: EngineConfig, kv: torch.Tensor, block_manager: BlockManager, network=None):
+    def __init__(self, config: EngineConfig, kv: torch.Tensor, block_manager: BlockManager, network=None,
+                 make_room: MakeRoom | None = None):
         if config.kv_failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"kv failure policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}")
         self.failure_policy = config.kv_failure_policy
         self.blocks = block_manager
+        # the scheduler's say on taking blocks for arriving KV (it may preempt lower priorities)
+        self.make_room = make_room or block_manager.can_allocate
         self.waiting: dict[str, Request] = {}  # WAITING_FOR_KV, until the receiver reports the transfer
         self.streamed: set[str] = set()  # of those, handed over mid-prompt (overlap mode)
         self.receiver = KVReceiver(config.kv_transfer, kv, make_transport(config.kv_transfer, network),
@@ -223,7 +228,7 @@ class DecodeConnector(ColocatedConnector):
         if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
             raise ValueError(f"request needs {self.blocks.blocks_needed(need)} KV blocks; this decode "
                              f"instance has {self.blocks.num_blocks} in all")
-        if not self.blocks.can_allocate(request, need):
+        if not self.make_room(request, need):
             return None
         self.blocks.allocate(request, need)
         return DestinationBlocks(request.block_table[:num_blocks],
@@ -288,7 +293,7 @@ class DecodeConnector(ColocatedConnector):
 
 
 def make_connector(role: str, config: EngineConfig, kv: torch.Tensor, block_manager: BlockManager,
-                   shm_name: str = "", network=None) -> ColocatedConnector:
+                   shm_name: str = "", network=None, make_room: MakeRoom | None = None) -> ColocatedConnector:
     if role == "colocated":
         return ColocatedConnector()
     if config.kv_transfer is None:
@@ -297,5 +302,5 @@ def make_connector(role: str, config: EngineConfig, kv: torch.Tensor, block_mana
     if role == "prefill":
         return PrefillConnector(config, kv, block_manager, shm_name)
     if role == "decode":
-        return DecodeConnector(config, kv, block_manager, network)
+        return DecodeConnector(config, kv, block_manager, network, make_room)
     raise ValueError(f"role must be one of colocated, prefill, decode; got {role!r}")

@@ -17,8 +17,14 @@ A request's path:
       request. A long prompt therefore stalls every running stream for its whole prefill.
   Scheduling policy: fcfs keeps arrival order and preempts the newest running request;
     priority (as vLLM) keeps `waiting` and `prefilled` sorted by (priority, arrival), lower
-    first, gives running prompts their chunks in that order, and preempts the running request
-    with the highest (priority, arrival) first. The policy never depends on the role.
+    first, and preempts the running request with the highest (priority, arrival) first. Each
+    step's prompt work is planned one priority level at a time, the chunked steps (2)-(4) above
+    within a level, so a document's remaining chunks never take the budget from a waiting chat
+    of a more urgent level. A waiting (or prefilled) request that finds no free batch slot or
+    KV blocks preempts running requests of a strictly lower priority, lowest then newest first,
+    until it fits (vLLM v0's priority preemption); equals never preempt each other, so two
+    requests cannot take turns evicting one another. The victims are recomputed later, as
+    under memory pressure. The policy never depends on the role.
   update() advances num_computed_tokens, appends sampled tokens, and retires finished
   requests from the running batch; the engine then asks its connector whether their blocks
   are freed or kept for a handover. A `remote_decode` request (marked by a prefill connector)
@@ -45,6 +51,14 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What is left of one step's allowances while its prompt work is planned, level by level."""
+
+    short_budget: int  # tokens short prompts may still jump ahead with
+    admitting: bool = True  # False once a waiting request did not fit: nothing behind it is admitted
 
 
 class Scheduler:
@@ -89,7 +103,7 @@ class Scheduler:
         self.blocks.free(request)
 
     def schedule(self) -> ScheduledBatch:
-        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+        while self.prefilled and self._make_room(self.prefilled[0], 0, None):
             request = self.prefilled.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -113,6 +127,33 @@ class Scheduler:
     def _victim(self) -> Request:
         return max(self.running, key=_priority_key) if self.by_priority else self.running[-1]
 
+    def _make_room(self, request: Request, num_tokens: int, batch: ScheduledBatch | None,
+                   need_slot: bool = True) -> bool:
+        """True if `request` (not running) fits: a batch slot (need_slot) and blocks for num_tokens
+        (0: it holds its blocks already). Under the priority policy it preempts strictly
+        lower-priority running requests until it does; a victim given a decode slot in `batch`
+        leaves it."""
+        def fits() -> bool:
+            return (not need_slot or len(self.running) < self.config.max_num_seqs) and (
+                num_tokens == 0 or self.blocks.can_allocate(request, num_tokens))
+
+        while not fits():
+            if not (self.by_priority and self.running):
+                return False
+            victim = self._victim()
+            if victim.priority <= request.priority:
+                return False
+            if batch is not None and victim in batch.decodes:
+                batch.decodes.remove(victim)
+            assert batch is None or all(r is not victim for r, _ in batch.prefills), "a planned prefill preempted"
+            self._preempt(victim)
+        return True
+
+    def make_room_for_kv(self, request: Request, num_tokens: int) -> bool:
+        """For a decode connector, between steps: may blocks for a request's incoming KV be taken
+        now? Under the priority policy, lower-priority running requests are preempted for them."""
+        return self._make_room(request, num_tokens, None, need_slot=False)
+
     def _reserve_decodes(self) -> list[Request]:
         """Blocks for one more token for every running decode, preempting (newest, or lowest
         priority) if short."""
@@ -131,10 +172,8 @@ class Scheduler:
                 decodes.append(request)
         return decodes
 
-    def _admit(self, request: Request) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        if not self.blocks.can_allocate(request, request.num_tokens):
+    def _admit(self, request: Request, batch: ScheduledBatch) -> bool:
+        if not self._make_room(request, request.num_tokens, batch):
             return False
         self.waiting.remove(request)
         self.blocks.allocate(request, request.num_tokens)
@@ -142,36 +181,57 @@ class Scheduler:
         self.running.append(request)
         return True
 
+    def _budget(self, batch: ScheduledBatch) -> int:
+        return self.config.max_num_batched_tokens - batch.num_tokens
+
     def _schedule_chunked(self) -> ScheduledBatch:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
-        budget = self.config.max_num_batched_tokens - len(batch.decodes)
-        short_budget = min(budget, self.config.max_num_batched_tokens // 2)
-        jumped = set()
-        for request in list(self.waiting):
-            if short_budget <= 0:
+        step = _StepPlan(short_budget=min(self._budget(batch), self.config.max_num_batched_tokens // 2))
+        if not self.by_priority:
+            self._plan_prompts(batch, step, list(self.waiting), self.running)
+            return batch
+        levels = sorted({r.priority for r in self.waiting} | {r.priority for r in self.running if r.is_prefilling})
+        for level in levels:
+            if self._budget(batch) <= 0:
                 break
-            if request.num_tokens - request.num_computed_tokens > short_budget:
+            self._plan_prompts(batch, step, [r for r in self.waiting if r.priority == level],
+                               [r for r in self._in_order(self.running) if r.priority == level])
+        return batch
+
+    def _plan_prompts(self, batch: ScheduledBatch, step: _StepPlan, waiting: list[Request],
+                      running: list[Request]) -> None:
+        """Steps (2)-(4) of the chunked policy over one priority level's requests (all, under fcfs);
+        `waiting` and `running` are in scheduling order."""
+        jumped, short_refused = set(), False
+        for request in waiting:
+            if step.short_budget <= 0 or not step.admitting:
+                break
+            if request.num_tokens - request.num_computed_tokens > step.short_budget:
                 continue
-            if not self._admit(request):
+            if not self._admit(request, batch):
+                short_refused = True  # the level's head may still fit (a prefix hit): try it below
                 break
-            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            chunk = min(request.num_tokens - request.num_computed_tokens, self._budget(batch))
             batch.prefills.append((request, chunk))
             jumped.add(request.request_id)
-            budget -= chunk
-            short_budget -= chunk
-        for request in self._in_order(self.running):
+            step.short_budget -= chunk
+        for request in running:
+            budget = self._budget(batch)
             if budget <= 0:
                 break
-            if request.is_prefilling and request.request_id not in jumped:
-                chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-                batch.prefills.append((request, chunk))
-                budget -= chunk
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
-            request = self.running[-1]
-            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request in self.running and request.is_prefilling and request.request_id not in jumped:
+                batch.prefills.append((request, min(request.num_tokens - request.num_computed_tokens, budget)))
+        for request in waiting:
+            if self._budget(batch) <= 0 or not step.admitting:
+                break
+            if request.request_id in jumped:
+                continue
+            if not self._admit(request, batch):
+                step.admitting = False
+                break
+            chunk = min(request.num_tokens - request.num_computed_tokens, self._budget(batch))
             batch.prefills.append((request, chunk))
-            budget -= chunk
-        return batch
+        step.admitting = step.admitting and not short_refused  # a less urgent level must not take its room
 
     def _schedule_whole(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -181,7 +241,7 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             if batch.prefills and remaining > budget:
                 break
-            if not self._admit(request):
+            if not self._admit(request, batch):
                 break
             # num_computed_tokens may have jumped on a prefix-cache hit
             chunk = request.num_tokens - request.num_computed_tokens
