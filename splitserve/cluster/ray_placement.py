@@ -24,6 +24,7 @@ import atexit
 import logging
 import os
 import secrets
+import signal
 import tempfile
 from pathlib import Path
 
@@ -115,8 +116,10 @@ class RayPlacement:
                  restart_delay_s: float) -> None:
         ray = import_ray()
         self.ray = ray
+        on_term = signal.getsignal(signal.SIGTERM)
         ray.init(address=args.ray or None, namespace=f"splitserve-{os.getpid()}", include_dashboard=False,
                  logging_level=logging.WARNING)
+        signal.signal(signal.SIGTERM, on_term)  # Ray's own handler would exit without stopping the engines
         from splitserve.cluster.ray_engine import EngineActor
 
         self._actor_class = ray.remote(EngineActor)
