@@ -7,13 +7,15 @@ Starts `splitserve serve --ray [ADDRESS] --prefill 1 --decode 1 --kv-transport t
 unless the serve flags name one), keeps `--concurrency` streaming requests going, kills the target
 engine's process with SIGKILL after the warm-up, and polls GET /admin/instances every 50 ms:
 - detect: kill -> the frontend lists the target as not alive (its silence timeout, 1.5 s by default);
-- restart: kill -> the target is alive again under a new pid (Ray restarted its actor, the engine
-  loaded the model and said hello);
+- new engine process: kill -> Ray's restarted actor started the new engine process (/proc start
+  time; includes the actor's deliberate wait of the silence timeout + 0.5 s, see cluster/ray_engine.py);
+- restart: kill -> the target is alive again under a new pid (the engine loaded the model and said
+  hello, the frontend admitted it);
 - restored: -> 1P1D again (a survivor took the stage over meanwhile; the drill hands it back with
   POST /admin/instances/{id}/role, as an operator would).
 Every request is counted: answered whole, answered after a retry or a resume on another instance
-(the `splitserve.retries` of its last chunk), or lost (an error or a cut-off stream). Run the whole
-script inside a namespace of the bed to place serve there (the frontend runs where serve starts).
+(the `splitserve.retries` of its last chunk), or lost (an error or a cut-off stream). Each engine's host is
+its network namespace (`ip netns identify`): bench/ray_node_loss_netbed.sh runs the drill on the bed.
 """
 from __future__ import annotations
 
@@ -84,6 +86,19 @@ async def load(url: str, concurrency: int, max_tokens: int, stop: asyncio.Event,
     return records
 
 
+def process_started(pid: int) -> float:
+    """Wall-clock time a process started (from /proc: clock ticks after boot)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def netns_of(pid: int) -> str:
+    """The bed host (network namespace) a process runs in; 'root' outside any named one."""
+    out = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True)
+    return out.stdout.strip() or "root"
+
+
 def instances(url: str) -> dict[str, dict]:
     return {r["id"]: r for r in httpx.get(url + "/admin/instances", timeout=5).json()["instances"]}
 
@@ -94,8 +109,9 @@ async def drill(args, url: str) -> dict:
     await asyncio.sleep(args.warmup_s)
     before = instances(url)
     old_pid, roles = before[args.target]["pid"], {i: r["role"] for i, r in before.items()}
+    hosts_before = {i: netns_of(r["pid"]) for i, r in before.items()}
     os.kill(old_pid, signal.SIGKILL)
-    t_kill = time.monotonic() - t0
+    t_kill, wall_kill = time.monotonic() - t0, time.time()
     events, timeline = {}, []
     while "restart" not in events:
         await asyncio.sleep(0.05)
@@ -106,6 +122,7 @@ async def drill(args, url: str) -> dict:
             events.setdefault("detect", now)
         elif target["pid"] != old_pid:
             events["restart"] = now
+            events["spawned"] = t_kill + process_started(target["pid"]) - wall_kill
         if now - t_kill > args.give_up_s:
             raise TimeoutError(f"{args.target} not back {args.give_up_s} s after the kill")
     for instance_id, role in roles.items():  # hand the stage back to the restarted engine's partner
@@ -118,7 +135,8 @@ async def drill(args, url: str) -> dict:
     await asyncio.sleep(args.after_s)
     stop.set()
     records = await loader
-    return {"kill": t_kill, "events": events, "roles_before": roles, "records": records,
+    return {"kill": t_kill, "events": events, "roles_before": roles, "hosts_before": hosts_before,
+            "host_after": netns_of(instances(url)[args.target]["pid"]), "records": records,
             "timeline": timeline[:: max(1, len(timeline) // 200)]}
 
 
@@ -126,7 +144,9 @@ def summary(result: dict, target: str) -> dict:
     kill, ev, recs = result["kill"], result["events"], result["records"]
     in_flight = [r for r in recs if r["start"] <= kill <= r["end"]]
     lost = [r for r in recs if r["error"]]
-    return {"target": target, "detect_s": round(ev["detect"] - kill, 2), "restart_s": round(ev["restart"] - kill, 2),
+    return {"target": target, "hosts": result["hosts_before"], "target_host_after": result["host_after"],
+            "detect_s": round(ev["detect"] - kill, 2), "new_engine_process_s": round(ev["spawned"] - kill, 2),
+            "restart_s": round(ev["restart"] - kill, 2),
             "restored_1p1d_s": round(ev["restored"] - kill, 2), "requests": len(recs),
             "in_flight_at_kill": len(in_flight), "retried_or_resumed": sum(r["retries"] > 0 for r in recs),
             "lost": len(lost), "lost_errors": sorted({r["error"] for r in lost})[:5],
