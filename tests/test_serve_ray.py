@@ -93,6 +93,38 @@ def test_actor_options_ask_for_threads_role_resource_and_host():
         role_resources(["gpu=fast"])
 
 
+def test_with_ray_a_topology_places_every_instance_remote_ones_on_their_node(tmp_path):
+    from test_serve_disagg_router import serve_args
+
+    path = tmp_path / "topo.yaml"
+    path.write_text("instances:\n  - {id: p0, role: prefill}\n  - {id: d-far, role: decode, host: 10.0.0.7}\n")
+    launch, args = serve_args("--topology", str(path), "--ray")
+    launch.check_args(args)
+    assert launch.engine_roles(args) == [("p0", "prefill"), ("d-far", "decode")]
+    far = args.topology_spec.remote[0]
+    assert actor_options(far.id, far.role, 1, {}, far.host, 3)["resources"] == {"node:10.0.0.7": RESOURCE_SHARE}
+
+
+@needs_ray
+def test_off_loopback_ray_generates_both_link_secrets_and_needs_tcp_kv():
+    from splitserve.cluster.ray_placement import check_ray_args
+    from splitserve.kv_transfer import kv_config_from_args
+    from test_serve_disagg_router import serve_args
+
+    off_host = ("--prefill", "1", "--decode", "1", "--ray", "--engine-address", "tcp://10.0.0.1:0")
+    launch, args = serve_args(*off_host)
+    launch.check_args(args)
+    with pytest.raises(ValueError, match="--kv-transport tcp"):
+        check_ray_args(args)
+    launch, args = serve_args(*off_host, "--kv-transport", "tcp")
+    launch.check_args(args)
+    check_ray_args(args)
+    for path in (args.engine_secret_file, args.kv_secret_file):
+        assert (path.stat().st_mode & 0o777) == 0o600 and len(path.read_text()) == 64
+    assert args.engine_secret_file.read_text() != args.kv_secret_file.read_text()
+    assert kv_config_from_args(args).secret == args.kv_secret_file.read_bytes()
+
+
 def test_ray_without_ray_installed_says_how_to_install_it():
     code = "import sys; sys.modules['ray'] = None; from splitserve.cli import main; raise SystemExit(main())"
     out = subprocess.run([sys.executable, "-c", code, "serve", "--ray"], cwd=REPO, capture_output=True,

@@ -10,7 +10,9 @@ For every instance on another host, serve prints the `splitserve engine` command
 and waits (up to --startup-timeout) until it joins. Across hosts KV moves over tcp (start serve
 with --kv-transport tcp too); an engine address reachable from other hosts needs
 --engine-secret-file, and a prefill instance serving KV to other hosts needs --kv-host and
---kv-secret-file (each refuses to start otherwise). Tested here on one host only.
+--kv-secret-file (each refuses to start otherwise). With `serve --ray` nothing is started by hand:
+Ray places every instance, one with a `host` on the Ray node of that address
+(cluster/ray_placement.py).
 """
 from __future__ import annotations
 
