@@ -173,8 +173,9 @@ class RayPlacement:
             failed = [i for i in self.dead_for_good() if i not in client.instances]
             if failed:
                 ready.cancel()
-                raise RuntimeError(f"engines {failed} died during startup {self._max_restarts + 1} time(s) under "
-                                   "Ray; their output above (or in the Ray worker logs) says why")
+                raise RuntimeError(f"engines {failed} died during startup and Ray will not restart them again "
+                                   f"(--ray-max-restarts {self._max_restarts}); their output above (or in the "
+                                   "Ray worker logs) says why")
             await asyncio.wait({ready}, timeout=PROBE_INTERVAL_S)
         ready.result()
 
@@ -182,7 +183,8 @@ class RayPlacement:
         """After the frontend told every engine to shut down: let them exit, then end the actors."""
         ray = self.ray
         waits = [actor.wait.remote(grace_s) for actor in self.actors.values()]
-        ray.wait(waits, num_returns=len(waits), timeout=grace_s + 2)
+        if waits:
+            ray.wait(waits, num_returns=len(waits), timeout=grace_s + 2)
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         ray.shutdown()
