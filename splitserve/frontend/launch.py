@@ -223,13 +223,14 @@ async def serve(args: argparse.Namespace) -> int:
     placement: RayPlacement | None = None
     mix = None
 
+    ray_hosts = {i.id: i.host for i in spec.remote} if spec is not None else {}
+
     def place(engine_id: str, role: str, cores: str | None = None) -> None:
-        config, env = engine_config_from_args(args, role, engine_id), engine_env(args, len(roles))
+        config = engine_config_from_args(args, role, engine_id)
         if placement is not None:
-            host = next((i.host for i in spec.remote if i.id == engine_id), None) if spec is not None else None
-            placement.start(config, host)
+            placement.start(config, ray_hosts.get(engine_id))
             return
-        proc = start_engine_process(args, config, client.address, cores, env)
+        proc = start_engine_process(args, config, client.address, cores, engine_env(args, len(roles)))
         processes.append(proc)
         client.attach_process(engine_id, proc)
 
