@@ -20,6 +20,7 @@ This module imports Ray lazily; `ray_placement.py` turns the class into a Ray ac
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -66,7 +67,8 @@ class EngineActor:
     def _watch(self) -> None:
         code = self.proc.wait()
         if self._secret_path is not None:
-            os.unlink(self._secret_path)
+            with contextlib.suppress(OSError):  # whatever happens here, the exit below must follow
+                os.unlink(self._secret_path)
         if code == 0:  # it was told to stop: no restart
             import ray
 
