@@ -9,9 +9,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from splitserve.protocol import ResendHello, Shutdown
 from test_dispatch_faults import FakeEngine, beat, started_client
+
+
+async def eventually(predicate, engine: FakeEngine | None = None, timeout_s: float = 20.0) -> bool:
+    """Waits (beating as `engine`, if given) until predicate() holds; a loaded box may be slow."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        if engine is not None:
+            engine.heartbeat()
+        await asyncio.sleep(0.1)
+    return predicate()
 
 
 def test_an_engine_restarted_after_its_removal_is_asked_for_its_hello_and_joins():
@@ -22,16 +33,19 @@ def test_an_engine_restarted_after_its_removal_is_asked_for_its_hello_and_joins(
             old.hello()
             await client.wait_ready(["e0"], 5)
             old.close()  # killed
-            await asyncio.sleep(2.0)  # declared dead, then removed for its silence
-            assert client.instances["e0"].removed
+            assert await eventually(lambda: client.instances["e0"].removed)  # dead, then silent too long
             new = FakeEngine(client.address, "e0")
-            await beat(new, 0.3)  # its stats may leave before its hello does
-            received = new.received()
-            assert any(isinstance(m, ResendHello) for m in received)
+            received: list = []
+
+            def asked_for_hello() -> bool:
+                received.extend(new.received())
+                return any(isinstance(m, ResendHello) for m in received)
+
+            assert await eventually(asked_for_hello, new)  # its stats may leave before its hello does
             assert not any(isinstance(m, Shutdown) for m in received)
             new.hello(pid=5151)
-            await beat(new, 0.3)
-            assert client.instances["e0"].alive and client.instances["e0"].hello.pid == 5151
+            assert await eventually(lambda: client.instances["e0"].alive, new)
+            assert client.instances["e0"].hello.pid == 5151
             assert client.router.instances["e0"].alive
             new.close()
         finally:
@@ -48,17 +62,16 @@ def test_a_restart_heard_before_its_hello_takes_over_the_id_once():
             old.hello()
             await client.wait_ready(["e0"], 5)
             old.close()
-            await asyncio.sleep(0.9)  # declared dead, not removed
-            assert not client.instances["e0"].alive
+            assert await eventually(lambda: not client.instances["e0"].alive)  # dead, not removed
             new = FakeEngine(client.address, "e0")
-            await beat(new, 0.3)  # admitted back as if it were the old process
-            assert client.instances["e0"].alive and client.instances["e0"].hello.pid == 4242
+            # admitted back as if it were the old process
+            assert await eventually(lambda: client.instances["e0"].alive, new)
+            assert client.instances["e0"].hello.pid == 4242
             new.hello(pid=5151, role="decode")
-            await beat(new, 0.3)
-            assert client.instances["e0"].hello.pid == 5151
+            assert await eventually(lambda: client.instances["e0"].hello.pid == 5151, new)
             assert client.router.instances["e0"].role == "decode"
             new.hello(pid=6161)  # a third process: the id is taken by a live engine again
-            await beat(new, 0.3)
+            await beat(new, 1.0)
             assert client.instances["e0"].hello.pid == 5151
         finally:
             await client.shutdown()
