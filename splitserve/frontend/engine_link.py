@@ -11,7 +11,13 @@ silence (engines send a heartbeat every 0.25 s). A dead instance that speaks aga
 declared dead: it is admitted back (told to drop the requests it held, which were retried or
 resumed elsewhere). One still silent `orphan_grace_s` after it was declared dead is told to stop
 (and a process we started is terminated), as is an instance removed on purpose (drained): no
-orphans keep a KV cache and cores.
+orphans keep a KV cache and cores. If an id removed for its silence speaks again, a supervisor
+(Ray) restarted it or a partition healed: it is asked for its hello and rejoins as a fresh
+instance. A drained one that speaks is told to stop again.
+
+A supervisor's restart may speak before its hello (its stats and hello leave on two sockets) while
+its predecessor is only dead, not yet removed: it is admitted back as if it were the old process,
+and its hello a moment later, from another pid, replaces the old hello instead of being refused.
 
 A hello is checked field by field, and a second hello for a live engine id is refused: another
 local process cannot take over an engine's identity or shrink every engine's context limit.
@@ -105,6 +111,8 @@ class EngineLink:
         self._watchdog: asyncio.Task | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self._hello_asked: dict[str, float] = {}  # unknown engine id -> when we last sent it ResendHello
+        self._orphaned: set[str] = set()  # removed because silent, not drained: may come back
+        self._rejoined_without_hello: set[str] = set()  # admitted back on a message that was not a hello
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -218,6 +226,9 @@ class EngineLink:
             if not inst.alive:
                 if self.process_exited(engine_id) is not None:
                     continue  # its last words, sent before it exited
+                if inst.removed and engine_id in self._orphaned:
+                    self._ask_hello(engine_id)
+                    continue
                 if inst.removed:
                     self.send(engine_id, Shutdown("removed from rotation"))
                     continue
@@ -246,7 +257,9 @@ class EngineLink:
     def _on_hello(self, hello: EngineHello) -> None:
         why = check_hello(hello)
         current = self.instances.get(hello.engine_id)
-        if why is None and current is not None and current.alive:
+        restarted = (current is not None and hello.engine_id in self._rejoined_without_hello
+                     and hello.pid != current.hello.pid)
+        if why is None and current is not None and current.alive and not restarted:
             why = f"engine id {hello.engine_id!r} is already taken by a live engine (pid {current.hello.pid})"
         others = [i for i in self.instances.values() if i.alive and i.hello.engine_id != hello.engine_id]
         if why is None and others and hello.model_name != others[0].hello.model_name:
@@ -259,6 +272,14 @@ class EngineLink:
             del self._processes[hello.engine_id]
             process = None
         self._hello_asked.pop(hello.engine_id, None)
+        self._orphaned.discard(hello.engine_id)
+        self._rejoined_without_hello.discard(hello.engine_id)
+        if restarted:  # the router already counts it live; a role other than its predecessor's re-adds it
+            log.warning("engine %s restarted (pid %d -> %d)", hello.engine_id, current.hello.pid, hello.pid)
+            old_role, current.hello = current.hello.role, hello
+            if hello.role != old_role:
+                self.listener.on_ready(hello.engine_id, rejoined=True)
+            return
         self.instances[hello.engine_id] = Instance(hello, time.monotonic(), process=process)
         log.info("engine %s ready (%s, pid %d, %d KV blocks)", hello.engine_id, hello.role, hello.pid,
                  hello.num_blocks_total)
@@ -266,7 +287,8 @@ class EngineLink:
 
     def _rejoin(self, engine_id: str, inst: Instance) -> None:
         inst.alive, inst.dead_since = True, None
-        log.warning("engine %s speaks again: it was alive after all; admitted back", engine_id)
+        self._rejoined_without_hello.add(engine_id)
+        log.warning("engine %s speaks again: it was alive after all (or restarted); admitted back", engine_id)
         if inst.lost_request_ids:  # retried or resumed elsewhere meanwhile: it must drop them
             self.send(engine_id, AbortRequests(sorted(inst.lost_request_ids)))
             inst.lost_request_ids.clear()
@@ -310,3 +332,4 @@ class EngineLink:
             elif (not inst.removed and inst.dead_since is not None and self.process_exited(engine_id) is None
                   and now - max(heard, inst.dead_since) > self.orphan_grace_s):
                 self.remove(engine_id, f"silent for {self.orphan_grace_s:g} s after it was declared dead")
+                self._orphaned.add(engine_id)

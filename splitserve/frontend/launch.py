@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 
+from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, check_ray_args
 from splitserve.config import EngineConfig
 from splitserve.frontend.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_limit_arguments(p)
     add_engine_link_arguments(p)
     add_adaptive_arguments(p)
+    add_ray_arguments(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -126,9 +128,10 @@ def core_sets(instances: int, threads: int) -> list[str]:
 
 
 def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(engine_id, role) of every engine `serve` starts."""
+    """(engine_id, role) of every engine `serve` starts (with --ray, Ray places a topology's remote ones too)."""
     if getattr(args, "topology_spec", None) is not None:
-        return [(i.id, i.role) for i in args.topology_spec.local]
+        spec = args.topology_spec
+        return [(i.id, i.role) for i in (spec.instances if args.ray is not None else spec.local)]
     if args.prefill or args.decode:
         return ([(f"prefill-{i}", "prefill") for i in range(args.prefill)]
                 + [(f"decode-{i}", "decode") for i in range(args.decode)])
@@ -202,7 +205,8 @@ async def serve(args: argparse.Namespace) -> int:
     from splitserve.frontend.router import Router
 
     roles = engine_roles(args)
-    remote = args.topology_spec.remote if args.topology_spec is not None else []
+    spec = args.topology_spec
+    remote = spec.remote if spec is not None and args.ray is None else []
     if args.threads_per_instance is None and roles:
         # Unset, every engine would start one torch thread per core and they would fight over
         # them; split the cores this process may use evenly instead.
@@ -219,26 +223,40 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "
               f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
+    placement: RayPlacement | None = None
     mix = None
+
+    ray_hosts = {i.id: i.host for i in spec.remote} if spec is not None else {}
+
+    def place(engine_id: str, role: str, cores: str | None = None) -> None:
+        config = engine_config_from_args(args, role, engine_id)
+        if placement is not None:
+            placement.start(config, ray_hosts.get(engine_id))
+            return
+        proc = start_engine_process(args, config, client.address, cores, engine_env(args, len(roles)))
+        processes.append(proc)
+        client.attach_process(engine_id, proc)
+
     try:
+        if args.ray is not None:
+            env = {k: v for k, v in engine_env(args, len(roles)).items() if os.environ.get(k) != v}
+            # a restarted engine's hello must come after the frontend declared its predecessor dead
+            placement = RayPlacement(args, client.address, env, args.engine_silence_timeout + 0.5)
         for (engine_id, role), cores in zip(roles, cpus):
-            proc = start_engine_process(args, engine_config_from_args(args, role, engine_id), client.address, cores,
-                                engine_env(args, len(roles)))
-            processes.append(proc)
-            client.attach_process(engine_id, proc)
+            place(engine_id, role, cores)
         client.start()
         # The tokenizer loads here while the engines load the model in their processes.
         client.renderer = await asyncio.to_thread(load_renderer, args.model, args.tool_call_parser)
-        await client.wait_ready(engine_ids, args.startup_timeout)
+        if placement is not None:
+            await placement.wait_ready(client, engine_ids, args.startup_timeout)
+        else:
+            await client.wait_ready(engine_ids, args.startup_timeout)
         counters: dict[str, int] = {}
 
         def spawn_engine(role: str) -> str:  # POST /admin/instances
             counters[role] = counters.get(role, 0) + 1
             engine_id = f"{role}-added-{counters[role]}"
-            proc = start_engine_process(args, engine_config_from_args(args, role, engine_id), client.address, None,
-                                engine_env(args, len(roles)))
-            processes.append(proc)
-            client.attach_process(engine_id, proc)
+            place(engine_id, role)
             return engine_id
 
         mix = adaptive_from_args(args, client, metrics, len(engine_ids))
@@ -264,6 +282,8 @@ async def serve(args: argparse.Namespace) -> int:
             await mix.stop()
         await client.shutdown()
         await asyncio.to_thread(stop_engines, processes)
+        if placement is not None:
+            placement.stop()
         log.warning("all engines stopped")
     return 0
 
@@ -272,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         check_args(args)
+        check_ray_args(args)
         check_limit_args(args)
         check_adaptive_args(args)
         # an unreadable key file or a bad key fails here, before any engine starts

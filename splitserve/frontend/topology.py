@@ -11,7 +11,9 @@ and waits (up to --startup-timeout) until it joins. Across hosts KV moves over t
 with --kv-transport tcp too); an engine address reachable from other hosts needs
 --engine-secret-file, and a prefill instance serving KV to other hosts needs --kv-host and
 --kv-secret-file (each refuses to start otherwise). Tested across network namespaces joined by
-shaped links (splitserve/testbed/, docs/multihost.md).
+shaped links (splitserve/testbed/, docs/multihost.md). With `serve --ray` nothing is started by
+hand: Ray places every instance, one with a `host` on the Ray node of that address
+(cluster/ray_placement.py).
 """
 from __future__ import annotations
 

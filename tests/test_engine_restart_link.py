@@ -1,0 +1,80 @@
+"""A supervisor (Ray) restarts a dead engine under its id: the frontend's link admits the new process.
+
+- Restarted after the frontend removed the silent instance: the newcomer is asked for its hello
+  (not told to stop, as a drained instance is) and joins as a fresh instance.
+- Restarted before that, its heartbeat beating its hello: it is admitted back at once, and its hello
+  from a new pid replaces the predecessor's (new role included) instead of being refused; after
+  that the id is taken again, so a third process cannot claim it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from splitserve.protocol import ResendHello, Shutdown
+from test_dispatch_faults import FakeEngine, beat, started_client
+
+
+async def eventually(predicate, engine: FakeEngine | None = None, timeout_s: float = 20.0) -> bool:
+    """Waits (beating as `engine`, if given) until predicate() holds; a loaded box may be slow."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        if engine is not None:
+            engine.heartbeat()
+        await asyncio.sleep(0.1)
+    return predicate()
+
+
+def test_an_engine_restarted_after_its_removal_is_asked_for_its_hello_and_joins():
+    async def go():
+        client = await started_client(heartbeat_timeout_s=0.5, orphan_grace_s=1.0)
+        old = FakeEngine(client.address, "e0")
+        try:
+            old.hello()
+            await client.wait_ready(["e0"], 5)
+            old.close()  # killed
+            assert await eventually(lambda: client.instances["e0"].removed)  # dead, then silent too long
+            new = FakeEngine(client.address, "e0")
+            received: list = []
+
+            def asked_for_hello() -> bool:
+                received.extend(new.received())
+                return any(isinstance(m, ResendHello) for m in received)
+
+            assert await eventually(asked_for_hello, new)  # its stats may leave before its hello does
+            assert not any(isinstance(m, Shutdown) for m in received)
+            new.hello(pid=5151)
+            assert await eventually(lambda: client.instances["e0"].alive, new)
+            assert client.instances["e0"].hello.pid == 5151
+            assert client.router.instances["e0"].alive
+            new.close()
+        finally:
+            await client.shutdown()
+    asyncio.run(go())
+
+
+def test_a_restart_heard_before_its_hello_takes_over_the_id_once():
+    async def go():
+        client = await started_client(heartbeat_timeout_s=0.5, orphan_grace_s=30.0)
+        old = FakeEngine(client.address, "e0")
+        new = None
+        try:
+            old.hello()
+            await client.wait_ready(["e0"], 5)
+            old.close()
+            assert await eventually(lambda: not client.instances["e0"].alive)  # dead, not removed
+            new = FakeEngine(client.address, "e0")
+            # admitted back as if it were the old process
+            assert await eventually(lambda: client.instances["e0"].alive, new)
+            assert client.instances["e0"].hello.pid == 4242
+            new.hello(pid=5151, role="decode")
+            assert await eventually(lambda: client.instances["e0"].hello.pid == 5151, new)
+            assert client.router.instances["e0"].role == "decode"
+            new.hello(pid=6161)  # a third process: the id is taken by a live engine again
+            await beat(new, 1.0)
+            assert client.instances["e0"].hello.pid == 5151
+        finally:
+            await client.shutdown()
+            if new is not None:
+                new.close()
+    asyncio.run(go())
