@@ -57,6 +57,14 @@ def test_comparison_puts_the_exact_plans_prediction_beside_each_measurement():
     assert "predicted vs measured" in render(out)
 
 
+def test_a_measured_percentile_that_is_infinite_gets_no_error_instead_of_nan():
+    doc = results_doc()
+    doc["arrangements"][0]["runs"][0]["summary"]["ttft_s"]["p99"] = float("inf")  # a request never answered
+    out = compare_results(parse_profile(PROFILE), doc)
+    row = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "TTFT p99")
+    assert row["error"] is None and "nan" not in render(out)
+
+
 def test_a_plan_json_carries_its_profile():
     assert profile_of({"arrangements": [], "profile": PROFILE}).model_name == "hand"
     assert profile_of(PROFILE).model_name == "hand"

@@ -33,6 +33,7 @@ def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_pa
     assert set(doc["kv_transfer"]) == {"shm", "tcp"} and doc["kv_transfer"]["tcp"]["gb_per_s"] > 0
     assert doc["machine"]["num_cores"] >= 1 and "cpu_model" in doc["machine"]
     assert doc["startup_s"]["load_model"] > 0
+    assert doc["model"]["weight_format"] == "fp32"  # an HF checkpoint: no GGUF blocks to keep
     profile = parse_profile(doc)
     assert profile.steps.for_threads(1).per_prefill_token_s >= 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 
@@ -36,8 +37,8 @@ def profile_of(doc: dict, source: str = "plan") -> Profile:
 
 
 def _error(name: str, predicted, measured):
-    if predicted is None or measured is None:
-        return None
+    if predicted is None or measured is None or not math.isfinite(predicted) or not math.isfinite(measured):
+        return None  # a request that never got a token is infinitely late: no error to put on that
     if name == "attainment":
         return predicted - measured
     return (predicted - measured) / measured if measured else None

@@ -8,6 +8,7 @@ requests meeting all four.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -138,9 +139,7 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
 
 def _pct_sorted(values: list[float], q: float) -> float:
     """numpy's default (linear) percentile of an already sorted list."""
-    pos = (len(values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(values) - 1)
+    pos, lo, hi = _pct_positions(len(values), q)
     if math.isinf(values[hi]):  # a never-served request is infinitely late: no inf - inf
         return values[hi] if pos > lo else values[lo]
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
@@ -151,25 +150,50 @@ def _pcts(values, qs=(50, 90, 99)) -> dict:
     return {f"p{q}": (_pct_sorted(ordered, q) if ordered else None) for q in qs}
 
 
+def _pct_positions(n: int, q: float) -> tuple[float, int, int]:
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    return pos, lo, min(lo + 1, n - 1)
+
+
+def _gap_scores(requests: list[SimRequest], q: float) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Each request's gap percentile `q` and longest gap (0 without gaps), and the p50/p90/p99 of
+    every gap: the same numbers as _pct_sorted on sorted lists, from one flat array partitioned
+    at the positions read (requests with the same number of gaps as one 2-D array), without a
+    Python loop or a full sort over 10,000 requests' gaps."""
+    lengths = np.fromiter((len(r.gaps) for r in requests), dtype=np.int64, count=len(requests))
+    flat = np.fromiter(itertools.chain.from_iterable(r.gaps for r in requests), dtype=float, count=int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths
+    pct, longest = np.zeros(len(requests)), np.zeros(len(requests))
+    for length in np.unique(lengths[lengths > 0]).tolist():
+        idx = np.flatnonzero(lengths == length)
+        pos, lo, hi = _pct_positions(length, q)
+        gaps = np.partition(flat[starts[idx, None] + np.arange(length)], sorted({lo, hi, length - 1}), axis=1)
+        pct[idx] = gaps[:, lo] + (gaps[:, hi] - gaps[:, lo]) * (pos - lo)
+        longest[idx] = gaps[:, -1]
+    every = {}
+    if len(flat):
+        kth = sorted({i for p in (50, 90, 99) for i in _pct_positions(len(flat), p)[1:]})
+        flat = np.partition(flat, kth)
+        for p in (50, 90, 99):
+            pos, lo, hi = _pct_positions(len(flat), p)
+            every[f"p{p}"] = float(flat[lo] + (flat[hi] - flat[lo]) * (pos - lo))
+    else:
+        every = {"p50": None, "p90": None, "p99": None}
+    return pct, longest, every
+
+
 def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
-    ttft, gap_pct, longest, e2e, good, all_gaps = [], [], [], [], [], []
-    misses = {"TTFT": 0, "inter-token gap": 0, "longest pause": 0, "end-to-end time": 0}
-    for r in requests:
-        gaps = sorted(r.gaps)
-        all_gaps.extend(r.gaps)
-        # a request the simulated cache could never admit never starts: it misses every deadline
-        t = r.first_s - r.arrival_s if r.first_s is not None else math.inf
-        e = r.finished_s - r.arrival_s if r.finished_s is not None else math.inf
-        g = _pct_sorted(gaps, slo.gap_percentile) if gaps else 0.0
-        m = gaps[-1] if gaps else 0.0
-        ttft.append(t)
-        gap_pct.append(g)
-        longest.append(m)
-        e2e.append(e)
-        ok = (t <= slo.ttft_s, g <= slo.gap_s, m <= slo.max_pause_s, e <= slo.e2e_s)
-        for name, passed in zip(misses, ok):
-            misses[name] += not passed
-        good.append(all(ok))
+    inf = math.inf
+    # a request the simulated cache could never admit never starts: it misses every deadline
+    ttft = [r.first_s - r.arrival_s if r.first_s is not None else inf for r in requests]
+    e2e = [r.finished_s - r.arrival_s if r.finished_s is not None else inf for r in requests]
+    gap_pct, longest, all_gaps = _gap_scores(requests, slo.gap_percentile)
+    checks = {"TTFT": np.asarray(ttft) <= slo.ttft_s, "inter-token gap": gap_pct <= slo.gap_s,
+              "longest pause": longest <= slo.max_pause_s, "end-to-end time": np.asarray(e2e) <= slo.e2e_s}
+    misses = {name: int((~ok).sum()) for name, ok in checks.items()}
+    good = np.logical_and.reduce(list(checks.values())).tolist()
+    gap_pct, longest = gap_pct.tolist(), longest.tolist()
     duration = max((r.finished_s for r in requests if r.finished_s is not None), default=0.0)
     by_class = {}
     for name in sorted({r.class_name for r in requests}):
@@ -178,7 +202,7 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
                           "ttft_s": _pcts([ttft[i] for i in idx])}
     return {"num_requests": len(requests), "attainment": sum(good) / len(requests),
             "goodput_rps": sum(good) / duration if duration > 0 else 0.0, "duration_s": duration,
-            "ttft_s": _pcts(ttft), "gap_s": _pcts(all_gaps, (50, 90, 99)), "e2e_s": _pcts(e2e),
+            "ttft_s": _pcts(ttft), "gap_s": all_gaps, "e2e_s": _pcts(e2e),
             "longest_pause_s": {**_pcts(longest), "max": max(longest)}, "by_class": by_class,
             "utilization": {i.name: round(i.busy_s / duration, 3) if duration > 0 else 0.0 for i in instances},
             "num_preemptions": sum(i.num_preemptions for i in instances),

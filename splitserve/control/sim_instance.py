@@ -83,6 +83,29 @@ class Instance:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled)
 
+    def decoding_only(self) -> bool:
+        """Nothing to admit and every running request past its first token: the next steps are
+        decodes of the same batch until one finishes or something arrives."""
+        if self.waiting or self.prefilled or not self.running:
+            return False
+        return all(r.outputs and r.computed == r.prompt_tokens + r.outputs - 1 for r in self.running)
+
+    def decode_steps_with_blocks(self, steps: int) -> int:
+        """How many of the next `steps` decode-only steps the free blocks hold without preempting
+        (a step's token at position `computed` needs computed < blocks * block_size)."""
+        def need(k: int) -> int:
+            return sum(max(0, self._need(r.computed + k) - r.blocks) for r in self.running)
+        # each request needs at most ceil(steps / block_size) new blocks: the usual, quick answer
+        if steps == 0 or len(self.running) * -(-steps // self.block_size) <= self.free_blocks:
+            return steps
+        if need(steps) <= self.free_blocks:
+            return steps
+        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= self.free_blocks else (lo, mid)
+        return lo
+
     def _need(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

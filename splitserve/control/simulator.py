@@ -23,6 +23,8 @@ __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
 class Simulation:
     """Runs `requests` (sorted by arrival) on instances; `transfer_s(prompt_tokens)` for P->D moves."""
 
+    fast_forward = True  # batch runs of decode-only steps (tests turn it off to compare timelines)
+
     def __init__(self, instances: list[Instance], transfer_s=lambda n: 0.0):
         self.instances = instances
         self.colocated = [i for i in instances if i.role == "colocated"]
@@ -50,20 +52,67 @@ class Simulation:
             return
         now, colocated_only = self.now, not self.prefill
         while True:
+            horizon = self._next_arrival_s
+            if not colocated_only and self.events:
+                horizon = min(horizon, self.events[0][0])
+            if self.fast_forward and inst.decoding_only():
+                now = self._fast_forward(inst, now, horizon)
             decodes, prefills = inst.schedule()
             if not decodes and not prefills:
                 return
             end = now + inst.step_seconds(decodes, prefills)
             inst.busy_s += end - now
-            horizon = self._next_arrival_s
-            if not colocated_only and self.events:
-                horizon = min(horizon, self.events[0][0])
             if end >= horizon:
                 inst.busy = True
                 self._push(end, 1, (inst, decodes, prefills))
                 return
             self._finish_step(inst, decodes, prefills, end)
             now = end
+
+    def _fast_forward(self, inst: Instance, now: float, horizon: float) -> float:
+        """Run, in one go, the decode-only steps that end before `horizon` and before any request
+        finishes (the batch is fixed, so step k lasts step_s(n, kv0 + k n)). The same floats as
+        step by step: each end is the previous end plus that step's time, each gap an end minus the
+        previous one. Returns the time the last of them ends (`now` when none could run)."""
+        running, model = inst.running, inst.model
+        n = len(running)
+        max_steps = min(r.answer_tokens - r.outputs for r in running) - 1  # the finishing step goes the normal way
+        if max_steps <= 0:
+            return now
+        kv = sum(r.computed + 1 for r in running)
+        # model.step_s(0, 0.0, n, kv) evaluates to exactly (overhead + per_decode_seq * n) + per_kv * kv
+        base, per_kv = model.overhead_s + model.per_decode_seq_s * n, model.per_decode_kv_token_s
+        ends, gaps, end = [], [], now  # gaps[j] = ends[j] - ends[j - 1], as one step at a time records it
+        for _ in range(max_steps):
+            nxt = end + (base + per_kv * kv)
+            if nxt >= horizon:
+                break
+            ends.append(nxt)
+            gaps.append(nxt - end)
+            end = nxt
+            kv += n
+        k = inst.decode_steps_with_blocks(len(ends))
+        if k == 0:
+            return now
+        tail = gaps[1:k]
+        busy = inst.busy_s
+        for gap in gaps[:k]:
+            busy += gap
+        inst.busy_s = busy
+        first, last, bs = ends[0], ends[k - 1], inst.block_size
+        for r in running:
+            r.gaps.append(first - r.last_s)
+            r.gaps.extend(tail)
+            r.last_s = last
+            r.computed += k
+            r.outputs += k
+            need = -(-r.computed // bs)
+            if need > r.blocks:
+                inst.free_blocks -= need - r.blocks
+                r.blocks = need
+            (r.decode_instance or inst).outstanding -= k
+        inst.num_steps += k
+        return last
 
     def _route(self, req: SimRequest) -> Instance:
         if self.colocated:
