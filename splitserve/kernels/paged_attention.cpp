@@ -26,16 +26,58 @@ ALWAYS_INLINE v16f load16(const float* p) {
   return v;
 }
 
+// Horizontal sums as a tree (4 dependent adds, not 16): the lanes are summed in another order
+// than a sequential loop, which fp32 tolerance covers.
+ALWAYS_INLINE float hsum16(v16f v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v4f __attribute__((vector_size(16)));
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
   if (n >= 16) {
     v16f sum = load16(a) * load16(b);
     for (i = 16; i + 16 <= n; i += 16) sum += load16(a + i) * load16(b + i);
-    for (int j = 0; j < 16; ++j) acc += sum[j];
+    acc = hsum16(sum);
   }
   for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+// Sixteen vectors in, one out: lane j holds the sum of v[j]'s lanes. Each level adds halves of
+// two vectors into one (8 + 4 + 2 + 1 two-source shuffles and adds for 16 sums, against 16
+// separate horizontal sums); the lanes come out in bit-reversed order and one permute fixes it.
+ALWAYS_INLINE v16f transpose_sum16(v16f* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const v16f r = __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                 __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// scores[j] = scale * q . k_j for up to 16 consecutive keys (rows hd apart); hd a multiple of 16.
+ALWAYS_INLINE void scores16(const float* q, const float* k, int64_t n, int64_t hd, float scale, float* scores) {
+  v16f part[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    v16f sum = {};
+    if (j < n)
+      for (int64_t c = 0; c < hd; c += 16) sum += load16(q + c) * load16(k + j * hd + c);
+    part[j] = sum;
+  }
+  const v16f s = transpose_sum16(part) * scale;
+  for (int64_t j = 0; j < n; ++j) scores[j] = s[j];
 }
 
 ALWAYS_INLINE void axpy(float alpha, const float* x, float* y, int64_t n) {
@@ -75,8 +117,14 @@ ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const f
   for (int64_t start = 0; start < ctx; start += block_size) {
     const float* k = keys + blocks[start / block_size] * block_size * hd;
     const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-    for (int64_t j = 0; j < n; ++j, k += hd)
-      for (int64_t g = 0; g < group; ++g) scores[g * ctx + start + j] = dot(q + g * hd, k, hd) * scale;
+    if (hd % 16 == 0) {
+      for (int64_t j = 0; j < n; j += 16)
+        for (int64_t g = 0; g < group; ++g)
+          scores16(q + g * hd, k + j * hd, n - j < 16 ? n - j : 16, hd, scale, scores + g * ctx + start + j);
+    } else {
+      for (int64_t j = 0; j < n; ++j, k += hd)
+        for (int64_t g = 0; g < group; ++g) scores[g * ctx + start + j] = dot(q + g * hd, k, hd) * scale;
+    }
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * ctx;
