@@ -72,7 +72,10 @@ def start_server(system: str, args, port: int, log: pathlib.Path) -> subprocess.
     else:
         cmd = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(bundled_gguf()),
                "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.http_threads),
-               "--n_threads_batch", str(args.http_threads), "--n_ctx", "4096"]
+               "--n_threads_batch", str(args.http_threads), "--n_ctx", "4096",
+               # its default (True) ends a running stream whenever a new request arrives: with 32
+               # concurrent clients that cuts 31 of them; False queues them, its best case here
+               "--interrupt_requests", "False"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.http_threads)}
     return subprocess.Popen(cmd, cwd=REPO_DIR, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 

@@ -38,6 +38,39 @@ def wrap_kernels() -> None:
         setattr(module, name, timed)
 
 
+def matmul_rates(model, rows: int, threads: int) -> None:
+    """GFLOP/s of every layer matrix plus the LM head at `rows` rows of x: the block kernel as the
+    engine calls it, against fp32 F.linear on the same (dequantized) weights and a large fp32 GEMM."""
+    import hardware
+    from splitserve.models.gguf_blocks import GGUFBlocks, linear
+
+    torch.set_num_threads(threads)
+    mats = [layer[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+    if not all(isinstance(m, GGUFBlocks) for m in mats):
+        print("weights are not GGUF blocks: no block-kernel rate to measure")
+        return
+    fp32 = [m.dequantize() for m in mats]
+    flops = sum(2.0 * rows * m.shape[0] * m.shape[1] for m in mats)
+    xs = {m.shape[1]: torch.randn(rows, m.shape[1]) for m in mats}
+
+    def best(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time() if threads == 1 else time.perf_counter()
+            fn()
+            times.append((time.process_time() if threads == 1 else time.perf_counter()) - t0)
+        return min(times)
+
+    blocks_s = best(lambda: [linear(xs[m.shape[1]], m) for m in mats])
+    fp32_s = best(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in fp32])
+    gemm = hardware.matmul_gflops(2048, 576, 1536, threads, min_seconds=0.3, max_repeats=5).quiet_gflops
+    print(f"matmuls at {rows} rows, {threads} thread(s) ({'CPU' if threads == 1 else 'wall'} time): "
+          f"block kernel {blocks_s * 1e3:.1f} ms = {flops / blocks_s / 1e9:.1f} GFLOP/s; fp32 F.linear "
+          f"{fp32_s * 1e3:.1f} ms = {flops / fp32_s / 1e9:.1f} GFLOP/s; fp32 GEMM [2048,576]x[576,1536] "
+          f"{gemm:.1f} GFLOP/s -> block kernel at {flops / blocks_s / 1e9 / gemm:.0%} of the GEMM rate")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
@@ -45,6 +78,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--weight-format", default="auto", choices=["auto", "fp32", "gguf"])
+    parser.add_argument("--matmul-rate", action="store_true",
+                        help="also time the step's matmuls alone against fp32 F.linear and a large GEMM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     wrap_kernels()
@@ -78,6 +113,8 @@ def main() -> None:
     print(f"  matmul (block kernel + aten mm)   {matmul + aten_mm:8.2f} ms  {(matmul + aten_mm) / step_ms:6.1%}")
     print(f"  decode attention                  {attention:8.2f} ms  {attention / step_ms:6.1%}")
     print(f"  everything else                   {rest:8.2f} ms  {rest / step_ms:6.1%}")
+    if args.matmul_rate:
+        matmul_rates(engine.runner.model, args.batch_size, args.threads)
 
 
 if __name__ == "__main__":

@@ -49,12 +49,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
   }
 }
 
-template <int FMT, int MR, int NR>
+// ACC = 2 gives each row pair two accumulators (first and second half of a block): with one or two
+// rows of x a single chain of FMAs per output would wait on its own latency every block.
+template <int FMT, int MR, int NR, int ACC>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(
     const float* x, int64_t ldx, const WeightTile& w, float* y, int64_t ldy) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  __m512 acc[ACC][MR][NR];
+  for (int a = 0; a < ACC; ++a)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[a][i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512 w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j)
@@ -64,13 +67,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(
       const __m512 x0 = _mm512_loadu_ps(x + i * ldx + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + i * ldx + b * kBlock + 16);
       for (int j = 0; j < NR; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(w0[j], x0, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(w1[j], x1, acc[i][j]);
+        acc[0][i][j] = _mm512_fmadd_ps(w0[j], x0, acc[0][i][j]);
+        acc[ACC - 1][i][j] = _mm512_fmadd_ps(w1[j], x1, acc[ACC - 1][i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = _mm512_reduce_add_ps(ACC == 2 ? _mm512_add_ps(acc[0][i][j], acc[ACC - 1][i][j]) : acc[0][i][j]);
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA (8 floats a vector)
@@ -101,12 +105,13 @@ __attribute__((target("avx2,fma"))) inline void dequant8x4(const uint8_t* q, flo
   }
 }
 
-template <int FMT, int MR, int NR>
+template <int FMT, int MR, int NR, int ACC>
 __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const WeightTile& w,
                                                    float* y, int64_t ldy) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  __m256 acc[ACC][MR][NR];
+  for (int a = 0; a < ACC; ++a)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[a][i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     __m256 wv[NR][4];
     for (int j = 0; j < NR; ++j)
@@ -115,12 +120,13 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
     for (int i = 0; i < MR; ++i) {
       for (int k = 0; k < 4; ++k) {
         const __m256 xv = _mm256_loadu_ps(x + i * ldx + b * kBlock + 8 * k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j][k], xv, acc[i][j]);
+        for (int j = 0; j < NR; ++j) acc[k % ACC][i][j] = _mm256_fmadd_ps(wv[j][k], xv, acc[k % ACC][i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum256(acc[i][j]);
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = hsum256(ACC == 2 ? _mm256_add_ps(acc[0][i][j], acc[ACC - 1][i][j]) : acc[0][i][j]);
 }
 
 // ---------------------------------------------------------------- plain C++ (any x86-64)
@@ -166,8 +172,8 @@ Isa g_isa = detect_isa();  // may be lowered by set_isa() (tests exercise every 
 template <int FMT, int MR, int NR>
 void run_tile(const float* x, int64_t ldx, const WeightTile& w, float* y, int64_t ldy) {
   switch (g_isa) {
-    case Isa::kAvx512: return tile_avx512<FMT, MR, NR>(x, ldx, w, y, ldy);
-    case Isa::kAvx2: return tile_avx2<FMT, MR, NR>(x, ldx, w, y, ldy);
+    case Isa::kAvx512: return tile_avx512<FMT, MR, NR, (MR <= 2 ? 2 : 1)>(x, ldx, w, y, ldy);
+    case Isa::kAvx2: return tile_avx2<FMT, MR, NR, (MR <= 2 ? 2 : 1)>(x, ldx, w, y, ldy);
     default: return tile_scalar<FMT, MR, NR>(x, ldx, w, y, ldy);
   }
 }
