@@ -11,13 +11,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 constexpr int kBlock = 32;
-enum Format : int { kQ4_1 = 0, kQ8_0 = 1 };
+// kPanel: rows already dequantized to fp32 (by the same functions), 32 floats a block; the tile
+// kernels then only load them, and do the same FMAs in the same order.
+enum Format : int { kQ4_1 = 0, kQ8_0 = 1, kPanel = 2 };
 
-constexpr int64_t bytes_per_block(int fmt) { return fmt == kQ4_1 ? 16 : 32; }
+constexpr int64_t bytes_per_block(int fmt) { return fmt == kQ4_1 ? 16 : fmt == kQ8_0 ? 32 : 128; }
 
 // Weights of one tile: rows [n, n + NR) of W; qs rows are `ldq` bytes apart, d/m rows `nb` apart.
 struct WeightTile {
@@ -32,6 +35,11 @@ struct WeightTile {
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
     const uint8_t* q, float d, float m, __m512& w0, __m512& w1) {
+  if (FMT == kPanel) {
+    w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(q));
+    w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(q) + 16);
+    return;
+  }
   const __m512 vd = _mm512_set1_ps(d);
   if (FMT == kQ4_1) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -87,6 +95,10 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 template <int FMT>
 __attribute__((target("avx2,fma"))) inline void dequant8x4(const uint8_t* q, float d, float m,
                                                            __m256 w[4]) {
+  if (FMT == kPanel) {
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * k);
+    return;
+  }
   const __m256 vd = _mm256_set1_ps(d);
   if (FMT == kQ4_1) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -132,6 +144,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
 // ---------------------------------------------------------------- plain C++ (any x86-64)
 template <int FMT>
 inline float dequant_one(const uint8_t* q, float d, float m, int k) {
+  if (FMT == kPanel) return reinterpret_cast<const float*>(q)[k];
   if (FMT == kQ4_1) {
     const int v = k < 16 ? (q[k] & 0x0F) : (q[k - 16] >> 4);
     return d * static_cast<float>(v) + m;
@@ -201,54 +214,6 @@ void rows_of_x(const float* x, int64_t M, int64_t ldx, const WeightTile& w, floa
   }
 }
 
-void check_inputs(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int fmt) {
-  TORCH_CHECK(fmt == kQ4_1 || fmt == kQ8_0, "unknown GGUF block format ", fmt);
-  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs: contiguous uint8 [N, bytes]");
-  TORCH_CHECK(d.dtype() == torch::kFloat && d.dim() == 2 && d.is_contiguous(), "d: contiguous float32 [N, K/32]");
-  TORCH_CHECK(qs.size(0) == d.size(0) && qs.size(1) == d.size(1) * bytes_per_block(fmt), "qs and d disagree");
-  if (fmt == kQ4_1)
-    TORCH_CHECK(m.sizes() == d.sizes() && m.dtype() == torch::kFloat && m.is_contiguous(), "m must match d");
-}
-
-template <int FMT>
-void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                 const torch::Tensor& m, torch::Tensor& y) {
-  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
-  const int64_t ldq = qs.size(1), num_tiles = (N + kNR - 1) / kNR;
-  // Enough tiles per task that one task's weights are worth a thread; small matrices run inline.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNR / 8));
-  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kNR;
-      const WeightTile w{qp + n * ldq, ldq, dp + n * nb, mp ? mp + n * nb : nullptr, nb};
-      if (n + kNR <= N)
-        rows_of_x<FMT, kNR>(xp, M, x.size(1), w, yp + n, N);
-      else
-        for (int64_t r = n; r < N; ++r) {
-          const WeightTile wr{qp + r * ldq, ldq, dp + r * nb, mp ? mp + r * nb : nullptr, nb};
-          rows_of_x<FMT, 1>(xp, M, x.size(1), wr, yp + r, N);
-        }
-    }
-  });
-}
-
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
-  check_inputs(qs, d, m, fmt);
-  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
-  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
-  x = x.contiguous();
-  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
-  if (x.size(0) == 0) return y;
-  if (fmt == kQ4_1) linear_impl<kQ4_1>(x, qs, d, m, y);
-  else linear_impl<kQ8_0>(x, qs, d, m, y);
-  return y;
-}
-
 // One row of W as fp32 (nb blocks), in the ISA's registers: the same values as dequant_one.
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequant_row_avx512(
@@ -279,6 +244,75 @@ void dequant_row_scalar(const uint8_t* q, const float* d, const float* m, int64_
 }
 
 template <int FMT>
+void dequant_row(const uint8_t* q, const float* d, const float* m, int64_t nb, float* out) {
+  switch (g_isa) {
+    case Isa::kAvx512: return dequant_row_avx512<FMT>(q, d, m, nb, out);
+    case Isa::kAvx2: return dequant_row_avx2<FMT>(q, d, m, nb, out);
+    default: return dequant_row_scalar<FMT>(q, d, m, nb, out);
+  }
+}
+
+void check_inputs(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int fmt) {
+  TORCH_CHECK(fmt == kQ4_1 || fmt == kQ8_0, "unknown GGUF block format ", fmt);
+  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs: contiguous uint8 [N, bytes]");
+  TORCH_CHECK(d.dtype() == torch::kFloat && d.dim() == 2 && d.is_contiguous(), "d: contiguous float32 [N, K/32]");
+  TORCH_CHECK(qs.size(0) == d.size(0) && qs.size(1) == d.size(1) * bytes_per_block(fmt), "qs and d disagree");
+  if (fmt == kQ4_1)
+    TORCH_CHECK(m.sizes() == d.sizes() && m.dtype() == torch::kFloat && m.is_contiguous(), "m must match d");
+}
+
+template <int FMT>
+void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                 const torch::Tensor& m, torch::Tensor& y) {
+  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
+  const int64_t ldq = qs.size(1), num_tiles = (N + kNR - 1) / kNR;
+  // Enough tiles per task that one task's weights are worth a thread; small matrices run inline.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNR / 8));
+  // Above one tile of x rows, each weight row would be dequantized once per tile: dequantize the
+  // tile's NR rows once into an fp32 panel (L1-sized) and let every x tile read it instead.
+  const bool panel = M > kMR;
+  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(panel ? kNR * nb * kBlock : 0);
+    const uint8_t* bp = reinterpret_cast<const uint8_t*>(buf.data());
+    const int64_t ldb = nb * bytes_per_block(kPanel);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kNR, rows = std::min<int64_t>(kNR, N - n);
+      if (panel)
+        for (int64_t r = 0; r < rows; ++r)
+          dequant_row<FMT>(qp + (n + r) * ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb,
+                           buf.data() + r * nb * kBlock);
+      for (int64_t r = 0; r < rows; r += (rows == kNR ? kNR : 1)) {
+        const WeightTile w{qp + (n + r) * ldq, ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb};
+        const WeightTile wp{bp + r * ldb, ldb, w.d, nullptr, nb};
+        if (rows == kNR)
+          panel ? rows_of_x<kPanel, kNR>(xp, M, x.size(1), wp, yp + n, N)
+                : rows_of_x<FMT, kNR>(xp, M, x.size(1), w, yp + n, N);
+        else
+          panel ? rows_of_x<kPanel, 1>(xp, M, x.size(1), wp, yp + n + r, N)
+                : rows_of_x<FMT, 1>(xp, M, x.size(1), w, yp + n + r, N);
+      }
+    }
+  });
+}
+
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
+  check_inputs(qs, d, m, fmt);
+  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
+  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  if (x.size(0) == 0) return y;
+  if (fmt == kQ4_1) linear_impl<kQ4_1>(x, qs, d, m, y);
+  else linear_impl<kQ8_0>(x, qs, d, m, y);
+  return y;
+}
+
+template <int FMT>
 void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& w) {
   const int64_t N = qs.size(0), nb = d.size(1), ldq = qs.size(1);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
@@ -290,12 +324,7 @@ void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torc
       const uint8_t* q = qp + r * ldq;
       const float* d = dp + r * nb;
       const float* m = mp ? mp + r * nb : nullptr;
-      float* out = wp + r * nb * kBlock;
-      switch (g_isa) {
-        case Isa::kAvx512: dequant_row_avx512<FMT>(q, d, m, nb, out); break;
-        case Isa::kAvx2: dequant_row_avx2<FMT>(q, d, m, nb, out); break;
-        default: dequant_row_scalar<FMT>(q, d, m, nb, out);
-      }
+      dequant_row<FMT>(q, d, m, nb, wp + r * nb * kBlock);
     }
   });
 }
