@@ -42,13 +42,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
   }
   const __m512 vd = _mm512_set1_ps(d);
   if (FMT == kQ4_1) {
+    // A 4-bit weight has 16 possible values: compute d * q + m once for q = 0..15 and look each
+    // weight up (vpermps reads only an index's low 4 bits, so neither nibble needs masking).
+    // The same multiply and add on the same operands: the same bits as converting each weight.
+    const __m512 table = _mm512_add_ps(
+        _mm512_mul_ps(vd, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), _mm512_set1_ps(m));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask);                     // weights 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // weights 16..31
-    const __m512 vm = _mm512_set1_ps(m);
-    w0 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm);
-    w1 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm);
+    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), table);                       // weights 0..15
+    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), table);  // weights 16..31
   } else {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
