@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from splitserve import kernels
 from splitserve_runs import _params, _random_prompt, _run_until_first_token, build_engine
 
-WRAPPED = ("linear", "paged_decode_attention", "dequantize", "rms_norm_residual", "rope_kv_write",
+WRAPPED = ("linear", "paged_decode_attention", "dequantize", "add_rms_norm", "rope_kv_write",
            "silu_mul")
 
 

@@ -14,33 +14,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace {
 
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")))
 #define AVX2 __attribute__((target("avx2,fma")))
-
-// e^x as Cephes' expf computes it (x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the
-// exponent bits), clamped so 2^n stays finite; within 2 ulp of expf and, unlike libm, vectorizable.
-ALWAYS_INLINE float exp_approx(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  // n reaches 128 at x = 88: build 2^n as two factors so neither exponent overflows
-  const int32_t half = static_cast<int32_t>(n) / 2;
-  const int32_t b1 = (half + 127) << 23, b2 = (static_cast<int32_t>(n) - half + 127) << 23;
-  float s1, s2;
-  __builtin_memcpy(&s1, &b1, sizeof s1);
-  __builtin_memcpy(&s2, &b2, sizeof s2);
-  return p * s1 * s2;
-}
 
 ALWAYS_INLINE void add_rms_norm_row(float* x, const float* delta, const float* w, float* h, int64_t n, float eps) {
   float ss = 0.f;
@@ -76,10 +55,14 @@ ALWAYS_INLINE void rope_row(float* row, int64_t num_rotated, int64_t hd, const f
 
 ALWAYS_INLINE void silu_mul_row(const float* gate_up, float* out, int64_t n) {
   const float* up = gate_up + n;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16f g = load16(gate_up + i);
+    store16(out + i, g / (1.f + exp16(-g)) * load16(up + i));
+  }
+  for (; i < n; ++i) {
     const float g = gate_up[i];
-    out[i] = g / (1.f + exp_approx(-g)) * up[i];
+    out[i] = g / (1.f + exp16(v16f{} - g)[0]) * up[i];
   }
 }
 

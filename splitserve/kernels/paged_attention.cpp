@@ -12,19 +12,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-// GCC vector extensions rather than intrinsics: the same source becomes zmm code inside the
-// AVX-512 wrapper below, ymm pairs inside the AVX2 one, and SSE in the baseline one.
-typedef float v16f __attribute__((vector_size(64)));
-
-ALWAYS_INLINE v16f load16(const float* p) {
-  v16f v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // Horizontal sums as a tree (4 dependent adds, not 16): the lanes are summed in another order
 // than a sequential loop, which fp32 tolerance covers.
@@ -89,26 +79,6 @@ ALWAYS_INLINE void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// exp(x) for x <= 0 (scores minus their maximum) as Cephes' expf does it: x = n ln2 + r, a
-// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 2 ulp of expf, and unlike
-// the libm call it vectorizes.
-ALWAYS_INLINE float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // One (sequence, kv head): `group` query heads share its keys and values.
 ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const float* keys, const float* values,
                 const int64_t* blocks, int64_t block_size, int64_t ctx, float scale, float* out,
@@ -130,15 +100,21 @@ ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const f
     float* s = scores + g * ctx;
     float best = s[0];
     for (int64_t t = 1; t < ctx; ++t) best = s[t] > best ? s[t] : best;
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = exp_nonpositive(s[t] - best);
+    v16f sum16 = {};
+    int64_t t = 0;
+    for (; t + 16 <= ctx; t += 16) {
+      const v16f e = exp16(load16(s + t) - best);
+      store16(s + t, e);
+      sum16 += e;
+    }
+    float total = hsum16(sum16);
+    for (; t < ctx; ++t) {
+      s[t] = exp16(v16f{} + (s[t] - best))[0];
       total += s[t];
     }
     const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+    for (t = 0; t + 16 <= ctx; t += 16) store16(s + t, load16(s + t) * inv);
+    for (; t < ctx; ++t) s[t] *= inv;
   }
   for (int64_t i = 0; i < group * hd; ++i) out[i] = 0.f;
   for (int64_t start = 0; start < ctx; start += block_size) {
