@@ -191,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     generator = torch.Generator().manual_seed(0)
-    report: dict = {"command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+    report: dict = {"command": " ".join(  # no absolute path of this machine in a committed result
+                        pathlib.Path(a).name if os.path.isabs(a) else a for a in [sys.executable, *sys.argv]),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "loadavg_start": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
                     "num_cpus": os.cpu_count(), "torch": torch.__version__, "skipped": {},
