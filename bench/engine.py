@@ -39,6 +39,17 @@ LLAMACPP_PYTHON = REPO_DIR / ".venv-llamacpp" / "bin" / "python"
 DEFAULT_JSON = BENCH_DIR / "results" / "engine.json"
 
 
+def llamacpp_missing(python: pathlib.Path) -> str | None:
+    """Why the llama.cpp baseline cannot run with this interpreter, or None when it can."""
+    if not python.exists():
+        return (f"{python} not found: build llama-cpp-python there with `bash bench/setup_llamacpp.sh` "
+                "(a source build: ~10 minutes on a quiet 2-core machine), or pass --llamacpp-python")
+    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import llama_cpp: run `bash bench/setup_llamacpp.sh`"
+    return None
+
+
 def bundled_gguf() -> pathlib.Path:
     from splitserve.models.loader import bundled_model_path
 
@@ -109,11 +120,10 @@ def run_splitserve(args, generator: torch.Generator, weight_format: str = "auto"
 
 def run_llamacpp(args, gguf: pathlib.Path) -> tuple[list[dict], dict, str | None]:
     """llama.cpp's rows (already dicts), its build info, and why it was skipped."""
-    if not LLAMACPP_PYTHON.exists():
-        return [], {}, (f"{LLAMACPP_PYTHON} not found: build it with "
-                        "`python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install "
-                        "'llama-cpp-python[server]'` (see docs/benchmarks.md)")
-    cmd = [str(LLAMACPP_PYTHON), str(BENCH_DIR / "llamacpp_baseline.py"), "--model", str(gguf),
+    why = llamacpp_missing(args.llamacpp_python)
+    if why:
+        return [], {}, why
+    cmd = [str(args.llamacpp_python), str(BENCH_DIR / "llamacpp_baseline.py"), "--model", str(gguf),
            "--threads", *map(str, args.threads), "--prefill-tokens", *map(str, args.prefill_tokens),
            "--batch-sizes", *map(str, args.batch_sizes), "--prompt-len", str(args.prompt_len),
            "--decode-steps", str(args.decode_steps), "--repeats-small", str(_repeats(args, 0)),
@@ -167,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 128/256-token prefill, batch 1 and 4, 2 steps; writes no JSON")
     parser.add_argument("--json", type=pathlib.Path, default=DEFAULT_JSON)
+    parser.add_argument("--llamacpp-python", type=pathlib.Path, default=LLAMACPP_PYTHON,
+                        help="a Python with llama-cpp-python installed (bench/setup_llamacpp.sh)")
     args = parser.parse_args(argv)
     if args.quick:
         args.prefill_tokens, args.batch_sizes, args.prompt_len, args.decode_steps = [128, 256], [1, 4], 64, 2
@@ -179,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     generator = torch.Generator().manual_seed(0)
-    report: dict = {"command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+    report: dict = {"command": " ".join(  # no absolute path of this machine in a committed result
+                        pathlib.Path(a).name if os.path.isabs(a) else a for a in [sys.executable, *sys.argv]),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "loadavg_start": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
                     "num_cpus": os.cpu_count(), "torch": torch.__version__, "skipped": {},

@@ -90,6 +90,8 @@ def random_prompt(rng: random.Random, n_vocab: int, num_tokens: int) -> list[int
 
 
 def measure_prefill(model, args, rng: random.Random) -> list[PrefillResult]:
+    if not args.prefill_tokens:
+        return []
     longest = max(args.prefill_tokens)
     ctx = Context(model, n_ctx=longest + 256, n_seq_max=1, n_batch=longest)
     results = []
@@ -148,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="path to the .gguf file")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[512, 2048])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=224)
     parser.add_argument("--decode-steps", type=int, default=6)

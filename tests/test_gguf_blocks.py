@@ -65,6 +65,21 @@ def test_kernel_matches_fp32_linear_on_odd_shapes(module, isa, fmt):
         module.set_isa("avx512")
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_batches_past_one_tile_give_the_same_bits_from_the_fp32_panel(module, isa, fmt):
+    """Above 8 rows of x each weight row is dequantized once into an fp32 panel; the first 8 rows
+    must come out exactly as a batch of 8 computes them, dequantizing in registers."""
+    used = module.set_isa(isa)
+    try:
+        blocks, _ = random_blocks(fmt, 7, 96)  # 3 full 2-row tiles and a 1-row tail
+        x = torch.randn(17, 96, generator=torch.Generator().manual_seed(5))
+        args = (blocks.qs, blocks.d, blocks._m(), gguf_blocks.FORMATS[fmt][0])
+        assert torch.equal(module.linear(x, *args)[:8], module.linear(x[:8], *args)), used
+    finally:
+        module.set_isa("avx512")
+
+
 def test_large_batches_take_fp32_gemm_on_the_dequantized_matrix(module, monkeypatch):
     blocks, reference = random_blocks("q4_1", 5, 64)
     x = torch.randn(gguf_blocks.MAX_KERNEL_ROWS + 1, 64)

@@ -1,4 +1,5 @@
-"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention), built by `make setup`; pure-torch code stands in
+"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention, the fused elementwise ops
+between them), built by `make setup`; pure-torch code stands in
 when they are absent (no compiler, or an out-of-date build), with the same results.
 
     python -m splitserve.kernels.build   # what `make setup` runs; prints the ISA in use
@@ -14,7 +15,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NAME = "splitserve_gguf_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+HEADERS = [Path(__file__).with_name("vec_math.h")]  # not compiled alone; a change still makes the build stale
 BUILD_DIR = Path(__file__).with_name("_build")
 # -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does. -fopenmp: ATen's
 # parallel_for is inline OpenMP, so without it the kernels run on one thread whatever
@@ -35,7 +37,7 @@ def load():
     if path is None:
         log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
         return None
-    if any(path.stat().st_mtime < source.stat().st_mtime for source in SOURCES):
+    if any(path.stat().st_mtime < source.stat().st_mtime for source in SOURCES + HEADERS):
         log.warning("GGUF kernels at %s are older than their sources; using the pure-torch "
                     "fallback until `make setup` rebuilds them", path)
         return None

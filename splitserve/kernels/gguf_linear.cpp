@@ -11,13 +11,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 constexpr int kBlock = 32;
-enum Format : int { kQ4_1 = 0, kQ8_0 = 1 };
+// kPanel: rows already dequantized to fp32 (by the same functions), 32 floats a block; the tile
+// kernels then only load them, and do the same FMAs in the same order.
+enum Format : int { kQ4_1 = 0, kQ8_0 = 1, kPanel = 2 };
 
-constexpr int64_t bytes_per_block(int fmt) { return fmt == kQ4_1 ? 16 : 32; }
+constexpr int64_t bytes_per_block(int fmt) { return fmt == kQ4_1 ? 16 : fmt == kQ8_0 ? 32 : 128; }
 
 // Weights of one tile: rows [n, n + NR) of W; qs rows are `ldq` bytes apart, d/m rows `nb` apart.
 struct WeightTile {
@@ -32,15 +35,21 @@ struct WeightTile {
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
     const uint8_t* q, float d, float m, __m512& w0, __m512& w1) {
+  if (FMT == kPanel) {
+    w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(q));
+    w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(q) + 16);
+    return;
+  }
   const __m512 vd = _mm512_set1_ps(d);
   if (FMT == kQ4_1) {
+    // A 4-bit weight has 16 possible values: compute d * q + m once for q = 0..15 and look each
+    // weight up (vpermps reads only an index's low 4 bits, so neither nibble needs masking).
+    // The same multiply and add on the same operands: the same bits as converting each weight.
+    const __m512 table = _mm512_add_ps(
+        _mm512_mul_ps(vd, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), _mm512_set1_ps(m));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask);                     // weights 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // weights 16..31
-    const __m512 vm = _mm512_set1_ps(m);
-    w0 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm);
-    w1 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm);
+    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), table);                       // weights 0..15
+    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), table);  // weights 16..31
   } else {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
@@ -49,12 +58,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
   }
 }
 
-template <int FMT, int MR, int NR>
+// ACC = 2 gives each row pair two accumulators (first and second half of a block): with one or two
+// rows of x a single chain of FMAs per output would wait on its own latency every block.
+template <int FMT, int MR, int NR, int ACC>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(
     const float* x, int64_t ldx, const WeightTile& w, float* y, int64_t ldy) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  __m512 acc[ACC][MR][NR];
+  for (int a = 0; a < ACC; ++a)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[a][i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512 w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j)
@@ -64,13 +76,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(
       const __m512 x0 = _mm512_loadu_ps(x + i * ldx + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + i * ldx + b * kBlock + 16);
       for (int j = 0; j < NR; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(w0[j], x0, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(w1[j], x1, acc[i][j]);
+        acc[0][i][j] = _mm512_fmadd_ps(w0[j], x0, acc[0][i][j]);
+        acc[ACC - 1][i][j] = _mm512_fmadd_ps(w1[j], x1, acc[ACC - 1][i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = _mm512_reduce_add_ps(ACC == 2 ? _mm512_add_ps(acc[0][i][j], acc[ACC - 1][i][j]) : acc[0][i][j]);
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA (8 floats a vector)
@@ -83,6 +96,10 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 template <int FMT>
 __attribute__((target("avx2,fma"))) inline void dequant8x4(const uint8_t* q, float d, float m,
                                                            __m256 w[4]) {
+  if (FMT == kPanel) {
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * k);
+    return;
+  }
   const __m256 vd = _mm256_set1_ps(d);
   if (FMT == kQ4_1) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -101,12 +118,13 @@ __attribute__((target("avx2,fma"))) inline void dequant8x4(const uint8_t* q, flo
   }
 }
 
-template <int FMT, int MR, int NR>
+template <int FMT, int MR, int NR, int ACC>
 __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const WeightTile& w,
                                                    float* y, int64_t ldy) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  __m256 acc[ACC][MR][NR];
+  for (int a = 0; a < ACC; ++a)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[a][i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     __m256 wv[NR][4];
     for (int j = 0; j < NR; ++j)
@@ -115,17 +133,19 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, 
     for (int i = 0; i < MR; ++i) {
       for (int k = 0; k < 4; ++k) {
         const __m256 xv = _mm256_loadu_ps(x + i * ldx + b * kBlock + 8 * k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wv[j][k], xv, acc[i][j]);
+        for (int j = 0; j < NR; ++j) acc[k % ACC][i][j] = _mm256_fmadd_ps(wv[j][k], xv, acc[k % ACC][i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum256(acc[i][j]);
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = hsum256(ACC == 2 ? _mm256_add_ps(acc[0][i][j], acc[ACC - 1][i][j]) : acc[0][i][j]);
 }
 
 // ---------------------------------------------------------------- plain C++ (any x86-64)
 template <int FMT>
 inline float dequant_one(const uint8_t* q, float d, float m, int k) {
+  if (FMT == kPanel) return reinterpret_cast<const float*>(q)[k];
   if (FMT == kQ4_1) {
     const int v = k < 16 ? (q[k] & 0x0F) : (q[k - 16] >> 4);
     return d * static_cast<float>(v) + m;
@@ -166,8 +186,8 @@ Isa g_isa = detect_isa();  // may be lowered by set_isa() (tests exercise every 
 template <int FMT, int MR, int NR>
 void run_tile(const float* x, int64_t ldx, const WeightTile& w, float* y, int64_t ldy) {
   switch (g_isa) {
-    case Isa::kAvx512: return tile_avx512<FMT, MR, NR>(x, ldx, w, y, ldy);
-    case Isa::kAvx2: return tile_avx2<FMT, MR, NR>(x, ldx, w, y, ldy);
+    case Isa::kAvx512: return tile_avx512<FMT, MR, NR, (MR <= 2 ? 2 : 1)>(x, ldx, w, y, ldy);
+    case Isa::kAvx2: return tile_avx2<FMT, MR, NR, (MR <= 2 ? 2 : 1)>(x, ldx, w, y, ldy);
     default: return tile_scalar<FMT, MR, NR>(x, ldx, w, y, ldy);
   }
 }
@@ -193,54 +213,6 @@ void rows_of_x(const float* x, int64_t M, int64_t ldx, const WeightTile& w, floa
     case 1: return run_tile<FMT, 1, NR>(xr, ldx, w, yr, ldy);
     default: return;
   }
-}
-
-void check_inputs(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int fmt) {
-  TORCH_CHECK(fmt == kQ4_1 || fmt == kQ8_0, "unknown GGUF block format ", fmt);
-  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs: contiguous uint8 [N, bytes]");
-  TORCH_CHECK(d.dtype() == torch::kFloat && d.dim() == 2 && d.is_contiguous(), "d: contiguous float32 [N, K/32]");
-  TORCH_CHECK(qs.size(0) == d.size(0) && qs.size(1) == d.size(1) * bytes_per_block(fmt), "qs and d disagree");
-  if (fmt == kQ4_1)
-    TORCH_CHECK(m.sizes() == d.sizes() && m.dtype() == torch::kFloat && m.is_contiguous(), "m must match d");
-}
-
-template <int FMT>
-void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                 const torch::Tensor& m, torch::Tensor& y) {
-  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
-  const int64_t ldq = qs.size(1), num_tiles = (N + kNR - 1) / kNR;
-  // Enough tiles per task that one task's weights are worth a thread; small matrices run inline.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNR / 8));
-  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kNR;
-      const WeightTile w{qp + n * ldq, ldq, dp + n * nb, mp ? mp + n * nb : nullptr, nb};
-      if (n + kNR <= N)
-        rows_of_x<FMT, kNR>(xp, M, x.size(1), w, yp + n, N);
-      else
-        for (int64_t r = n; r < N; ++r) {
-          const WeightTile wr{qp + r * ldq, ldq, dp + r * nb, mp ? mp + r * nb : nullptr, nb};
-          rows_of_x<FMT, 1>(xp, M, x.size(1), wr, yp + r, N);
-        }
-    }
-  });
-}
-
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
-  check_inputs(qs, d, m, fmt);
-  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
-  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
-  x = x.contiguous();
-  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
-  if (x.size(0) == 0) return y;
-  if (fmt == kQ4_1) linear_impl<kQ4_1>(x, qs, d, m, y);
-  else linear_impl<kQ8_0>(x, qs, d, m, y);
-  return y;
 }
 
 // One row of W as fp32 (nb blocks), in the ISA's registers: the same values as dequant_one.
@@ -273,6 +245,75 @@ void dequant_row_scalar(const uint8_t* q, const float* d, const float* m, int64_
 }
 
 template <int FMT>
+void dequant_row(const uint8_t* q, const float* d, const float* m, int64_t nb, float* out) {
+  switch (g_isa) {
+    case Isa::kAvx512: return dequant_row_avx512<FMT>(q, d, m, nb, out);
+    case Isa::kAvx2: return dequant_row_avx2<FMT>(q, d, m, nb, out);
+    default: return dequant_row_scalar<FMT>(q, d, m, nb, out);
+  }
+}
+
+void check_inputs(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int fmt) {
+  TORCH_CHECK(fmt == kQ4_1 || fmt == kQ8_0, "unknown GGUF block format ", fmt);
+  TORCH_CHECK(qs.dtype() == torch::kUInt8 && qs.dim() == 2 && qs.is_contiguous(), "qs: contiguous uint8 [N, bytes]");
+  TORCH_CHECK(d.dtype() == torch::kFloat && d.dim() == 2 && d.is_contiguous(), "d: contiguous float32 [N, K/32]");
+  TORCH_CHECK(qs.size(0) == d.size(0) && qs.size(1) == d.size(1) * bytes_per_block(fmt), "qs and d disagree");
+  if (fmt == kQ4_1)
+    TORCH_CHECK(m.sizes() == d.sizes() && m.dtype() == torch::kFloat && m.is_contiguous(), "m must match d");
+}
+
+template <int FMT>
+void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                 const torch::Tensor& m, torch::Tensor& y) {
+  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
+  const int64_t ldq = qs.size(1), num_tiles = (N + kNR - 1) / kNR;
+  // Enough tiles per task that one task's weights are worth a thread; small matrices run inline.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNR / 8));
+  // Above one tile of x rows, each weight row would be dequantized once per tile: dequantize the
+  // tile's NR rows once into an fp32 panel (L1-sized) and let every x tile read it instead.
+  const bool panel = M > kMR;
+  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(panel ? kNR * nb * kBlock : 0);
+    const uint8_t* bp = reinterpret_cast<const uint8_t*>(buf.data());
+    const int64_t ldb = nb * bytes_per_block(kPanel);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kNR, rows = std::min<int64_t>(kNR, N - n);
+      if (panel)
+        for (int64_t r = 0; r < rows; ++r)
+          dequant_row<FMT>(qp + (n + r) * ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb,
+                           buf.data() + r * nb * kBlock);
+      for (int64_t r = 0; r < rows; r += (rows == kNR ? kNR : 1)) {
+        const WeightTile w{qp + (n + r) * ldq, ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb};
+        const WeightTile wp{bp + r * ldb, ldb, w.d, nullptr, nb};
+        if (rows == kNR)
+          panel ? rows_of_x<kPanel, kNR>(xp, M, x.size(1), wp, yp + n, N)
+                : rows_of_x<FMT, kNR>(xp, M, x.size(1), w, yp + n, N);
+        else
+          panel ? rows_of_x<kPanel, 1>(xp, M, x.size(1), wp, yp + n + r, N)
+                : rows_of_x<FMT, 1>(xp, M, x.size(1), w, yp + n + r, N);
+      }
+    }
+  });
+}
+
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
+  check_inputs(qs, d, m, fmt);
+  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
+  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  if (x.size(0) == 0) return y;
+  if (fmt == kQ4_1) linear_impl<kQ4_1>(x, qs, d, m, y);
+  else linear_impl<kQ8_0>(x, qs, d, m, y);
+  return y;
+}
+
+template <int FMT>
 void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& w) {
   const int64_t N = qs.size(0), nb = d.size(1), ldq = qs.size(1);
   const uint8_t* qp = qs.data_ptr<uint8_t>();
@@ -284,12 +325,7 @@ void dequantize_impl(const torch::Tensor& qs, const torch::Tensor& d, const torc
       const uint8_t* q = qp + r * ldq;
       const float* d = dp + r * nb;
       const float* m = mp ? mp + r * nb : nullptr;
-      float* out = wp + r * nb * kBlock;
-      switch (g_isa) {
-        case Isa::kAvx512: dequant_row_avx512<FMT>(q, d, m, nb, out); break;
-        case Isa::kAvx2: dequant_row_avx2<FMT>(q, d, m, nb, out); break;
-        default: dequant_row_scalar<FMT>(q, d, m, nb, out);
-      }
+      dequant_row<FMT>(q, d, m, nb, wp + r * nb * kBlock);
     }
   });
 }
@@ -321,12 +357,20 @@ int splitserve_isa_level() { return g_isa == Isa::kAvx512 ? 2 : g_isa == Isa::kA
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);  // paged_attention.cpp
+// fused_ops.cpp
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+void rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                   torch::Tensor kv_layer, torch::Tensor slot_mapping, int64_t nq, int64_t nkv);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &gguf_linear, "x [M, K] @ dequant(W [N, K])^T -> [M, N], fp32 accumulation");
   module.def("dequantize", &gguf_dequantize, "W [N, K] as fp32, exactly as gguf-py dequantizes it");
   module.def("paged_decode_attention", &paged_decode_attention,
              "one query per sequence over its own KV blocks: q [b, nq, hd] -> [b, nq, hd]");
+  module.def("add_rms_norm", &add_rms_norm, "x += delta in place (if given), then RMSNorm(x) * weight");
+  module.def("rope_kv_write", &rope_kv_write, "rotary q/k in place in the qkv rows; k/v into their cache slots");
+  module.def("silu_mul", &silu_mul, "silu(gate) * up from [n, 2 * intermediate] rows");
   module.def("isa", &isa_name);
   module.def("set_isa", &set_isa);
 }

@@ -12,18 +12,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-// GCC vector extensions rather than intrinsics: the same source becomes zmm code inside the
-// AVX-512 wrapper below, ymm pairs inside the AVX2 one, and SSE in the baseline one.
-typedef float v16f __attribute__((vector_size(64)));
-
-ALWAYS_INLINE v16f load16(const float* p) {
-  v16f v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
+// Horizontal sums as a tree (4 dependent adds, not 16): the lanes are summed in another order
+// than a sequential loop, which fp32 tolerance covers.
+ALWAYS_INLINE float hsum16(v16f v) {
+  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v4f __attribute__((vector_size(16)));
+  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
@@ -32,10 +33,41 @@ ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   if (n >= 16) {
     v16f sum = load16(a) * load16(b);
     for (i = 16; i + 16 <= n; i += 16) sum += load16(a + i) * load16(b + i);
-    for (int j = 0; j < 16; ++j) acc += sum[j];
+    acc = hsum16(sum);
   }
   for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+// Sixteen vectors in, one out: lane j holds the sum of v[j]'s lanes. Each level adds halves of
+// two vectors into one (8 + 4 + 2 + 1 two-source shuffles and adds for 16 sums, against 16
+// separate horizontal sums); the lanes come out in bit-reversed order and one permute fixes it.
+ALWAYS_INLINE v16f transpose_sum16(v16f* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const v16f r = __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                 __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// scores[j] = scale * q . k_j for up to 16 consecutive keys (rows hd apart); hd a multiple of 16.
+ALWAYS_INLINE void scores16(const float* q, const float* k, int64_t n, int64_t hd, float scale, float* scores) {
+  v16f part[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    v16f sum = {};
+    if (j < n)
+      for (int64_t c = 0; c < hd; c += 16) sum += load16(q + c) * load16(k + j * hd + c);
+    part[j] = sum;
+  }
+  const v16f s = transpose_sum16(part) * scale;
+  for (int64_t j = 0; j < n; ++j) scores[j] = s[j];
 }
 
 ALWAYS_INLINE void axpy(float alpha, const float* x, float* y, int64_t n) {
@@ -47,26 +79,6 @@ ALWAYS_INLINE void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// exp(x) for x <= 0 (scores minus their maximum) as Cephes' expf does it: x = n ln2 + r, a
-// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 2 ulp of expf, and unlike
-// the libm call it vectorizes.
-ALWAYS_INLINE float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // One (sequence, kv head): `group` query heads share its keys and values.
 ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const float* keys, const float* values,
                 const int64_t* blocks, int64_t block_size, int64_t ctx, float scale, float* out,
@@ -75,22 +87,34 @@ ALWAYS_INLINE void attend_one(const float* q, int64_t group, int64_t hd, const f
   for (int64_t start = 0; start < ctx; start += block_size) {
     const float* k = keys + blocks[start / block_size] * block_size * hd;
     const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-    for (int64_t j = 0; j < n; ++j, k += hd)
-      for (int64_t g = 0; g < group; ++g) scores[g * ctx + start + j] = dot(q + g * hd, k, hd) * scale;
+    if (hd % 16 == 0) {
+      for (int64_t j = 0; j < n; j += 16)
+        for (int64_t g = 0; g < group; ++g)
+          scores16(q + g * hd, k + j * hd, n - j < 16 ? n - j : 16, hd, scale, scores + g * ctx + start + j);
+    } else {
+      for (int64_t j = 0; j < n; ++j, k += hd)
+        for (int64_t g = 0; g < group; ++g) scores[g * ctx + start + j] = dot(q + g * hd, k, hd) * scale;
+    }
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * ctx;
     float best = s[0];
     for (int64_t t = 1; t < ctx; ++t) best = s[t] > best ? s[t] : best;
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = exp_nonpositive(s[t] - best);
+    v16f sum16 = {};
+    int64_t t = 0;
+    for (; t + 16 <= ctx; t += 16) {
+      const v16f e = exp16(load16(s + t) - best);
+      store16(s + t, e);
+      sum16 += e;
+    }
+    float total = hsum16(sum16);
+    for (; t < ctx; ++t) {
+      s[t] = exp16(v16f{} + (s[t] - best))[0];
       total += s[t];
     }
     const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+    for (t = 0; t + 16 <= ctx; t += 16) store16(s + t, load16(s + t) * inv);
+    for (; t < ctx; ++t) s[t] *= inv;
   }
   for (int64_t i = 0; i < group * hd; ++i) out[i] = 0.f;
   for (int64_t start = 0; start < ctx; start += block_size) {

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from splitserve import kernels
 from splitserve.config import ModelConfig
+from splitserve.models.fused import add_rms_norm, rope_kv_write, silu_mul
 from splitserve.models.gguf_blocks import GGUFBlocks, linear
 
 
@@ -132,11 +133,6 @@ class LlamaModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2] (HF's rotate_half layout)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]. Returns
@@ -146,8 +142,6 @@ class LlamaModel:
         n = batch.input_ids.shape[0]
         x = self.embed.rows(batch.input_ids).dequantize() if isinstance(self.embed, GGUFBlocks) \
             else self.embed[batch.input_ids]  # [n, hidden]
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [n, 1, hd/2]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
         # The C++ kernel reads each decode's own blocks in place; the torch path gathers them and
         # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
         paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
@@ -157,22 +151,23 @@ class LlamaModel:
             pad = torch.arange(width, device=x.device).unsqueeze(0) >= group.context_lens.unsqueeze(1)
             decode_biases.append(torch.zeros(pad.shape, dtype=x.dtype, device=x.device)
                                  .masked_fill_(pad, float("-inf")))
+        eps = c.rms_norm_eps
+        delta = None  # the previous layer's MLP output, added to x by the next norm
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
+            h = add_rms_norm(x, delta, layer["input_norm"], eps)
             qkv = linear(h, layer["qkv"], layer["qkv_bias"])  # [n, (nq + 2 nkv) * hd]
-            v = qkv[:, (nq + nkv) * hd:].view(n, nkv, hd)
-            if layer["q_norm"] is None:  # q and k are adjacent: rotate both in one pass
-                qk = self._rope(qkv[:, :(nq + nkv) * hd].view(n, nq + nkv, hd), cos, sin)
-                q, k = qk[:, :nq], qk[:, nq:]
-            else:
-                q = self._rms_norm(qkv[:, :nq * hd].view(n, nq, hd), layer["q_norm"])
-                k = self._rms_norm(qkv[:, nq * hd:(nq + nkv) * hd].view(n, nkv, hd), layer["k_norm"])
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if layer["q_norm"] is not None:  # Qwen3 norms q and k per head before the rotation
+                q = qkv[:, :nq * hd].view(n, nq, hd)
+                k = qkv[:, nq * hd:(nq + nkv) * hd].view(n, nkv, hd)
+                q.copy_(self._rms_norm(q, layer["q_norm"]))
+                k.copy_(self._rms_norm(k, layer["k_norm"]))
             # [2, num_kv_heads, num_blocks, block_size, head_dim]: head-major, so gathered blocks
             # form [heads, tokens, head_dim] for attention without a further copy
             kv_layer = kv_cache[li]
-            kv_layer[0].flatten(1, 2).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            kv_layer[1].flatten(1, 2).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            rope_kv_write(qkv, self.rope_cos, self.rope_sin, batch.positions, kv_layer, batch.slot_mapping, nq, nkv)
+            q = qkv[:, :nq * hd].view(n, nq, hd)
+            k = qkv[:, nq * hd:(nq + nkv) * hd].view(n, nkv, hd)
+            v = qkv[:, (nq + nkv) * hd:].view(n, nkv, hd)
             attn = torch.empty(n, nq, hd, device=x.device, dtype=x.dtype)
             for gi, group in enumerate(batch.decode_groups):
                 s = slice(group.start, group.start + group.count)
@@ -182,11 +177,10 @@ class LlamaModel:
             for chunk in batch.prefills:
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
                 attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
-            x = x + linear(attn.view(n, nq * hd), layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer["down"])
-        x = self._rms_norm(x[batch.sample_indices], self.final_norm)
+            h = add_rms_norm(x, linear(attn.view(n, nq * hd), layer["o"]), layer["post_norm"], eps)
+            delta = linear(silu_mul(linear(h, layer["gate_up"])), layer["down"])
+        x = x[batch.sample_indices] + delta[batch.sample_indices]
+        x = self._rms_norm(x, self.final_norm)
         return linear(x, self.lm_head)  # [num_samples, vocab]
 
     @staticmethod
