@@ -252,3 +252,38 @@ def test_a_search_starts_at_its_own_earlier_capacity_else_at_the_highest_rate_he
     mine = ArrangementResult("slow", capacity=[{"repeat": 0, "capacity_multiplier": 0.5},
                                                {"repeat": 1, "capacity_multiplier": None}])
     assert trial._search_start(mine) == 0.5                        # a repeat starts at its own answer
+
+
+def test_the_tuning_grid_probes_where_the_reference_failed_and_the_winner_starts_its_search_there(tmp_path,
+                                                                                                monkeypatch):
+    import contextlib
+
+    from splitserve.trial import tuning
+    from splitserve.trial.runner import ArrangementResult, RunResult
+
+    raw = spec_dict([{"name": "colocated", "serve": ["--instances", "1", "--threads-per-instance", "2"],
+                      "cores": 2}])
+    raw["arrivals"]["rate"] = {"fraction_of_capacity": 0.5, "reference": "colocated", "nominal": 1.0}
+    raw["capacity"] = {"probe_requests": 8}
+    raw["tune"] = {"base": "colocated", "instances_x_threads": ["1x2", "2x1"]}
+    spec = parse_spec(raw)
+    trial = Trial(spec, tmp_path)
+
+    def run(m, good):
+        return RunResult(m, {"attainment": good, "offered_rate_rps": m, "wall_s": 1.0,
+                             "ttft_s": {"p99": 1.0}}, [], {}, 0, "probe")
+
+    # the reference held x0.125 (both settings would keep 100% there) and failed x0.25
+    trial.main_multiplier = 0.5 * 0.125
+    trial.calibration = {"probes": [{"multiplier": 0.25, "attainment": 0.2}, {"multiplier": 0.125, "attainment": 1.0}]}
+    trial.results["colocated"] = ArrangementResult("colocated", runs=[run(0.25, 0.2), run(0.125, 1.0)])
+    probed = []
+    monkeypatch.setattr(tuning, "launched", lambda *a, **k: contextlib.nullcontext(None))
+    trial._warm_up = lambda endpoint: None
+    trial._probe = lambda endpoint, name, m, *rest: probed.append((name, m)) or run(m, 1.0)
+    found = tuning.tune_colocated(trial)
+    assert probed == [("colocated@2x1", 0.25)]                 # 1x2 is the base: its failing probe is reused
+    assert found["rate_multiplier"] == 0.25 and found["best"] == "colocated@2x1"
+    assert found["joins_as"] == "colocated-best"
+    best = ArrangementResult("colocated-best")
+    assert trial._search_start(best) == 0.25                    # it held x0.25: its search starts there

@@ -76,7 +76,7 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     if spec.tune:
         base = next(a for a in spec.arrangements if a.name == spec.tune.base)
         points = grid_arrangements(spec.tune, base, spec.cores)
-        lines.append(f"tune: {len(points)} colocated settings, one probe each at the reference's capacity (the "
+        lines.append(f"tune: {len(points)} colocated settings, one probe each at the lowest rate the reference fails (the "
                      f"base's own setting reuses its probe); the best joins as colocated-best unless it is the "
                      f"base: {', '.join(p.name for p in points)}")
         arrangements.insert(1, replace(base, name="colocated-best"))

@@ -264,6 +264,9 @@ class Trial:
         rel = self.spec.arrivals.relative_rate
         if self.main_multiplier is not None and rel is not None:
             held.append(self.main_multiplier / rel.fraction_of_capacity)
+        seeded = self.tuning_probes.get(result.name)
+        if seeded is not None and seeded.summary["attainment"] >= self.spec.slo.attainment:
+            held.append(seeded.rate_multiplier)  # the tuned setting held its grid probe's rate
         return max(held) if held else 1.0
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,

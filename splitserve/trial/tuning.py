@@ -2,9 +2,9 @@
 
 Each grid point (method.grid_arrangements: chunk token budget x instances x threads) gets
 its own launch and one probe (the capacity search's short replay, stopped once it cannot
-pass) at the reference's capacity, or at the fixed rate without a capacity search: a rate
-where settings differ. The point identical to the base arrangement is not launched again:
-the base's own probe at that rate is reused. The best (most requests good, then the lowest
+pass) at the lowest rate the reference failed in its calibration (else its capacity, or the
+fixed rate without a capacity search): a rate where settings differ. The point identical to
+the base arrangement is not launched again: the base's own probe at that rate is reused. The best (most requests good, then the lowest
 p99 TTFT) joins the trial as `colocated-best`, unless it is the base itself; its capacity search,
 which starts at that same rate, takes the grid point's probe as its first.
 """
@@ -29,6 +29,13 @@ def tune_colocated(trial) -> dict:
     points = grid_arrangements(spec.tune, base, spec.cores)
     rel = spec.arrivals.relative_rate
     rate = trial.main_multiplier / rel.fraction_of_capacity if rel else trial.main_multiplier
+    # Probe where settings differ: the lowest rate the reference failed (its failing probe is
+    # reused), not its capacity, where every setting may keep all requests good and the tie
+    # would go to noise (a run once kept the weaker 1x2 over 2x1 on p99 TTFT that way).
+    failed = [p["multiplier"] for p in (trial.calibration or {}).get("probes", [])
+              if p["attainment"] < spec.slo.attainment and p["multiplier"] > rate]
+    if failed:
+        rate = min(failed)
     base_runs = [r for r in trial.results[base.name].runs if r.purpose in ("probe", "fixed")
                  and math.isclose(r.rate_multiplier, rate)]
     probe_size = spec.capacity.probe_requests if spec.capacity else 24

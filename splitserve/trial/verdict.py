@@ -172,8 +172,9 @@ def _tuned(doc: dict) -> str:
     tried = ", ".join(f"{p['name']} {_pct(p['attainment'])}" for p in tuning["points"] if p["attainment"] is not None)
     joined = (f"it joined the trial as {tuning['joins_as']}" if tuning.get("joins_as") else
               f"that is {tuning['base']} itself")
-    return (f" Colocated settings tried at x{tuning['rate_multiplier']:.3g} of the nominal rate (the reference's "
-            f"capacity), share of requests good: {tried}; the best is {tuning['best']}, and {joined}.")
+    return (f" Colocated settings tried at x{tuning['rate_multiplier']:.3g} of the nominal rate (the lowest rate "
+            f"the reference failed, or its capacity), share of requests good: {tried}; the best is "
+            f"{tuning['best']}, and {joined}.")
 
 
 def _network(doc: dict) -> str:
