@@ -215,25 +215,17 @@ def _read_workload(sec: Section) -> tuple[dict[str, RequestClass], dict[str, flo
         c.finish()
     if not classes:
         raise SpecError("workload.classes: define at least one request class (e.g. chat, document)")
-    mix_sec = sec.section("mix", required=False)
-    mix = {}
-    for name in mix_sec.keys():
-        if name not in classes:
-            raise SpecError(f"workload.mix.{name}: no such class; classes are {sorted(classes)}")
-        mix[name] = mix_sec.float(name, minimum=0.0)
-    mix_sec.finish()
-    if not mix:
-        mix = {name: 1.0 for name in classes}
-    if sum(mix.values()) <= 0:
-        raise SpecError("workload.mix: the weights sum to zero; give at least one class a positive weight")
+    mix = _read_mix(sec.section("mix"), classes) if sec.raw.get("mix") else {}
     sec.finish()
-    return classes, mix
+    return classes, mix or {name: 1.0 for name in classes}
 
 
 def _read_phase_mix(p: Section, classes: dict) -> dict[str, float] | None:
-    if "mix" not in p.raw:
-        return None
-    sec = p.section("mix")
+    return _read_mix(p.section("mix"), classes) if "mix" in p.raw else None
+
+
+def _read_mix(sec: Section, classes: dict) -> dict[str, float]:
+    """Class weights: every name a defined class, at least one weight positive."""
     mix = {}
     for name in sec.keys():
         if name not in classes:
@@ -241,7 +233,7 @@ def _read_phase_mix(p: Section, classes: dict) -> dict[str, float] | None:
         mix[name] = sec.float(name, minimum=0.0)
     sec.finish()
     if sum(mix.values()) <= 0:
-        raise SpecError(f"{sec.path}: the weights sum to zero; give at least one class a positive weight")
+        raise SpecError(f"{sec.path.rstrip('.')}: the weights sum to zero; give at least one class a positive weight")
     return mix
 
 
