@@ -39,11 +39,27 @@ def test_search_shrinks_when_the_start_fails_and_reports_nothing_held_at_the_flo
 
 
 def test_the_budget_ends_the_bisection_but_never_the_growth_before_a_rate_fails():
-    found = search_capacity(threshold_probe(3.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0)
+    found = search_capacity(threshold_probe(3.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0,
+                            beaten=lambda m: True)
     # x1 (10 s) and x2 (5 s) pass; x4 (2.5 s) is still tried past the budget and fails; the
     # bisection's x2.83 (3.5 s more) would end past it
     assert [p.multiplier for p in found.probes] == [1.0, 2.0, 4.0] and found.stopped_by == "budget"
     assert found.passed.multiplier == 2.0 and found.failed.multiplier == 4.0
+
+
+def test_the_budget_never_ends_the_bisection_of_an_arrangement_still_in_the_running():
+    # nobody else held x4: this search is a contender and is narrowed to the precision past its budget
+    asked = []
+    contender = search_capacity(threshold_probe(3.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0,
+                                precision=0.2, beaten=lambda m: asked.append(m) or m <= 2.5)
+    assert asked  # it asked whether its failing rate had been held by another arrangement
+    assert contender.stopped_by == "precision"
+    assert contender.failed.multiplier <= contender.passed.multiplier * 1.2
+    assert contender.passed.multiplier <= 3.0 < contender.failed.multiplier
+    # once another arrangement held its failing rate, the budget ends it as before
+    out = search_capacity(threshold_probe(3.0, seconds=10.0), start=1.0, target=0.9, budget_s=16.0,
+                          precision=0.2, beaten=lambda m: m <= 5.0)
+    assert out.stopped_by == "budget" and len(out.probes) == 3
     never_fails = search_capacity(threshold_probe(1e9, seconds=10.0), start=1.0, target=0.9, budget_s=1.0,
                                   max_probes=5)
     assert never_fails.stopped_by == "max_probes" and sum(p.seconds for p in never_fails.probes) < 20.0
@@ -287,3 +303,28 @@ def test_the_tuning_grid_probes_where_the_reference_failed_and_the_winner_starts
     assert found["joins_as"] == "colocated-best"
     best = ArrangementResult("colocated-best")
     assert trial._search_start(best) == 0.25                    # it held x0.25: its search starts there
+
+
+def test_a_search_past_its_budget_is_narrowed_only_while_no_other_arrangement_held_its_failing_rate(tmp_path):
+    from splitserve.trial.runner import ArrangementResult, RunResult
+
+    spec = parse_spec(fake_spec(capacity={"probe_requests": 8, "max_probes": 6, "precision": 0.5}))
+    trial = Trial(spec, tmp_path)
+    summary = {"attainment": 1.0, "offered_rate_rps": 8.0, "wall_s": 30.0}
+
+    def fake_probe(endpoint, name, m, repeat, num, run):
+        return RunResult(m, {**summary, "attainment": 1.0 if m < 3 else 0.0, "offered_rate_rps": 4.0 * m}, [], {},
+                         repeat, "probe")
+
+    trial._probe = fake_probe
+    arr = next(a for a in spec.arrangements if a.name == "slow")
+    alone = trial.results.setdefault("slow", ArrangementResult("slow"))
+    trial._search(None, arr, alone, 0, False, 1.0)             # 1 s of budget: spent by the first probe
+    assert alone.capacity[0]["stopped_by"] == "precision"      # nobody else held anything: a contender
+    assert alone.capacity[0]["failed_rps"] <= alone.capacity[0]["capacity_rps"] * (1 + spec.capacity.precision)
+    trial.results.clear()
+    trial.results["other"] = ArrangementResult("other", capacity=[{"repeat": 0, "capacity_multiplier": 8.0}])
+    beaten = trial.results.setdefault("slow", ArrangementResult("slow"))
+    trial._search(None, arr, beaten, 0, False, 1.0)
+    assert beaten.capacity[0]["stopped_by"] == "budget"        # "other" held x8, above anything it fails
+    assert len(beaten.capacity[0]["probes"]) < len(alone.capacity[0]["probes"])

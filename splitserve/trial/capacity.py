@@ -4,9 +4,12 @@ DistServe calls this goodput; GuideLLM's goodput profile searches it the same wa
 replays the plan's first N requests compressed in time by a rate multiplier and returns its
 attainment. The search grows the multiplier while probes pass, shrinks it while they fail,
 then bisects (geometrically) between the highest pass and the lowest fail until they are
-within `precision` of each other, or the probes or the time budget run out (the budget only
-once the rate is bracketed: a search without a held rate, or without a failed one, says nothing
-about how arrangements compare). The answer is
+within `precision` of each other, or the probes or the time budget run out. The budget ends
+only the bisection (a search without a held rate, or without a failed one, says nothing about how
+arrangements compare), and only of an arrangement out of the running: one whose failing rate
+another arrangement held (`beaten`). A contender's bracket is narrowed to `precision` whatever
+the budget, bounded by `max_probes`: two leading arrangements stopped in the same coarse bracket
+read as "no clear difference" however they differ. The answer is
 always a bracket: `passed` (the rate held) and `failed` (the rate not held), either may be None.
 """
 from __future__ import annotations
@@ -47,10 +50,13 @@ class CapacityResult:
 
 def search_capacity(probe: Callable[[float], Probe], start: float, target: float, precision: float = 0.1,
                     grow: float = 2.0, max_probes: int = 8, budget_s: float | None = None,
-                    min_multiplier: float = 0.1) -> CapacityResult:
+                    min_multiplier: float = 0.1,
+                    beaten: Callable[[float], bool] | None = None) -> CapacityResult:
     """Grow-then-bisect on the rate multiplier; `probe(m)` replays at m and reports attainment.
     Below `min_multiplier` it stops: a passing probe there would take 1/min_multiplier times the
-    plan's own span, and an arrangement that slow holds nothing worth comparing."""
+    plan's own span, and an arrangement that slow holds nothing worth comparing.
+    `beaten(m)`: another arrangement held multiplier m (None: every arrangement is in the running,
+    so the budget never ends a bisection)."""
     result = CapacityResult()
     m, spent = start, 0.0
     while True:
@@ -84,8 +90,11 @@ def search_capacity(probe: Callable[[float], Probe], start: float, target: float
         # bracketed at x0.25-x0.5 and one stopped after its first pass at x0.25), and each growth
         # probe replays the same requests faster, so all of them together take no longer than the
         # last pass did; max_probes still bounds them.
+        # A contender is bisected past the budget: stopping the two leaders in one coarse bracket
+        # made a demo say "no clear difference" where the next probe would have told them apart.
         if (budget_s is not None and result.passed is not None and result.failed is not None
-                and spent + p.seconds * p.multiplier / m > budget_s):
+                and spent + p.seconds * p.multiplier / m > budget_s
+                and beaten is not None and beaten(result.failed.multiplier)):
             result.stopped_by = "budget"
             break
     return result

@@ -230,8 +230,14 @@ class Trial:
             self._notify()
             return Probe(m, run.summary["attainment"], run.summary["offered_rate_rps"], run.summary["wall_s"])
 
+        def beaten(failed: float) -> bool:
+            """Another arrangement held `failed` or more in this repeat: this one is out of the running."""
+            return any(c.get("capacity_multiplier") and c["capacity_multiplier"] >= failed * (1 - 1e-9)
+                       for name, other in self.results.items() if name != arr.name
+                       for c in other.capacity if c["repeat"] == repeat)
+
         found = search_capacity(probe, start, self.spec.slo.attainment, cap_spec.precision, cap_spec.grow,
-                                cap_spec.max_probes, budget, cap_spec.min_multiplier)
+                                cap_spec.max_probes, budget, cap_spec.min_multiplier, beaten)
         result.capacity.append({"repeat": repeat, **found.to_dict()})
         if calibrating:
             held_nothing = (self.calibration or {}).get("held_nothing", [])
