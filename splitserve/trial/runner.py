@@ -231,8 +231,11 @@ class Trial:
             return Probe(m, run.summary["attainment"], run.summary["offered_rate_rps"], run.summary["wall_s"])
 
         def beaten(failed: float) -> bool:
-            """Another arrangement held `failed` or more in this repeat: this one is out of the running."""
-            return any(c.get("capacity_multiplier") and c["capacity_multiplier"] >= failed * (1 - 1e-9)
+            """Another arrangement held `failed` or more in this repeat: this one is out of the running.
+            The calibration's bisection always follows the budget: it runs first, so nothing can show yet
+            whether it is a contender, and the reference is often the weakest setting, whose passing
+            probes at low rates are the slowest (in later repeats it is searched like any other)."""
+            return calibrating or any(c.get("capacity_multiplier") and c["capacity_multiplier"] >= failed * (1 - 1e-9)
                        for name, other in self.results.items() if name != arr.name
                        for c in other.capacity if c["repeat"] == repeat)
 
