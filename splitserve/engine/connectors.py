@@ -198,6 +198,7 @@ class DecodeConnector(ColocatedConnector):
         if config.kv_failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"kv failure policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}")
         self.failure_policy = config.kv_failure_policy
+        self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.blocks = block_manager
         # the scheduler's say on taking blocks for arriving KV (it may preempt lower priorities)
         self.make_room = make_room or block_manager.can_allocate
@@ -216,7 +217,8 @@ class DecodeConnector(ColocatedConnector):
         if descriptor.num_tokens != request.num_prompt_tokens:
             raise ValueError(f"KV descriptor covers {descriptor.num_tokens} tokens but the prompt has "
                              f"{request.num_prompt_tokens}")
-        self.receiver.add(descriptor)
+        # under the priority policy the more urgent KV takes free blocks first; fcfs: arrival order
+        self.receiver.add(descriptor, request.priority if self.by_priority else 0)
         request.status = RequestStatus.WAITING_FOR_KV
         self.waiting[request.request_id] = request
         return True

@@ -58,6 +58,7 @@ class _Transfer:
     cancel: threading.Event = field(default_factory=threading.Event)
     fail_at_layer: int | None = None
     future: Future | None = None
+    priority: int = 0  # lower first (the engine's priority policy); equal: arrival order
 
 
 @dataclass(slots=True)
@@ -83,7 +84,7 @@ class KVReceiver:
         self._free = free
         self._clock = clock
         self._faults = FaultInjector(config.fault_rate, config.delay_ms, config.seed)
-        self._pending: dict[str, _Transfer] = {}  # insertion order = arrival order
+        self._pending: dict[str, _Transfer] = {}  # insertion order = arrival order; taken by (priority, arrival)
         self._active: dict[str, _Transfer] = {}
         self._ended: list[TransferRecord] = []  # ended outside poll (aborted while pending)
         self._stats = ReceiverStats()
@@ -94,13 +95,16 @@ class KVReceiver:
 
     # --- engine thread -------------------------------------------------------------------
 
-    def add(self, descriptor: TransferDescriptor) -> None:
+    def add(self, descriptor: TransferDescriptor, priority: int = 0) -> None:
+        """Queue a transfer. Pending transfers take blocks most urgent first (lower `priority`),
+        in arrival order within a priority: under the priority policy a chat's KV must not wait
+        behind a document's that finds no blocks."""
         request_id = descriptor.request_id
         if request_id in self._pending or request_id in self._active:
             raise ValueError(f"a transfer for request {request_id!r} is already in progress")
         record = TransferRecord(request_id, descriptor.source.instance_id, self.transport.name,
                                 queued_at=self._clock())
-        transfer = _Transfer(descriptor, record)
+        transfer = _Transfer(descriptor, record, priority=priority)
         problem = descriptor_problem(descriptor, self.kv, self.transport.name)
         if problem is not None:  # ends at the next poll like any failure: the failure policy applies
             self._end(transfer, TransferOutcome.FAILED, f"bad KV descriptor: {problem}", kind="bad_descriptor")
@@ -129,7 +133,8 @@ class KVReceiver:
         for transfer in self._active.values():
             source = transfer.descriptor.source.instance_id
             per_source[source] = per_source.get(source, 0) + 1
-        for request_id, transfer in list(self._pending.items()):
+        # sorted() is stable: within one priority the dict's arrival order stands
+        for request_id, transfer in sorted(self._pending.items(), key=lambda kv: kv[1].priority):
             if len(self._active) >= self.config.max_concurrent_transfers:
                 break  # do not take blocks for transfers that would only wait for a puller
             source = transfer.descriptor.source.instance_id
@@ -145,7 +150,7 @@ class KVReceiver:
                 ended.append(transfer.record)
                 continue
             if blocks is None:
-                break  # full for now; keep arrival order
+                break  # full for now; keep the order (the scheduler's make_room may preempt for it)
             del self._pending[request_id]
             self._start(transfer, blocks)
             per_source[source] = per_source.get(source, 0) + 1
