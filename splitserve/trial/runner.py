@@ -232,10 +232,10 @@ class Trial:
 
         def beaten(failed: float) -> bool:
             """Another arrangement held `failed` or more in this repeat: this one is out of the running.
-            The calibration's bisection always follows the budget: it runs first, so nothing can show yet
-            whether it is a contender, and the reference is often the weakest setting, whose passing
-            probes at low rates are the slowest (in later repeats it is searched like any other)."""
-            return calibrating or any(c.get("capacity_multiplier") and c["capacity_multiplier"] >= failed * (1 - 1e-9)
+            The calibration runs first, so nothing shows yet whether it is a contender: it is narrowed
+            like one (a reference whose passing probes are slow, at low rates, costs time here; name a
+            strong setting as the reference)."""
+            return any(c.get("capacity_multiplier") and c["capacity_multiplier"] >= failed * (1 - 1e-9)
                        for name, other in self.results.items() if name != arr.name
                        for c in other.capacity if c["repeat"] == repeat)
 
