@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,21 @@ def test_serve_refuses_an_api_server_count_below_one(model):
                            "--api-server-count", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--api-server-count must be >= 1" in proc.stderr
+
+
+def test_a_port_another_server_shares_out_is_refused_not_shared(model, tmp_path):
+    """SO_REUSEPORT would let a second server of the same user take half of the first one's
+    connections; serve checks the port is free first."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(model), "--port",
+                               str(port), "--api-server-count", "2", "--threads-per-instance", "1",
+                               "--log-level", "warning"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Address already in use" in proc.stderr
 
 
 def test_api_processes_leave_when_the_coordinator_is_killed_outright(model, tmp_path):

@@ -43,9 +43,15 @@ log = logging.getLogger(__name__)
 SNAPSHOT_INTERVAL_S = 0.25  # API processes see instances come, go and die this late at most
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket that other processes of this user may bind to the same port."""
+def listening_socket(host: str, port: int, first: bool = False) -> socket.socket:
+    """A listening TCP socket that other processes of this user may bind to the same port.
+    first: the coordinator's; it refuses a port another server already listens on, which
+    SO_REUSEPORT alone would let it share (Linux lets only the same user's sockets share one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if first and port != 0:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))  # OSError "Address already in use" when someone listens there
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -162,10 +168,12 @@ class ApiHub:
 
     async def _receive_loop(self) -> None:
         while True:
-            ident, payload = await self.socket.recv_multipart()
-            if ident not in self.processes:
-                log.warning("dropped a message from unknown API process %r", ident)
+            frames = await self.socket.recv_multipart()
+            ident = frames[0]
+            if ident not in self.processes or len(frames) != 2:
+                log.warning("dropped a message from %r: not one frame from a known API process", ident)
                 continue
+            payload = frames[1]
             try:
                 message = self._decoder.decode(payload)
             except msgspec.DecodeError as e:

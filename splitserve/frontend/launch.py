@@ -272,7 +272,7 @@ async def serve(args: argparse.Namespace) -> int:
         app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix)
         sockets = None
         if args.api_server_count > 1:
-            sockets = [listening_socket(args.host, args.port)]
+            sockets = [listening_socket(args.host, args.port, first=True)]
             hub = ApiHub(client, app)
             hub.start()
             hub.start_processes(args.api_server_count, args, sockets[0].getsockname()[1])
