@@ -1,4 +1,5 @@
-"""Every message that crosses a socket between the frontend and the engines.
+"""Every message that crosses a socket between the frontend and the engines (and, with
+`serve --api-server-count N`, between the coordinator and its API processes: the section so named below).
 
 Transport: ZeroMQ. The frontend binds one ROUTER socket; each engine connects two DEALER
 sockets to it, identities `<engine_id>/in` (requests and aborts in, hello out) and
@@ -198,6 +199,109 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """Sent by the engine's output thread even during a long forward pass: 'still alive'."""
 
     engine_id: str
+
+
+# ---- the coordinator <-> API processes (`serve --api-server-count N`, api_hub.py) --------------
+# An API process renders and tokenizes, sends ApiSubmit, and gets the coordinator's events as
+# token ids: it detokenizes them and finds stop strings itself (then it sends ApiAbort "stop").
+
+class ApiProcessConfig(msgspec.Struct, frozen=True):
+    """What an API process is started with, on its stdin (not a socket): its index, the
+    coordinator's address, the port to share, and serve's parsed flags as they are."""
+
+    index: int
+    hub_address: str
+    parent_pid: int
+    port: int
+    settings: dict[str, str | int | float | bool | list | None]
+
+
+class ApiHello(msgspec.Struct, tag="api_hello", frozen=True):
+    """An API process listens on the shared port: the coordinator may count it as ready."""
+
+    index: int
+    pid: int
+
+
+class ApiSubmit(msgspec.Struct, tag="api_submit", frozen=True):
+    request_id: str  # the API process's own id (unique there); the coordinator keys by (process, id)
+    client_request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    priority: int = 0
+
+
+class ApiAbort(msgspec.Struct, tag="api_abort", frozen=True):
+    request_id: str
+    reason: str = "abort"  # "abort": the client left; "stop": the API process found a stop string
+
+
+class ApiForward(msgspec.Struct, tag="api_forward", frozen=True):
+    """An HTTP request for a route the coordinator owns (/admin/..., /metrics), already past the
+    API process's guards; answered with ApiForwardReply."""
+
+    forward_id: int
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class ApiInstance(msgspec.Struct, frozen=True):
+    hello: EngineHello
+    alive: bool
+
+
+class ApiInstances(msgspec.Struct, tag="api_instances", frozen=True):
+    """The instances as the coordinator sees them (sent on hello and a few times a second): what
+    an API process checks model names, context lengths and /health against."""
+
+    instances: list[ApiInstance]
+
+
+class ApiSubmitted(msgspec.Struct, tag="api_submitted", frozen=True):
+    """The answer to ApiSubmit: accepted (status 0) or the OpenAI error to return."""
+
+    request_id: str
+    status: int = 0
+    message: str = ""
+    error_type: str = ""
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+
+class ApiEvent(msgspec.Struct, frozen=True, array_like=True):
+    """frontend.request_state.GenerationEvent without its text (the API process makes that)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    rejected: bool = False
+    kv_transfer: dict | None = None
+    num_retries: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+class ApiEvents(msgspec.Struct, tag="api_events", frozen=True):
+    events: list[ApiEvent]
+
+
+class ApiForwardReply(msgspec.Struct, tag="api_forward_reply", frozen=True):
+    forward_id: int
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+ToCoordinator = ApiHello | ApiSubmit | ApiAbort | ApiForward
+FromCoordinator = ApiInstances | ApiSubmitted | ApiEvents | ApiForwardReply
 
 
 ToEngine = GenerateRequest | AbortRequests | SetRole | Shutdown | ResendHello

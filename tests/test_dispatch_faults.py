@@ -208,9 +208,9 @@ def test_no_decode_instance_alive_is_a_503_not_a_full_queue():
     assert no_decode.value.status == 503
 
     class Client:
-        def submit(self, *args):
+        async def generate(self, *args):
             raise no_decode.value
 
     with pytest.raises(ApiError) as answer:
-        OpenAIServing(Client(), None).submit("r", [1], SamplingParams(max_tokens=1), [])
+        asyncio.run(OpenAIServing(Client(), None).submit("r", [1], SamplingParams(max_tokens=1), []))
     assert answer.value.status == 503 and answer.value.code == "no_engine"

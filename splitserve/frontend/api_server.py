@@ -57,13 +57,17 @@ def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engin
                      args: argparse.Namespace, mix: AdaptiveMix | None = None) -> tuple[object, dict]:
     """The app `serve` runs, inside its guards (outermost first: Host + admin gate, API key, body
     limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag."""
-    api_keys = api_keys_from_args(args)
-    guard = http_guard_from_args(args, api_keys)
     if spawn_engine is not None:
+        guard = http_guard_from_args(args, api_keys_from_args(args))
         spawn_engine = InstanceBudget(spawn_engine, client, guard.max_instances,
                                       startup_timeout_s=args.startup_timeout)
-    app = RequestLimitsMiddleware(build_app(client, client.renderer, metrics, spawn_engine, mix),
-                                  args.max_request_bytes, body_timeout_s=guard.timeout_request_headers)
+    return guarded(build_app(client, client.renderer, metrics, spawn_engine, mix), args)
+
+
+def guarded(app, args: argparse.Namespace) -> tuple[object, dict]:
+    api_keys = api_keys_from_args(args)
+    guard = http_guard_from_args(args, api_keys)
+    app = RequestLimitsMiddleware(app, args.max_request_bytes, body_timeout_s=guard.timeout_request_headers)
     if api_keys:
         app = ApiKeyMiddleware(app, api_keys, exempt_prefix=ADMIN_PREFIX if guard.admin_keys else None)
     return HttpGuardMiddleware(app, guard), uvicorn_limits(guard)
@@ -71,10 +75,24 @@ def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engin
 
 def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
               spawn_engine: SpawnEngine | None = None, mix: AdaptiveMix | None = None) -> FastAPI:
-    app = FastAPI(title="splitserve", version="0.1.0")
-    serving = OpenAIServing(client, renderer)
+    app = build_openai_app(client, renderer)
     add_admin_routes(app, client, spawn_engine)
     add_mix_routes(app, mix)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        for inst_id, load in client.router.instances.items():
+            metrics.outstanding.labels(inst_id, load.role).set(load.outstanding_tokens)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def build_openai_app(client, renderer: Renderer) -> FastAPI:
+    """The routes every API process serves; client is an EngineClient or, in an API process of
+    `serve --api-server-count N`, an api_worker.RemoteEngineClient."""
+    app = FastAPI(title="splitserve", version="0.1.0")
+    serving = OpenAIServing(client, renderer)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -145,10 +163,23 @@ def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics
                                "pid": inst.hello.pid} for engine_id, inst in client.instances.items()]}
         return JSONResponse(body, status_code=200 if live else 503)
 
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        for inst_id, load in client.router.instances.items():
-            metrics.outstanding.labels(inst_id, load.role).set(load.outstanding_tokens)
-        return Response(metrics.render(), media_type=metrics.content_type)
-
     return app
+
+
+class ApiServerHeader:
+    """ASGI: `X-Splitserve-Api-Server: <index>` on every answer of a server with several API
+    processes, so a client (and the tests) can see which process served it."""
+
+    def __init__(self, app, index: int) -> None:
+        self.app, self._header = app, (b"x-splitserve-api-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

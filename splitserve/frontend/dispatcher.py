@@ -28,13 +28,22 @@ import msgspec
 from splitserve.frontend.engine_link import EngineLink
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.output_processor import OutputProcessor
-from splitserve.frontend.request_state import RequestState, RequestStream
+from splitserve.frontend.render import NoText
+from splitserve.frontend.request_state import EventSink, RequestState, RequestStream
 from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
 from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, RoleChanged, StepOutputs,
                                  WireSamplingParams)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def wire_params(params: SamplingParams) -> WireSamplingParams:
+    return WireSamplingParams(
+        max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
+        top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs, json_schema=params.json_schema, grammar=params.grammar)
 
 
 class Dispatcher:
@@ -51,17 +60,16 @@ class Dispatcher:
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str], priority: int = 0) -> RequestStream:
+               stop: list[str], priority: int = 0, events: EventSink | None = None) -> RequestStream:
         """Routes and sends one request. NoInstanceAvailable when no instance can take it;
-        ValueError when a parameter cannot be sent. Either way nothing stays registered."""
-        wire = WireSamplingParams(
-            max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
-            top_k=params.top_k, seed=params.seed, min_tokens=params.min_tokens,
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-            prompt_logprobs=params.prompt_logprobs,
-            json_schema=params.json_schema, grammar=params.grammar)
-        state = RequestState("", client_request_id, self.outputs.new_output_text(stop), list(prompt_token_ids),
-                             wire, priority=priority)
+        ValueError when a parameter cannot be sent. Either way nothing stays registered.
+        `events`: a request of an API process (api_hub.py), which makes the text itself: its events
+        carry token ids only and go to events.put_nowait instead of the returned stream."""
+        output_text = self.outputs.new_output_text(stop) if events is None else NoText()
+        state = RequestState("", client_request_id, output_text, list(prompt_token_ids), wire_params(params),
+                             priority=priority)
+        if events is not None:
+            state.queue = events
         self._dispatch(state)
         return RequestStream(self, state)
 
@@ -113,16 +121,20 @@ class Dispatcher:
             except (NoInstanceAvailable, ValueError) as e:
                 self._end(state, "error", f"no engine instance could take this request: {e}")
 
-    def abort(self, state: RequestState) -> None:
+    def abort(self, state: RequestState, reason: str = "abort") -> None:
+        """reason "stop": an API process found a stop string (counted as a stop, not an abort)."""
         if state in self.parked:
             self.parked.remove(state)
         elif self.requests.pop(state.request_id, None) is None:
             return
         self._release(state)
-        self.metrics.requests.labels("abort").inc()
-        if state.token_ids:
-            self.metrics.aborted_tokens.labels("prompt").inc(state.num_prompt_tokens)
-            self.metrics.aborted_tokens.labels("generated").inc(state.num_completion_tokens)
+        if reason != "abort":
+            self._count_finished(state, reason)
+        else:
+            self.metrics.requests.labels("abort").inc()
+            if state.token_ids:
+                self.metrics.aborted_tokens.labels("prompt").inc(state.num_prompt_tokens)
+                self.metrics.aborted_tokens.labels("generated").inc(state.num_completion_tokens)
         # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
         state.queue.put_nowait(self.outputs.finish_event(state, "abort"))
 
@@ -231,15 +243,18 @@ class Dispatcher:
                 # An engine that ended the request itself holds nothing; otherwise (a stop string,
                 # even on a prefill instance's first token; an error) every holder is told to drop it.
                 self._release(state, abort=not processed.engine_done)
-                self.metrics.requests.labels("rejected" if out.rejected else event.finish_reason or "error").inc()
-                self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
-                self.metrics.e2e.observe(time.monotonic() - state.arrival)
+                self._count_finished(state, "rejected" if out.rejected else event.finish_reason or "error")
             elif processed.handed_over:
                 self._hand_over(state, out)
             state.queue.put_nowait(event)
             if state.held_outputs and state.instance_id == state.streamed_to:
                 held, state.held_outputs = state.held_outputs, []
                 self._process(state.instance_id, held)
+
+    def _count_finished(self, state: RequestState, outcome: str) -> None:
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        self.metrics.e2e.observe(time.monotonic() - state.arrival)
 
     # ---- instances coming and going ----------------------------------------------------
 

@@ -19,14 +19,39 @@ from splitserve.frontend.engine_link import EngineLink
 from splitserve.frontend.metrics import FrontendMetrics
 from splitserve.frontend.output_processor import OutputProcessor
 from splitserve.frontend.render import Renderer
-from splitserve.frontend.request_state import Instance, RequestStream
+from splitserve.frontend.request_state import EventSink, Instance, RequestStream
 from splitserve.frontend.role_change import InstanceLoadView, RoleChanger
 from splitserve.frontend.router import Router
 from splitserve.frontend.security import EngineLinkSecurity
 from splitserve.sampling import SamplingParams
 
 
-class EngineClient:
+class ServedInstances:
+    """What the API asks about the engine instances, answered from `instances` (the engine link's
+    here; in an API process of `serve --api-server-count N`, the coordinator's last snapshot)."""
+
+    instances: dict[str, Instance]
+
+    def live_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.alive]
+
+    @property
+    def model_name(self) -> str:
+        return next(iter(self.instances.values())).hello.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return min(i.hello.max_model_len for i in self._sizing_instances())
+
+    @property
+    def vocab_size(self) -> int:
+        return min(i.hello.vocab_size for i in self._sizing_instances())
+
+    def _sizing_instances(self) -> list[Instance]:
+        return self.live_instances() or list(self.instances.values())
+
+
+class EngineClient(ServedInstances):
     def __init__(self, renderer: Renderer | None, router: Router, metrics: FrontendMetrics,
                  bind: str = "tcp://127.0.0.1:0", max_queued_requests: int = 256,
                  heartbeat_timeout_s: float = 1.5, link: EngineLinkSecurity | None = None,
@@ -79,30 +104,19 @@ class EngineClient:
 
     # ---- what the API asks ---------------------------------------------------------------
 
-    def live_instances(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.alive]
-
-    @property
-    def model_name(self) -> str:
-        return next(iter(self.instances.values())).hello.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return min(i.hello.max_model_len for i in self._sizing_instances())
-
-    @property
-    def vocab_size(self) -> int:
-        return min(i.hello.vocab_size for i in self._sizing_instances())
-
-    def _sizing_instances(self) -> list[Instance]:
-        return self.live_instances() or list(self.instances.values())
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str], priority: int = 0) -> RequestStream:
-        """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one."""
-        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority)
+               stop: list[str], priority: int = 0, events: EventSink | None = None) -> RequestStream:
+        """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one.
+        events: see Dispatcher.submit (a request of an API process)."""
+        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority, events)
         self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens))
         return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       stop: list[str], priority: int = 0) -> RequestStream:
+        """What the HTTP layer calls: submit() here; a round trip to this process from an API
+        process (api_worker.RemoteEngineClient.generate)."""
+        return self.submit(request_id, prompt_token_ids, params, stop, priority)
 
     def drain(self, engine_id: str) -> None:
         """No new requests for this instance; it is told to stop once it holds nothing."""

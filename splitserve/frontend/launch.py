@@ -6,6 +6,7 @@
       │    msgspec-encoded on its stdin: never turned back into flags)
       ├─ load the tokenizer while they load the model
       ├─ wait until every engine said hello, then serve HTTP and print the URL
+      │    (--api-server-count N > 1: first start N-1 more HTTP processes on the port; api_hub.py)
       └─ SIGINT/SIGTERM: stop HTTP, tell engines to shut down, wait, then terminate stragglers
 
 Engines watch our pid too: if this process is killed outright, they exit on their own.
@@ -70,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-silence-timeout", type=float, default=1.5,
                    help="seconds without a message (engines send one every 0.25 s) before an engine is "
                         "declared dead and its requests are retried or failed")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes behind the one port, each rendering, tokenizing and detokenizing "
+                        "(SO_REUSEPORT spreads connections over them); this process stays the only one "
+                        "that talks to the engines, and the others hand it token ids")
     add_api_key_arguments(p)
     add_http_guard_arguments(p)
     add_limit_arguments(p)
@@ -108,6 +113,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_common(args: argparse.Namespace) -> None:
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1 (the number of HTTP processes), got "
+                         f"{args.api_server_count}")
     if not args.engine_silence_timeout > 0.5:
         raise ValueError(f"--engine-silence-timeout must be above 0.5 s (engines send a heartbeat every "
                          f"0.25 s), got {args.engine_silence_timeout}")
@@ -199,7 +207,8 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splitserve.frontend.api_server import build_server_app
+    from splitserve.frontend.api_hub import ApiHub, listening_socket
+    from splitserve.frontend.api_server import ApiServerHeader, build_server_app
     from splitserve.frontend.engine_client import EngineClient
     from splitserve.frontend.metrics import FrontendMetrics
     from splitserve.frontend.router import Router
@@ -224,7 +233,7 @@ async def serve(args: argparse.Namespace) -> int:
               f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
     placement: RayPlacement | None = None
-    mix = None
+    mix = hub = None
 
     ray_hosts = {i.id: i.host for i in spec.remote} if spec is not None else {}
 
@@ -261,6 +270,14 @@ async def serve(args: argparse.Namespace) -> int:
 
         mix = adaptive_from_args(args, client, metrics, len(engine_ids))
         app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix)
+        sockets = None
+        if args.api_server_count > 1:
+            sockets = [listening_socket(args.host, args.port, first=True)]
+            hub = ApiHub(client, app)
+            hub.start()
+            hub.start_processes(args.api_server_count, args, sockets[0].getsockname()[1])
+            await hub.wait_ready(args.startup_timeout)
+            app = ApiServerHeader(app, 0)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
         server = uvicorn.Server(config)
@@ -268,16 +285,19 @@ async def serve(args: argparse.Namespace) -> int:
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
+            api = f" and {args.api_server_count} API processes" if args.api_server_count > 1 else ""
             print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{args.port}/v1 "
-                  f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}; "
+                  f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}{api}; "
                   f"engines join at {client.address}", flush=True)
 
         announcer = asyncio.create_task(announce())
         if mix is not None:
             mix.start()
-        await server.serve()
+        await server.serve(sockets=sockets)
         announcer.cancel()
     finally:
+        if hub is not None:
+            await hub.close()
         if mix is not None:
             await mix.stop()
         await client.shutdown()

@@ -275,3 +275,14 @@ class OutputText:
             emit += self._stop.flush()
         self.text += emit
         return emit
+
+
+class NoText:
+    """The derender state of a request whose text another process makes (an API process of
+    `serve --api-server-count N`, which detokenizes and finds stop strings itself)."""
+
+    stopped = False
+    text = ""
+
+    def add_tokens(self, token_ids: list[int], finished: bool) -> str:
+        return ""

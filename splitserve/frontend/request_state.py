@@ -10,9 +10,9 @@ import asyncio
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from splitserve.frontend.render import OutputText
+from splitserve.frontend.render import NoText, OutputText
 from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, WireSamplingParams
 
 if TYPE_CHECKING:
@@ -49,15 +49,21 @@ def trial_report(report: KVTransferReport) -> dict:
     return out
 
 
+class EventSink(Protocol):
+    """Where a request's events go: its RequestStream's queue, or an API process's outbox."""
+
+    def put_nowait(self, event: GenerationEvent) -> None: ...
+
+
 @dataclass(slots=True)
 class RequestState:
     request_id: str  # inside the system: unique, and new at every dispatch (the client's id may repeat)
     client_request_id: str  # X-Request-Id, echoed to the client
-    output_text: OutputText
+    output_text: OutputText | NoText
     prompt_token_ids: list[int]
     wire_params: WireSamplingParams
     instance_id: str | None = None  # where it runs now; disaggregated: P until the handover, then D
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue | EventSink = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)  # every token produced so far (a resume recomputes them)
     arrival: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -118,8 +124,8 @@ class RequestStream:
         self._done = event.finished
         return event
 
-    def close(self) -> None:
+    def close(self, reason: str = "abort") -> None:
         """Safe to call from a cancelled task: it never awaits."""
         if not self._done:
             self._done = True
-            self._dispatcher.abort(self._state)
+            self._dispatcher.abort(self._state, reason)

@@ -142,17 +142,12 @@ class OpenAIServing:
         self.check_token_ids(prompt, "prompt")
         return list(prompt)
 
-    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
-               priority: int = 0) -> RequestStream:
+    async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
+                     priority: int = 0) -> RequestStream:
         try:
-            return self.client.submit(request_id, token_ids, params, stop, priority)
-        except NoInstanceAvailable as e:
-            if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
-                raise ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s) from None
-            raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
-                           retry_after_s=e.retry_after_s) from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            return await self.client.generate(request_id, token_ids, params, stop, priority)
+        except (NoInstanceAvailable, ValueError) as e:
+            raise submit_error(e) from None
 
     # ---- endpoints -----------------------------------------------------------------------
 
@@ -161,7 +156,7 @@ class OpenAIServing:
         plan = self.tool_plan(body)
         _, token_ids = await self.render_chat(body, plan)
         params = self.sampling_params(body, len(token_ids), plan.grammar)
-        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
+        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
                         tool_parser=self.renderer.tool_format() if plan.parse else None)
@@ -184,7 +179,7 @@ class OpenAIServing:
             params.prompt_logprobs = params.logprobs
             echo = Echo(await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt,
                         token_ids if params.logprobs is not None else None, score_only=body.max_tokens == 0)
-        stream = self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
+        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
                         echo)
@@ -215,6 +210,15 @@ class OpenAIServing:
             raise error_for(last)
         return JSONResponse(answer.full("".join(texts), last, token_ids, logprobs, prompt_logprobs),
                             headers={"X-Request-Id": request_id})
+
+
+def submit_error(e: NoInstanceAvailable | ValueError) -> ApiError:
+    """The answer to a request the dispatcher could not take (here or for an API process)."""
+    if not isinstance(e, NoInstanceAvailable):
+        return ApiError(400, str(e))
+    if e.status == 503:  # no instance able to serve a stage is alive: not the client's rate
+        return ApiError(503, str(e), "server_error", code="no_engine", retry_after_s=e.retry_after_s)
+    return ApiError(429, str(e), "rate_limit_error", code="queue_full", retry_after_s=e.retry_after_s)
 
 
 def requested_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
