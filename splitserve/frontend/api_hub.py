@@ -284,7 +284,8 @@ def identity(index: int) -> bytes:
     return f"api-{index}".encode()
 
 
-def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0, what: str = "API process") -> None:
+    """SIGTERM every process, wait up to `grace_s` for each, then SIGKILL what is left."""
     for proc in processes:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -292,6 +293,6 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> 
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("API process pid %d did not stop in %.0f s; killing it", proc.pid, grace_s)
+            log.warning("%s pid %d did not stop in %.0f s; killing it", what, proc.pid, grace_s)
             proc.kill()
             proc.wait()

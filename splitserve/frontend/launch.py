@@ -29,6 +29,7 @@ from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_
 from splitserve.frontend.limits import add_limit_arguments, check_limit_args
 from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
                                           engine_link_from_args)
+from splitserve.frontend.api_hub import stop_processes
 from splitserve.frontend.tool_parsers import TOOL_PARSERS
 from splitserve.frontend.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
@@ -192,16 +193,7 @@ def load_renderer(model: str | None, tool_call_parser: str = "hermes"):
 
 
 def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for proc in processes:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in processes:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("engine pid %d did not stop in %.0f s; killing it", proc.pid, grace_s)
-            proc.kill()
-            proc.wait()
+    stop_processes(processes, grace_s, what="engine")
 
 
 async def serve(args: argparse.Namespace) -> int:
