@@ -146,3 +146,22 @@ def test_phases_take_a_rate_relative_to_the_reference_and_their_own_mix():
             raw["rate"] = change["rate"]
         with pytest.raises(SpecError, match=field.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
             parse_spec(with_change("arrivals", raw))
+
+
+def test_a_relative_rate_sets_how_its_calibration_probes_unless_a_capacity_section_does():
+    from splitserve.trial.method import CapacitySpec, search_settings
+
+    raw = copy.deepcopy(PHASES)
+    raw["rate"] = {"fraction_of_capacity": 0.7, "reference": "a", "probe_requests": 40, "probe_seconds": 30}
+    spec = parse_spec(with_change("arrivals", raw))
+    cal = search_settings(spec)
+    assert (cal.probe_requests, cal.probe_seconds) == (40, 30.0)
+    # without the fields the calibration keeps the defaults
+    assert search_settings(parse_spec(with_change("arrivals", PHASES))) == CapacitySpec()
+    # a capacity: section governs every search, the calibration's too
+    both = with_change("arrivals", raw)
+    both["capacity"] = {"probe_requests": 12}
+    assert search_settings(parse_spec(both)).probe_requests == 12
+    raw["rate"]["probe_requests"] = 2
+    with pytest.raises(SpecError, match=r"rate\.probe_requests"):
+        parse_spec(with_change("arrivals", raw))

@@ -13,7 +13,7 @@ import numpy as np
 
 from splitserve.trial.arrivals import burstiness_stats, generate_arrivals
 from splitserve.trial.class_report import patience_text, slo_text
-from splitserve.trial.method import CapacitySpec, grid_arrangements
+from splitserve.trial.method import CapacitySpec, grid_arrangements, search_settings
 from splitserve.trial.resources import check_equal, core_set, with_kv_split, arrangement_resources
 from splitserve.trial.results import arrangement_kind
 from splitserve.trial.runner import check_named, rotation
@@ -59,6 +59,11 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
         laid_out = ("the phases' own rates" if spec.arrivals.pattern == "phases" else f"{rel.nominal:g} req/s")
         lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, measured first "
                      f"(arrivals laid out at {laid_out}, then scaled together)")
+        if spec.capacity is None and (rel.probe_requests or rel.probe_seconds):
+            cal = search_settings(spec)
+            lines.append(f"  calibration probes: the plan's first {cal.probe_requests} requests" +
+                         (f" or more, spanning at least {cal.probe_seconds:g} s at the probed rate"
+                          if cal.probe_seconds else ""))
     else:
         lines.append("rate: as written in the spec (x1)")
     lines.append(f"arrangements, pinned to cores {cpus}; KV cache {spec.kv_cache_memory} per arrangement, "

@@ -8,7 +8,8 @@ the colocated tuning grid. Read from the spec like the rest (errors name the fie
       max_probes: 8           # per arrangement and repeat
       budget_s: 480           # all searches together; the probes per search follow from it
     arrivals:
-      rate: {fraction_of_capacity: 0.7, reference: colocated-chunked, nominal: 0.5}
+      rate: {fraction_of_capacity: 0.7, reference: colocated-chunked, nominal: 0.5,
+             probe_seconds: 40}   # calibration probes (without a capacity: section): >= 40 s of arrivals
     tune:                     # colocated knobs to try; the best setting joins as `colocated-best`
       base: colocated-chunked
       max_num_batched_tokens: [64, 256]
@@ -30,6 +31,11 @@ class RelativeRate:
     fraction_of_capacity: float
     reference: str
     nominal: float = 1.0
+    # how the calibration probes when the spec has no `capacity:` section (that section's settings
+    # win when it has one): a probe of a few requests compressed into a burst is held at rates a
+    # steady stream is not, so a spec can ask for longer probes
+    probe_requests: int | None = None
+    probe_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -53,12 +59,27 @@ class TuneSpec:
 def read_relative_rate(sec: Section) -> RelativeRate:
     rate = RelativeRate(fraction_of_capacity=sec.float("fraction_of_capacity", positive=True),
                         reference=sec.str("reference"),
-                        nominal=sec.float("nominal", default=1.0, positive=True))
+                        nominal=sec.float("nominal", default=1.0, positive=True),
+                        probe_requests=sec.int("probe_requests", default=None, minimum=4),
+                        probe_seconds=sec.float("probe_seconds", default=None, positive=True))
     sec.finish()
     if rate.fraction_of_capacity > 1.5:
         raise SpecError(f"{sec.path}fraction_of_capacity: {rate.fraction_of_capacity} is far beyond what the "
                         "reference holds; give a share such as 0.7 (1.0 = at capacity)")
     return rate
+
+
+def search_settings(spec) -> CapacitySpec:
+    """How capacity probes run: the spec's `capacity:` section, else the calibration's own probe
+    settings from `arrivals.rate` (a relative rate), else the defaults."""
+    if spec.capacity is not None:
+        return spec.capacity
+    rel = spec.arrivals.relative_rate
+    if rel is None:
+        return CapacitySpec()
+    default = CapacitySpec()
+    return replace(default, probe_requests=rel.probe_requests or default.probe_requests,
+                   probe_seconds=rel.probe_seconds)
 
 
 def read_capacity(sec: Section) -> CapacitySpec | None:

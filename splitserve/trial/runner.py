@@ -33,7 +33,7 @@ from splitserve.trial.budget import SEARCH_SHARE, Budget
 from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.faults import fault_outcomes, inject_fault
-from splitserve.trial.method import CapacitySpec
+from splitserve.trial.method import search_settings
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
 from splitserve.trial.mix_timeline import fetch_role_timeline
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
@@ -213,7 +213,7 @@ class Trial:
 
     def _search(self, endpoint: Endpoint, arr: Arrangement, result: ArrangementResult, repeat: int,
                 calibrating: bool, budget: float | None) -> None:
-        cap_spec = self.spec.capacity or CapacitySpec()
+        cap_spec = search_settings(self.spec)
         rel = self.spec.arrivals.relative_rate
         start = self._search_start(result)
         found_runs: list[RunResult] = []
@@ -284,7 +284,7 @@ class Trial:
         for a longer span, the plan repeated if need be), stopped as soon as it cannot pass: once
         more requests than the target allows are bad, finished or not (a watchdog judges streams
         in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
-        cap = self.spec.capacity or CapacitySpec()
+        cap = search_settings(self.spec)
         base = self.plan_for_run(run)
         count = probe_length(base, multiplier, num, cap.probe_seconds)
         plan = tiled(base, count, lambda p, k: recut(p, self.spec, self.source,
