@@ -21,8 +21,9 @@ The step-time model is learnt online from the engines' measured steps (control/o
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
 the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.
 Until MIN_SAMPLES steps are measured, the prior model is scaled by the median ratio of measured
-to modelled mean step times over the busy instances (clamped). A stage left with no live instance is rescued at once (no patience, no
-cooldown). No decision ever leaves a stage without an instance able to serve it.
+to modelled mean step times over the busy instances (clamped). A stage left with no live
+instance is rescued at once (no patience, no cooldown). No decision ever leaves a stage without
+an instance able to serve it.
 """
 from __future__ import annotations
 
