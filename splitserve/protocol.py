@@ -35,8 +35,8 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 6  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
-# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs
+PROTOCOL_VERSION = 7  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -164,6 +164,17 @@ class KVStats(msgspec.Struct, frozen=True):
     num_transferring: int = 0  # decode
 
 
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    """One model step as it ran: its shape in the step-time model's features (control/stepmodel.py)
+    and its seconds. The mix controller refits its step model on these (control/online_stepmodel.py)."""
+
+    prefill_tokens: int
+    prefill_attn_ktok2: float  # summed over the step's chunks, as stepmodel.prefill_attn_ktok2 defines it
+    decode_seqs: int
+    decode_kv_tokens: int  # the decodes' context lengths, each token being decoded included
+    seconds: float
+
+
 class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     engine_id: str
     role: str
@@ -181,6 +192,7 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     step_seconds: float = 0.0  # moving average of recent model steps
     step_tokens: float = 0.0  # ... and of the tokens each carried
     num_role_changes: int = 0
+    step_samples: list[StepSample] = []  # the steps run since the last stats, at most the last 64
 
     @property
     def num_blocks_used(self) -> int:

@@ -15,9 +15,12 @@ from splitserve.frontend import launch
 from splitserve.frontend.adaptive import AdaptiveMix, adaptive_from_args, check_adaptive_args, mix_views
 from splitserve.frontend.api_server import build_app
 from splitserve.frontend.metrics import FrontendMetrics
+from splitserve.frontend.request_state import STEP_WINDOW, Instance
 from splitserve.frontend.role_change import InstanceLoadView, RoleChangeRefused
+from splitserve.protocol import EngineHello, EngineStats, StepSample
 from splitserve.sampling import SamplingParams
 from splitserve.control.mix import MixController, MixTargets, FALLBACK_STEP_MODEL
+from splitserve.control.stepmodel import COEFFICIENTS
 from tiny_models import write_tiny_checkpoint
 
 
@@ -46,15 +49,30 @@ def test_flags_are_checked_with_the_fix_in_the_message():
 
 
 def test_the_adapter_maps_each_field():
+    measured = (StepSample(64, 2.048, 0, 0, 0.3), StepSample(0, 0.0, 2, 320, 0.03))
     loads = [InstanceLoadView("a", "prefill", True, False, 3, 900, num_queued_prompt_tokens=700,
-                              num_running_requests=2, num_kv_tokens_used=320, step_seconds=0.04, step_tokens=64.0),
+                              num_running_requests=2, num_kv_tokens_used=320, step_seconds=0.04, step_tokens=64.0,
+                              step_samples=measured, num_step_samples=57),
              InstanceLoadView("b", "decode", True, True, 0, 0, 0, 0, 0, 0.0, 0.0),
              InstanceLoadView("c", "colocated", False, False, 0, 0, 0, 0, 0, 0.0, 0.0)]
     a, b, c = mix_views(loads, {"a": 2}, default_threads=1)
     assert (a.instance_id, a.role, a.alive, a.queued_prompt_tokens, a.num_running, a.decode_kv_tokens, a.threads,
             a.recent_step_s) == ("a", "prefill", True, 700, 2, 320, 2, 0.04)
-    assert b.alive and b.threads == 1 and b.recent_step_s is None
+    assert a.num_step_samples == 57 and [(s.shape.prefill_tokens, s.shape.prefill_attn_ktok2, s.shape.decode_seqs,
+                                           s.shape.decode_kv_tokens, s.seconds) for s in a.step_samples] == [
+        (64, 2.048, 0, 0, 0.3), (0, 0.0, 2, 320, 0.03)]
+    assert b.alive and b.threads == 1 and b.recent_step_s is None and b.step_samples == () and b.num_step_samples == 0
     assert not c.alive
+
+
+def test_the_frontend_keeps_each_instances_last_300_step_samples_and_counts_them_all():
+    inst = Instance(EngineHello("e", "colocated", "m", 512, 100, 16, 16, 8, 1), 0.0)
+    for k in range(5):
+        inst.observe_stats(EngineStats("e", "colocated", 0, 1, 16, 15, step_samples=[
+            StepSample(0, 0.0, 1, 64 * k + i, 0.01) for i in range(64)]))
+    assert inst.num_step_samples == 320 and len(inst.step_samples) == STEP_WINDOW == 300
+    assert [s.decode_kv_tokens for s in inst.step_samples] == list(range(20, 320))  # the newest
+    assert inst.stats.num_running == 1
 
 
 class RefusingClient:
@@ -118,6 +136,7 @@ def test_documents_turn_two_colocated_instances_into_prefill_plus_decode_in_two_
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
                 body = (await http.get("/admin/mix")).json()
                 assert body["roles"] == roles and body["num_role_changes"] == 2
+                assert body["model"]["prior"] == FALLBACK_STEP_MODEL.for_threads(1).to_dict()
                 assert body["changes"][1]["reason"] == second["reason"] and body["changes"][0]["wall_time"] > 0
                 json.dumps(body, allow_nan=False)
                 text = (await http.get("/metrics")).text
@@ -129,6 +148,19 @@ def test_documents_turn_two_colocated_instances_into_prefill_plus_decode_in_two_
                 async for event in stream:
                     finish = event.finish_reason or finish
                 assert finish == "length"
+            # the engines' measured steps reach the controller: counted, and fitted once there are 30
+            for _ in range(100):
+                loads = cluster.client.load_view()
+                if sum(v.num_step_samples for v in loads) >= 30:
+                    break
+                await asyncio.sleep(0.05)
+            await mix.run_once()  # in its cooldown: no change, but the model is refitted
+            loads = cluster.client.load_view()  # as run_once saw them: stats arrive on this loop only
+            assert all(len(v.step_samples) == v.num_step_samples > 0 for v in loads)
+            model = mix.snapshot()["model"]
+            assert model["source"] == "online" and model["num_samples"] == sum(v.num_step_samples for v in loads)
+            assert set(model["coefficients"]) == set(COEFFICIENTS) and model["median_abs_rel_error"] >= 0
+            assert "model: online fit of" in mix.loop.decisions[-1]["reason"] and mix.loop.num_role_changes == 2
     asyncio.run(go())
 
 

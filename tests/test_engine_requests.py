@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.config import CacheConfig, SchedulerConfig, parse_size
+from splitserve.control.stepmodel import prefill_attn_ktok2
 from splitserve.sampling import SamplingParams
 from engine_support import make_engine, run_to_end
 from tiny_models import write_tiny_checkpoint
@@ -107,3 +108,27 @@ def test_a_short_prompt_does_not_wait_behind_a_long_prompts_chunks(tiny):
     assert engine.requests["medium"].num_computed_tokens == 0
     run_to_end(engine)
     assert engine.stats().num_free_blocks == engine.stats().num_blocks_total
+
+
+def test_stats_carry_each_model_steps_shape_and_seconds_once_and_only_the_newest_64(tiny):
+    """What the mix controller fits its step model on (control/online_stepmodel.py): per step, the
+    prompt tokens and the attention of each chunk at its offset, the decodes and their contexts."""
+    engine = make_engine(tiny, policy="chunked", budget=64, prefix=False)
+    assert engine.stats().step_samples == []
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("a", [5 + i % 50 for i in range(100)], params)
+    engine.step()  # the first chunk: 64 tokens at offset 0
+    engine.step()  # the rest, 36 at offset 64: a's first token
+    engine.add_request("b", list(range(20, 40)), SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    engine.step()  # a decodes at position 100 (101 tokens of context) beside b's whole prompt
+    engine.step()  # a at 101 and b at 20 decode
+    samples = engine.stats().step_samples
+    assert [(s.prefill_tokens, s.prefill_attn_ktok2, s.decode_seqs, s.decode_kv_tokens) for s in samples] == [
+        (64, prefill_attn_ktok2(0, 64), 0, 0), (36, prefill_attn_ktok2(64, 36), 0, 0),
+        (20, prefill_attn_ktok2(0, 20), 1, 101), (0, 0.0, 2, 102 + 21)]
+    assert all(s.seconds > 0 for s in samples)
+    assert engine.stats().step_samples == []  # each sample goes out once
+    run_to_end(engine)  # b's 78 more decode steps: only the newest 64 are kept
+    samples = engine.stats().step_samples
+    assert len(samples) == 64 and samples[-1].decode_kv_tokens == 20 + 80 - 1
+    assert [s.decode_kv_tokens for s in samples] == list(range(20 + 80 - 64, 20 + 80))

@@ -10,7 +10,7 @@ from splitserve.engine.process import parse_cpus
 from splitserve.frontend.launch import core_sets
 from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
-                                 Shutdown, StepOutputs, TokenOutput, WireSamplingParams)
+                                 Shutdown, StepOutputs, StepSample, TokenOutput, WireSamplingParams)
 
 
 def start(router: Router, request_id: str, prompt: int, answer: int) -> str:
@@ -59,11 +59,15 @@ def test_every_wire_message_round_trips_through_its_direction():
                  AbortRequests(["r1", "r2"]), Shutdown("bye")]
     from_engine = [EngineHello("e0", "colocated", "m", 512, 600, 100, 16, 8, 1234),
                    StepOutputs("e0", [TokenOutput("r1", [5], True, "length", 3, 0)]),
-                   EngineStats("e0", "colocated", 1, 2, 100, 90), Heartbeat("e0")]
+                   EngineStats("e0", "colocated", 1, 2, 100, 90), Heartbeat("e0"),
+                   EngineStats("e0", "colocated", 1, 2, 100, 90, step_samples=[StepSample(64, 2.048, 2, 300, 0.05)])]
     for message in to_engine:
         assert codec.to_engine.decode(codec.encode(message)) == message
     for message in from_engine:
         assert codec.from_engine.decode(codec.encode(message)) == message
+    # 64 step samples, the most one stats message carries, stay a small message
+    full = EngineStats("e0", "colocated", 1, 2, 100, 90, step_samples=[StepSample(256, 98.3, 32, 40000, 0.123456)] * 64)
+    assert len(codec.encode(full)) < 2500
 
 
 @pytest.mark.parametrize("payload", [

@@ -17,10 +17,13 @@ After a change nothing else moves for `cooldown` intervals. The halfway mixes ma
 colocated instance, a prefill or decode instance gets no new work (frontend/router.py), so
 a single change from two colocated instances only ever helps as the first of two.
 
-Measured recent step times correct the model, by the median ratio of measured to modelled
-steps over the busy instances (clamped), so a loaded box or a mis-fitted profile does not
-steer the mix. A stage left with no live instance is rescued at once (no patience, no
-cooldown). No decision ever leaves a stage without an instance able to serve it.
+The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
+a refit per interval with new samples, anchored to the profile's or the fallback's model where
+the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.
+Until MIN_SAMPLES steps are measured, the prior model is scaled by the median ratio of measured
+to modelled mean step times over the busy instances (clamped). A stage left with no live
+instance is rescued at once (no patience, no cooldown). No decision ever leaves a stage without
+an instance able to serve it.
 """
 from __future__ import annotations
 
@@ -28,17 +31,20 @@ import itertools
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
 from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
 
 ROLES = ("prefill", "decode", "colocated")
-# Without a profile (`serve --adaptive` given none): the bundled model's fits on the shared 2-core
-# box (docs/benchmarks.md, "Planner"); measured step times correct them per interval.
+# Without a profile (`serve --adaptive` given none): the bundled model's fits by `splitserve profile`
+# with today's engine on the AVX2 box (AMD EPYC family 25 model 1, 2 vCPUs),
+# bench/results/profile_bundled_amd-epyc-avx2-2core_2026-12-01.json ('threads' -> '1' / '2' ->
+# 'step_model'), rounded to 3 digits. The online model (control/online_stepmodel.py) corrects them.
 FALLBACK_STEP_MODEL = StepModels({
-    1: StepModel(overhead_s=0.0447, per_prefill_token_s=0.00263, per_prefill_attn_s=0.00103,
-                 per_decode_seq_s=0.00494, per_decode_kv_token_s=1.43e-5),
-    2: StepModel(overhead_s=0.0556, per_prefill_token_s=0.00131, per_prefill_attn_s=0.00074,
-                 per_decode_seq_s=0.00337, per_decode_kv_token_s=7.2e-6)})
+    1: StepModel(overhead_s=0.0222, per_prefill_token_s=0.00367, per_prefill_attn_s=0.000548,
+                 per_decode_seq_s=0.00559, per_decode_kv_token_s=2.13e-5),
+    2: StepModel(overhead_s=0.0110, per_prefill_token_s=0.00205, per_prefill_attn_s=0.000610,
+                 per_decode_seq_s=0.00534, per_decode_kv_token_s=1.18e-5)})
 PREFILL_CAPABLE = ("prefill", "colocated")
 DECODE_CAPABLE = ("decode", "colocated")
 
@@ -53,6 +59,8 @@ class InstanceView:
     decode_kv_tokens: int = 0         # their context lengths, summed
     threads: int = 1
     recent_step_s: float | None = None  # measured mean step time over the last interval
+    step_samples: tuple[StepSample, ...] = ()  # its last measured steps
+    num_step_samples: int = 0  # step samples it has sent so far: a change says new ones came
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -106,8 +114,11 @@ class MixController:
     _wanted: str = ""                 # the better mix of the last intervals, by what serves in it
     _streak: int = 0
     _follow: Change | None = None     # the second change of a two-change move, due next interval
+    min_samples: int = MIN_SAMPLES    # measured steps before the online model replaces the scaled prior
+    prior_weight: float = PRIOR_WEIGHT  # the prior's pseudo-samples, in measured steps' worth
     _since_change: int = 1 << 30
     last: dict = field(default_factory=dict)  # the last interval's predictions, for tests and logs
+    online: OnlineStepModels = field(init=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -116,12 +127,26 @@ class MixController:
             raise ValueError(f"mix calm must be positive, got {self.calm}")
         if self.patience < 1 or self.cooldown < 0:
             raise ValueError("mix: patience must be >= 1 and cooldown >= 0 intervals")
+        if self.min_samples < 1 or not self.prior_weight > 0:
+            raise ValueError("mix: min_samples must be >= 1 and prior_weight positive")
+        self.online = OnlineStepModels(self.steps, self.prior_weight, self.min_samples)
 
     # ---- the model ---------------------------------------------------------------------
 
-    def _model(self, views: list[InstanceView]) -> StepModel:
+    def _model(self, views: list[InstanceView]) -> tuple[StepModel, dict, str]:
+        """The step model to predict with, its description for GET /admin/mix, and for the reasons:
+        the online fit once enough steps are measured, else the prior scaled by _correction."""
         threads = next((v.threads for v in views if v.alive), 1)
-        return self.steps.for_threads(threads) if isinstance(self.steps, StepModels) else self.steps
+        online = self.online.update(threads, [(v.instance_id, v.num_step_samples, v.step_samples)
+                                              for v in views if v.threads == threads])
+        info = {"threads": threads, **online.describe()}
+        if online.ready:
+            return online.model, info, (f"model: online fit of {online.num_samples} steps, median error "
+                                        f"{online.median_error:.0%} ({describe_model(online.model)})")
+        scale = self._correction(views, online.prior)
+        info["scale"] = scale
+        return online.prior.scaled(scale), info, (f"model: prior x{scale:.2f} ({online.num_samples} of "
+                                                  f"{online.min_samples} steps measured for an online fit)")
 
     def _correction(self, views: list[InstanceView], model: StepModel) -> float:
         ratios = []
@@ -167,9 +192,8 @@ class MixController:
             self._wanted, self._streak, self._follow = "", 0, None
             return self._rescue(views, now_s)
         live = [v for v in views if v.alive]
-        model = self._model(views)
-        scale = self._correction(views, model)
-        whatif = WhatIf(model.scaled(scale), self.chunk_budget)
+        model, info, model_text = self._model(views)
+        whatif = WhatIf(model, self.chunk_budget)
 
         def predict(changes: tuple[Change, ...]) -> Prediction:
             moved = dict(changes)
@@ -183,14 +207,15 @@ class MixController:
         p_now = pressure(now)
         scored = sorted(((pressure(p), len(c), self._disruption(views, c), c, p)
                          for c in self._candidates(views) for p in [predict(c)]), key=lambda x: x[:4])
-        self.last = {"now": now, "scale": scale, "candidates": [(x[3], x[4]) for x in scored]}
-        state = f"now {self._describe(now, p_now)}; {demand.describe()}; model x{scale:.2f}"
+        self.last = {"now": now, "scale": info.get("scale", 1.0), "model": info,
+                     "candidates": [(x[3], x[4]) for x in scored]}
+        state = f"now {self._describe(now, p_now)}; {demand.describe()}; {model_text}"
 
         if self._follow is not None:
             follow, self._follow = self._follow, None
             after = predict((follow,))
             if self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin):
-                return self._change(views, follow, now, after, now_s, "second of two steps")
+                return self._change(views, follow, now, after, now_s, "second of two steps", model_text)
             self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
         if not scored:
             return self._none(now_s, f"{state}: no other mix keeps both stages covered", now)
@@ -218,14 +243,14 @@ class MixController:
         self._follow = rest[0] if rest else None
         step = (f"first of two steps to {best_pred.serving}; {predict((first,)).serving} serves in between"
                 if rest else "")
-        return self._change(views, first, now, best_pred, now_s, step)
+        return self._change(views, first, now, best_pred, now_s, step, model_text)
 
     def change_failed(self) -> None:
         """The last change was refused or failed: a second step planned after it is no longer due."""
         self._follow = None
 
     def _change(self, views: list[InstanceView], change: Change, now: Prediction, target: Prediction,
-                now_s: float, step: str) -> Decision:
+                now_s: float, step: str, model_text: str) -> Decision:
         """`target`: the prediction for the mix this change leads to (after its second step, if any)."""
         view = next(v for v in views if v.instance_id == change[0])
         self._since_change = 0
@@ -235,7 +260,8 @@ class MixController:
         reason = (f"{view.instance_id} {view.role} -> {change[1]}{f' ({step})' if step else ''}: predicted "
                   f"inter-token {_fmt(target.gap_s)} vs {_fmt(now.gap_s)} now, TTFT {_fmt(target.ttft_s)} vs "
                   f"{_fmt(now.ttft_s)}; pressure {target.pressure(t.ttft_s, t.gap_s):.2f}x vs "
-                  f"{now.pressure(t.ttft_s, t.gap_s):.2f}x{full}; serving {target.serving} instead of {now.serving}")
+                  f"{now.pressure(t.ttft_s, t.gap_s):.2f}x{full}; serving {target.serving} instead of {now.serving}; "
+                  f"{model_text}")
         return Decision(now_s, reason, view.instance_id, view.role, change[1], now.ttft_s, now.gap_s,
                         target.ttft_s, target.gap_s)
 

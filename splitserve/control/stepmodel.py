@@ -115,16 +115,21 @@ class FitReport:
     max_abs_rel_error: float
 
 
-def fit_step_model(shapes: list[StepShape], seconds: list[float]) -> FitReport:
+def fit_step_model(shapes: list[StepShape], seconds: list[float], weights: list[float] | None = None) -> FitReport:
     """Fit on relative error (each row divided by its time) so short decode steps weigh as much
-    as long prefills: the simulator sums thousands of the former."""
-    if len(shapes) != len(seconds) or not shapes:
-        raise ValueError("fit_step_model: give one time per step shape, at least one")
+    as long prefills: the simulator sums thousands of the former. weights: each row's share of
+    the squared error (default 1 each; the online model gives its prior's pseudo-samples little)."""
+    if len(shapes) != len(seconds) or not shapes or (weights is not None and len(weights) != len(shapes)):
+        raise ValueError("fit_step_model: give one time (and one weight, if any) per step shape, at least one")
     y = np.asarray(seconds, dtype=float)
     if (y <= 0).any():
         raise ValueError("fit_step_model: step times must be positive")
     a = np.asarray([s.vector() for s in shapes])  # [num_samples, num_coefficients]
     w = 1.0 / y
+    if weights is not None:
+        if any(not weight > 0 for weight in weights):
+            raise ValueError("fit_step_model: weights must be positive")
+        w = w * np.sqrt(np.asarray(weights, dtype=float))
     coef = nnls(a * w[:, None], y * w)
     model = StepModel(*(float(c) for c in coef))
     rel = np.abs(a @ coef - y) / y

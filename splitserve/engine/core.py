@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
+from splitserve.control.stepmodel import prefill_attn_ktok2
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
-from splitserve.protocol import EngineStats
+from splitserve.protocol import EngineStats, StepSample
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
 
 STEP_TIME_DECAY = 0.8  # weight of the past in the moving average of step times
+# Step samples kept between two stats (sent every 0.25 s at most): a 4 ms step on a tiny model
+# fills it, and the newest are the ones worth sending.
+MAX_STEP_SAMPLES = 64
 
 
 class EngineCore:
@@ -61,6 +66,7 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0  # moving average of recent steps that ran the model
         self.step_tokens = 0.0  # ... and of the tokens they carried
+        self._step_samples: deque[StepSample] = deque(maxlen=MAX_STEP_SAMPLES)  # since the last stats()
 
     def _make_connector(self, role: str):
         shm_name = self._pool_handle.name if self._pool_handle is not None else ""
@@ -199,13 +205,14 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        shape = step_shape(batch)  # before the run moves num_computed_tokens on
         started = time.perf_counter()
         try:
             sampled = self.runner.execute(batch, self.generator)
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine lives on
             requests = batch.decodes + [r for r, _ in batch.prefills]
             return outputs + [self._fail(r, f"{type(e).__name__}: {e}") for r in requests]
-        self._observe_step(time.perf_counter() - started, batch.num_tokens)
+        self._observe_step(time.perf_counter() - started, batch.num_tokens, shape)
         finished = set(self.scheduler.update(batch, sampled))
         self.num_steps += 1
         outputs += self._prefill_progress(batch, sampled)
@@ -251,7 +258,8 @@ class EngineCore:
         self.requests.pop(request.request_id, None)
         return kv_params
 
-    def _observe_step(self, seconds: float, num_tokens: int) -> None:
+    def _observe_step(self, seconds: float, num_tokens: int, shape: tuple[int, float, int, int]) -> None:
+        self._step_samples.append(StepSample(*shape, seconds))
         if self.step_seconds == 0.0:
             self.step_seconds, self.step_tokens = seconds, float(num_tokens)
         else:
@@ -265,7 +273,11 @@ class EngineCore:
             self._pool_handle.close()
 
     def stats(self) -> EngineStats:
+        """The engine's counters now, with the step samples gathered since the last call (taken:
+        each sample goes out once)."""
         bm, sched = self.block_manager, self.scheduler
+        samples = list(self._step_samples)
+        self._step_samples.clear()
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
         return EngineStats(
@@ -274,4 +286,12 @@ class EngineCore:
             prefix_cache_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
             num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
             num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
-            num_role_changes=self.num_role_changes)
+            num_role_changes=self.num_role_changes, step_samples=samples)
+
+
+def step_shape(batch: ScheduledBatch) -> tuple[int, float, int, int]:
+    """(prefill tokens, prefill attention ktok2, decode sequences, decode KV tokens) of a step, as
+    control/stepmodel.py models it; a decode at position p attends to p + 1 tokens."""
+    prefill_tokens = sum(n for _, n in batch.prefills)
+    attn = sum(prefill_attn_ktok2(r.num_computed_tokens, n) for r, n in batch.prefills)
+    return prefill_tokens, attn, len(batch.decodes), sum(r.num_computed_tokens + 1 for r in batch.decodes)

@@ -6,6 +6,10 @@
     every decision, change or not, with its reason -> the bounded log behind GET /admin/mix,
     splitserve_mix_decisions_total{action} and the per-instance role gauge on /metrics.
 
+Each engine's stats carry the steps it ran since its last stats (shape and seconds); the engine
+client keeps the last few hundred per instance, and the controller refits its step model on them
+(control/online_stepmodel.py). GET /admin/mix shows the model in use ("model").
+
 The engines' stats carry no thread count, so the adapter takes it from what `serve` started them
 with (--threads-per-instance): the step-time model is per thread count.
 """
@@ -20,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from splitserve.control.mix import FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets
 from splitserve.control.mix_loop import MixLoop
+from splitserve.control.online_stepmodel import StepSample
+from splitserve.control.stepmodel import StepShape
 from splitserve.control.whatif import Demand
 
 if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
@@ -51,7 +57,8 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
                    help="--adaptive: seconds between decisions (default 1)")
     p.add_argument("--profile", default=None,
                    help="--adaptive: a `splitserve profile` JSON for the step-time model (default: the "
-                        "bundled model's fit; measured step times correct either)")
+                        "bundled model's fit on the AVX2 box); the model is refitted online from measured "
+                        "steps, this one kept where they say nothing)")
 
 
 def check_adaptive_args(args: argparse.Namespace) -> None:
@@ -82,7 +89,11 @@ def mix_views(loads: list[InstanceLoadView], threads: dict[str, int], default_th
     return [InstanceView(instance_id=v.instance_id, role=v.role, alive=v.alive,
                          queued_prompt_tokens=v.num_queued_prompt_tokens, num_running=v.num_running_requests,
                          decode_kv_tokens=v.num_kv_tokens_used, threads=threads.get(v.instance_id, default_threads),
-                         recent_step_s=v.step_seconds or None)
+                         recent_step_s=v.step_seconds or None,
+                         step_samples=tuple(StepSample(StepShape(s.prefill_tokens, s.prefill_attn_ktok2, s.decode_seqs,
+                                                                 s.decode_kv_tokens), s.seconds)
+                                            for s in v.step_samples),
+                         num_step_samples=v.num_step_samples)
             for v in loads]
 
 
@@ -154,6 +165,7 @@ class AdaptiveMix:
                 "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s},
                 "started_wall_time": self.started_wall,
                 "roles": {v.instance_id: v.role for v in self.client.load_view()},
+                "model": self.loop.controller.last.get("model"),
                 "num_role_changes": self.loop.num_role_changes, "num_failed_changes": self.loop.num_failed_changes,
                 "decisions": list(self.loop.decisions), "changes": self.loop.changes()}
 

@@ -209,7 +209,7 @@ class Dispatcher:
         if isinstance(message, StepOutputs):
             self._on_outputs(engine_id, message)
         elif isinstance(message, EngineStats):
-            self.link.instances[engine_id].stats = message
+            self.link.instances[engine_id].observe_stats(message)
             self.metrics.observe_stats(message)
             self.router.set_free_blocks(engine_id, message.num_free_blocks)
         elif isinstance(message, RoleChanged) and self.roles is not None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from splitserve.frontend.render import NoText, OutputText
-from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, WireSamplingParams
+from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, StepSample, WireSamplingParams
 
 if TYPE_CHECKING:
     from splitserve.frontend.dispatcher import Dispatcher
@@ -94,6 +95,9 @@ class RequestState:
                                               self.decode_instance_id) if i is not None))
 
 
+STEP_WINDOW = 300  # step samples kept per instance: a few seconds of busy steps, a minute of slow ones
+
+
 @dataclass(slots=True)
 class Instance:
     hello: EngineHello  # its role is kept current across live role changes
@@ -104,6 +108,14 @@ class Instance:
     removed: bool = False  # out of rotation for good (drained, or silent long after its death)
     dead_since: float | None = None
     lost_request_ids: set[str] = field(default_factory=set)  # sent elsewhere when it was declared dead
+    # its last STEP_WINDOW measured steps, for the mix controller's online step model
+    step_samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    num_step_samples: int = 0  # received since it joined: tells a reader whether new ones came
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.step_samples.extend(stats.step_samples)
+        self.num_step_samples += len(stats.step_samples)
 
 
 class RequestStream:

@@ -22,7 +22,7 @@ import msgspec
 
 from splitserve.config import ROLES
 from splitserve.frontend.router import DECODE_CAPABLE, PREFILL_CAPABLE
-from splitserve.protocol import RoleChanged, SetRole
+from splitserve.protocol import RoleChanged, SetRole, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class InstanceLoadView:
     num_kv_tokens_used: int
     step_seconds: float  # moving average of recent model steps
     step_tokens: float
+    step_samples: tuple[StepSample, ...] = ()  # its last measured steps (request_state.STEP_WINDOW)
+    num_step_samples: int = 0  # step samples received since it joined
 
 
 def check_coverage(roles: dict[str, str]) -> str | None:
@@ -168,5 +170,6 @@ class RoleChanger:
                 instance_id, load.role, load.alive, load.changing_role, load.num_requests, load.outstanding_tokens,
                 s.num_queued_prompt_tokens if s else 0, s.num_running if s else 0,
                 s.num_blocks_used * s.block_size if s else 0, s.step_seconds if s else 0.0,
-                s.step_tokens if s else 0.0))
+                s.step_tokens if s else 0.0,
+                tuple(inst.step_samples) if inst is not None else (), inst.num_step_samples if inst is not None else 0))
         return views
