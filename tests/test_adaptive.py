@@ -41,11 +41,14 @@ def test_flags_are_checked_with_the_fix_in_the_message():
     for flags, message in ((["--slo-ttft-s", "1"], "only apply with --adaptive"),
                            (["--adaptive", "--slo-gap-s", "0"], "--slo-gap-s must be positive"),
                            (["--adaptive", "--mix-interval-s", "-1"], "--mix-interval-s must be positive"),
+                           (["--slo-tpot-s", "0.1"], "only apply with --adaptive"),
+                           (["--adaptive", "--slo-tpot-s", "-0.1"], "--slo-tpot-s must be positive"),
                            (["--adaptive", "--profile", "missing.json"], "splitserve profile --out")):
         with pytest.raises(ValueError, match=message):
             serve_args(*flags)
     args = serve_args("--adaptive")
-    assert (args.slo_ttft_s, args.slo_gap_s, args.mix_interval_s) == (2.0, 0.25, 1.0)
+    assert (args.slo_ttft_s, args.slo_gap_s, args.mix_interval_s, args.slo_tpot_s) == (2.0, 0.25, 1.0, None)
+    assert serve_args("--adaptive", "--slo-tpot-s", "0.12").slo_tpot_s == 0.12
 
 
 def test_the_adapter_maps_each_field():

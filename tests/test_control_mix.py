@@ -277,3 +277,31 @@ def test_loop_runs_on_its_interval_until_stopped():
         return loop
 
     assert len(asyncio.run(go()).decisions) >= 2
+
+
+def test_tpot_is_the_decode_step_stretched_by_the_instances_prompt_work():
+    w = WhatIf(MODEL)
+    cc = w.predict(held(["colocated"] * 2), chats(0.6))
+    # per instance: 12 prompt tokens/s at 2.62 ms (attention at a 40-token prompt), 38.4 answer tokens/s
+    # at 5 ms + 104 KV tokens x 14 us; busy share 0.279, so 3 decodes run (38.4 x 45 ms / 0.721 = 2.4)
+    step = 0.045 + 3 * 0.005 + 312 * 1.4e-5
+    assert cc.tpot_s == pytest.approx(step / (1 - 12 * 0.00262), rel=1e-6)
+    pd = w.predict(held(["prefill", "decode"]), chats(0.6))
+    assert pd.tpot_s == pd.gap_s  # a decode instance's every step is a decode step
+    assert pd.pressure(4.0, 0.5) == pytest.approx(pd.gap_s / 0.5)
+    assert pd.pressure(4.0, 0.5, 0.05) == pytest.approx(pd.tpot_s / 0.05)
+
+
+def test_a_tpot_target_keeps_chats_on_two_colocated_instances_that_one_decode_instance_would_slow():
+    """The gap alone prefers one decode instance (no prompt in its streams' way), though it streams
+    every answer at half the speed; with a TPOT target the pair stays, and documents still move it."""
+    demand = Demand(0.8, 0.8 * 60, 0.8 * 128, 60, 128, prompts=(40, 60, 80, 100, 120, 140))
+    views = mix_of("colocated", "colocated")
+    assert controller(patience=1).decide(views, 0.0, demand).to_role is not None
+    paced = MixController(MODEL, MixTargets(4.0, 0.5, tpot_s=0.1), patience=1)
+    d = paced.decide(views, 0.0, demand)
+    assert d.instance_id is None and "TPOT 77 ms / 100 ms" in d.reason
+    moved = paced.decide(views, 1.0, documents(0.3))
+    assert moved.instance_id is not None and "TPOT" in moved.reason
+    with pytest.raises(ValueError, match="TPOT target must be positive"):
+        MixTargets(4.0, 0.5, tpot_s=0.0)

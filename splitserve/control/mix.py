@@ -71,10 +71,16 @@ class InstanceView:
 class MixTargets:
     ttft_s: float
     gap_s: float
+    tpot_s: float | None = None  # mean seconds per output token; None: answers' speed is not a target
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.gap_s > 0):
             raise ValueError(f"mix targets must be positive seconds, got ttft_s={self.ttft_s}, gap_s={self.gap_s}")
+        if self.tpot_s is not None and not self.tpot_s > 0:
+            raise ValueError(f"mix TPOT target must be positive seconds, got {self.tpot_s}")
+
+    def pressure(self, p: "Prediction") -> float:
+        return p.pressure(self.ttft_s, self.gap_s, self.tpot_s)
 
 
 @dataclass(slots=True, frozen=True)
@@ -201,7 +207,7 @@ class MixController:
                                    for v in live], demand)
 
         def pressure(p: Prediction) -> float:
-            return p.pressure(self.targets.ttft_s, self.targets.gap_s)
+            return self.targets.pressure(p)
 
         now = predict(())
         p_now = pressure(now)
@@ -259,16 +265,20 @@ class MixController:
         full = f" ({' and '.join(now.saturated)} saturated now)" if now.saturated else ""
         reason = (f"{view.instance_id} {view.role} -> {change[1]}{f' ({step})' if step else ''}: predicted "
                   f"inter-token {_fmt(target.gap_s)} vs {_fmt(now.gap_s)} now, TTFT {_fmt(target.ttft_s)} vs "
-                  f"{_fmt(now.ttft_s)}; pressure {target.pressure(t.ttft_s, t.gap_s):.2f}x vs "
-                  f"{now.pressure(t.ttft_s, t.gap_s):.2f}x{full}; serving {target.serving} instead of {now.serving}; "
+                  f"{_fmt(now.ttft_s)}{self._tpot_text(target, now)}; pressure {t.pressure(target):.2f}x vs "
+                  f"{t.pressure(now):.2f}x{full}; serving {target.serving} instead of {now.serving}; "
                   f"{model_text}")
         return Decision(now_s, reason, view.instance_id, view.role, change[1], now.ttft_s, now.gap_s,
                         target.ttft_s, target.gap_s)
 
+    def _tpot_text(self, target: Prediction, now: Prediction) -> str:
+        return f", TPOT {_fmt(target.tpot_s)} vs {_fmt(now.tpot_s)}" if self.targets.tpot_s else ""
+
     def _describe(self, p: Prediction, pressure: float) -> str:
         full = f", {' and '.join(p.saturated)} saturated" if p.saturated else ""
+        tpot = f", TPOT {_fmt(p.tpot_s)} / {_fmt(self.targets.tpot_s)}" if self.targets.tpot_s else ""
         return (f"{p.serving}: TTFT {_fmt(p.ttft_s)} / {_fmt(self.targets.ttft_s)}, inter-token {_fmt(p.gap_s)} / "
-                f"{_fmt(self.targets.gap_s)}, pressure {pressure:.2f}x{full}")
+                f"{_fmt(self.targets.gap_s)}{tpot}, pressure {pressure:.2f}x{full}")
 
     def _rescue(self, views: list[InstanceView], now_s: float) -> Decision:
         """A stage lost its last instance: a survivor turns colocated at once (no patience, no cooldown)."""

@@ -20,8 +20,11 @@ now, which stays where it is (a role change moves no queued prompt and no runnin
             its instance with (of the m prompts that arrive there during its life, the
             1 - 1/m quantile of recent prompts; up to the chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
             1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
+            Its streams' mean time per token (TPOT): a step of its n decodes, stretched by the
+            share of its time that prefill takes, (o + a * n) / (1 - lp * c).
   prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
-  decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n.
+  decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n, and so is
+            its TPOT.
   running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
 
 An instance past its capacity is held at 2% slack: its prediction is large but finite, so a
@@ -89,9 +92,14 @@ class Prediction:
     gap_s: float
     serving: str                   # which instances take new work, e.g. "2 colocated"
     saturated: tuple[str, ...] = ()  # the stages given more work than they can do
+    tpot_s: float = 0.0            # a stream's mean time per output token (the slowest instance's)
 
-    def pressure(self, ttft_target_s: float, gap_target_s: float) -> float:
-        return max(self.ttft_s / ttft_target_s, self.gap_s / gap_target_s)
+    def pressure(self, ttft_target_s: float, gap_target_s: float, tpot_target_s: float | None = None) -> float:
+        """The worst prediction over its target. The gap is the worst stutter a stream sees; TPOT,
+        when a target is given, is how fast answers stream on average (an end-to-end deadline on
+        long answers is a TPOT target in disguise)."""
+        worst = max(self.ttft_s / ttft_target_s, self.gap_s / gap_target_s)
+        return max(worst, self.tpot_s / tpot_target_s) if tpot_target_s else worst
 
 
 def _queueing(u: float) -> float:
@@ -131,11 +139,13 @@ class WhatIf:
         u = lp * c + ld * a
         slack = max(1 - u, MIN_SLACK)
         fluid_n = ld * m.overhead_s / slack
-        gaps, ttfts = [], []
+        gaps, ttfts, tpots = [], [], []
         prompt = max(int(demand.mean_prompt), 1)
+        decode_share = max(1 - lp * c, MIN_SLACK)  # the share of its time not spent on prompts
         for h in serving:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
+            tpots.append(m.step_s(0, 0.0, n, kv) / decode_share)
             chunk = self._chunk(h.queued_prompt_tokens)
             if demand.prompts:
                 life_s = demand.mean_answer * m.step_s(0, 0.0, n, kv) / slack  # its steps, prefills among them
@@ -145,7 +155,8 @@ class WhatIf:
             service = sum(m.step_s(self._chunk(prompt - s), prefill_attn_ktok2(s, self._chunk(prompt - s)), n, kv)
                           for s in range(0, prompt, self.chunk_budget))
             ttfts.append(service * (1 + _queueing(1 - slack)) + h.queued_prompt_tokens * c)
-        return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else ())
+        return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else (),
+                          max(tpots))
 
     def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand) -> Prediction:
         m = self.model
@@ -163,4 +174,4 @@ class WhatIf:
             n = math.ceil(max(fluid_n, h.num_running))
             gaps.append(m.step_s(0, 0.0, n, int(n * context)))
         saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
-        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated)
+        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated, max(gaps))

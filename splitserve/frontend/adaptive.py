@@ -53,6 +53,9 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-s", type=float, default=None, help="--adaptive: TTFT target, seconds (default 2)")
     p.add_argument("--slo-gap-s", type=float, default=None,
                    help="--adaptive: inter-token gap target, seconds (default 0.25)")
+    p.add_argument("--slo-tpot-s", type=float, default=None,
+                   help="--adaptive: mean seconds per output token target, how fast answers must stream "
+                        "(an end-to-end deadline on long answers; default: none, only the gap and TTFT count)")
     p.add_argument("--mix-interval-s", type=float, default=None,
                    help="--adaptive: seconds between decisions (default 1)")
     p.add_argument("--profile", default=None,
@@ -64,7 +67,8 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
 def check_adaptive_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag; fills the defaults."""
     given = [f for f, v in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
-                            ("--mix-interval-s", args.mix_interval_s), ("--profile", args.profile)) if v is not None]
+                            ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s),
+                            ("--profile", args.profile)) if v is not None]
     if not args.adaptive:
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --adaptive; add --adaptive or drop them")
@@ -73,8 +77,8 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
     args.slo_gap_s = 0.25 if args.slo_gap_s is None else args.slo_gap_s
     args.mix_interval_s = 1.0 if args.mix_interval_s is None else args.mix_interval_s
     for flag, value in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
-                        ("--mix-interval-s", args.mix_interval_s)):
-        if not value > 0:
+                        ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s)):
+        if value is not None and not value > 0:
             raise ValueError(f"{flag} must be positive seconds, got {value}")
     if args.profile is not None:
         from splitserve.control.profile_file import ProfileError, load_profile
@@ -162,7 +166,7 @@ class AdaptiveMix:
     def snapshot(self) -> dict:
         targets = self.loop.controller.targets
         return {"enabled": True, "interval_s": self.loop.interval_s,
-                "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s},
+                "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s, "tpot_s": targets.tpot_s},
                 "started_wall_time": self.started_wall,
                 "roles": {v.instance_id: v.role for v in self.client.load_view()},
                 "model": self.loop.controller.last.get("model"),
@@ -182,7 +186,7 @@ def adaptive_from_args(args: argparse.Namespace, client: EngineClient, metrics: 
         print(f"splitserve: --adaptive with {num_instances} instance: there is no second instance to move "
               "between stages, so it serves colocated; instances added with POST /admin/instances join "
               "the mix", flush=True)
-    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s),
+    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s),
                                chunk_budget=args.max_num_batched_tokens)
     return AdaptiveMix(client, metrics, controller, args.mix_interval_s, default_threads=args.threads_per_instance or 1)
 
