@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import logging
-from functools import cache
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,10 @@ BUILD_DIR = Path(__file__).with_name("_build")
 # torch.set_num_threads says.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# Two in-process engines (tests, `serve` with in-process instances) may load the kernels at the same
+# moment: functools.cache does not stop both from initialising the extension, and one of them
+# then saw a module without its functions. One load at a time.
+_LOAD_LOCK = threading.Lock()
 
 
 def built_library() -> Path | None:
@@ -30,9 +34,20 @@ def built_library() -> Path | None:
     return found[0] if found else None
 
 
-@cache
+_LOADED: list = []  # [the module or None] once looked for
+
+
 def load():
     """The compiled module, or None (then callers use their torch fallback). Never compiles."""
+    if _LOADED:  # the engines call this on every layer: no lock once loaded
+        return _LOADED[0]
+    with _LOAD_LOCK:
+        if not _LOADED:
+            _LOADED.append(_load())
+        return _LOADED[0]
+
+
+def _load():
     path = built_library()
     if path is None:
         log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
@@ -48,3 +63,6 @@ def load():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+load.cache_clear = _LOADED.clear  # after a build, the next load() looks again
