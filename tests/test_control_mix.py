@@ -305,3 +305,19 @@ def test_a_tpot_target_keeps_chats_on_two_colocated_instances_that_one_decode_in
     assert moved.instance_id is not None and "TPOT" in moved.reason
     with pytest.raises(ValueError, match="TPOT target must be positive"):
         MixTargets(4.0, 0.5, tpot_s=0.0)
+
+
+def test_the_gap_covers_the_stream_at_the_attainment_target_not_the_median_stream():
+    """A third of the prompts are documents and a stream meets two prompts in its life: most streams
+    meet a document (1 - (2/3)^2 = 56%), so the gap a 90% target must cover holds a document's chunk
+    (the 0.9^(1/m) quantile), where the median of the prompts (the old 1 - 1/m rule) was a chat."""
+    m = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.0, per_decode_seq_s=0.005,
+                  per_decode_kv_token_s=0.0)
+    # 0.4 req/s over 2 instances, 100-token answers: each stream lives long enough to meet ~2 prompts
+    third = Demand(0.4, 0.4 * 220, 0.4 * 100, 220, 100, prompts=(40,) * 8 + (600,) * 4)
+    strict, lenient = WhatIf(m, attainment=0.9), WhatIf(m, attainment=0.3)
+    gap = strict.predict(held(["colocated"] * 2), third).gap_s
+    assert gap > 0.045 + 256 * 0.0026  # a 256-token chunk is in the step
+    assert lenient.predict(held(["colocated"] * 2), third).gap_s < 0.045 + 2 * 0.005 + 40 * 0.0026 + 1e-9
+    chats = Demand(0.4, 0.4 * 40, 0.4 * 100, 40, 100, prompts=(40,) * 12)
+    assert strict.predict(held(["colocated"] * 2), chats).gap_s < 0.3  # no long prompt: no long step

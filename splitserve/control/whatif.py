@@ -16,9 +16,11 @@ now, which stays where it is (a role change moves no queued prompt and no runnin
             length) and of decode ld * a (a: seconds per decode, KV reads included). With
             continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
             (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
-            prefill chunk: o + a * n + the chunk of the longest prompt it is likely to share
-            its instance with (of the m prompts that arrive there during its life, the
-            1 - 1/m quantile of recent prompts; up to the chunk budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
+            prefill chunk: o + a * n + the chunk of the longest prompt that the stream at the
+            attainment target meets (of the m prompts that arrive there during its life, the
+            longest is below the t^(1/m) quantile of recent prompts for a share t of streams,
+            t = 0.9: one document among ten chats is a chunk one stream in ten meets, and one
+            chunk of a long prompt is enough to break a stream's p99 gap; up to the budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
             1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
             Its streams' mean time per token (TPOT): a step of its n decodes, stretched by the
             share of its time that prefill takes, (o + a * n) / (1 - lp * c).
@@ -111,6 +113,7 @@ def _queueing(u: float) -> float:
 class WhatIf:
     model: StepModel
     chunk_budget: int = 256
+    attainment: float = 0.9  # the share of streams whose worst gap the prediction covers
 
     def _per_token(self, demand: Demand) -> tuple[float, float, float]:
         """(c, a, context): seconds per prompt token and per decode, and a decode's mean context."""
@@ -150,7 +153,7 @@ class WhatIf:
             if demand.prompts:
                 life_s = demand.mean_answer * m.step_s(0, 0.0, n, kv) / slack  # its steps, prefills among them
                 meets = demand.request_rate / k * life_s
-                chunk = max(chunk, self._chunk(demand.prompt_quantile(1 - 1 / max(meets, 1.0))))
+                chunk = max(chunk, self._chunk(demand.prompt_quantile(self.attainment ** (1 / max(meets, 1.0)))))
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
             service = sum(m.step_s(self._chunk(prompt - s), prefill_attn_ktok2(s, self._chunk(prompt - s)), n, kv)
                           for s in range(0, prompt, self.chunk_budget))

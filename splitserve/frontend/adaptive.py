@@ -37,9 +37,12 @@ if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
 
 log = logging.getLogger(__name__)
 ACTIONS = ("none", "change", "refused")
-# Long enough to hold a few requests at a fraction of a request per second, short enough that a
-# change of demand shows within seconds (with the default 1 s interval and a patience of 2).
-DEMAND_WINDOW_S = 6.0
+# Request and token rates: long enough that a few documents arriving together do not read as a
+# saturated prefill instance (at 0.17 documents/s, 6 s held 3 or more documents in ~9% of
+# intervals and the predicted TTFT of 1 prefill + 1 decode grew without bound: docs/benchmarks.md,
+# demand shift, session 6), short enough that a change of demand shows within seconds. What
+# kind of prompts come shows sooner, through the prompt lengths (PROMPT_WINDOW_S, below).
+DEMAND_WINDOW_S = 15.0
 # Prompt lengths over a longer window: at 0.3 documents/s a 6 s window often holds none (the
 # measured demand-shift run moved only 11-35 s into its document phase, this the likely reason;
 # docs/benchmarks.md, "Adaptive stage mix").
