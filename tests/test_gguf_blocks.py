@@ -153,30 +153,60 @@ def test_engine_on_quantized_gguf_generates_the_fp32_engines_tokens(quantized_gg
     assert tokens["gguf"] == tokens["fp32"]
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_paged_decode_attention_matches_the_gathering_torch_path(module, isa):
-    """Contexts that end mid-block, exactly on a block boundary, and at one token; blocks scattered."""
+def decode_attention_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, lens: list[int],
+                          g: torch.Generator):
+    """q, a layer's cache, scattered block tables and the torch path's output (the engine's fallback)."""
     from splitserve.config import ModelConfig
     from splitserve.models.llama import LlamaModel
 
+    b, max_blocks = len(lens), -(-max(lens) // block_size)
+    num_blocks = b * max_blocks + 3
+    kv_layer = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:b * max_blocks].view(b, max_blocks)
+    q = torch.randn(b, num_heads, head_dim, generator=g)
+    model = LlamaModel.__new__(LlamaModel)
+    model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
+                               intermediate_size=8, num_layers=1, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim)
+    model.scale, model.block_size = head_dim ** -0.5, block_size
+    lens = torch.tensor(lens)
+    pad = torch.arange(max_blocks * block_size).unsqueeze(0) >= lens.unsqueeze(1)
+    bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+    return q, kv_layer, tables, lens, model.scale, model._decode_attention(q, kv_layer, tables, bias)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_paged_decode_attention_matches_the_gathering_torch_path(module, isa):
+    """Contexts that end mid-block, exactly on a block boundary, and at one token; blocks scattered."""
     used = module.set_isa(isa)
     try:
         g = torch.Generator().manual_seed(3)
         for num_heads, num_kv_heads, head_dim in [(4, 2, 16), (9, 3, 64), (6, 6, 24)]:
-            block_size, num_blocks = 16, 40
-            kv_layer = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g)
-            lens = torch.tensor([1, 16, 17, 33, 80])
-            tables = torch.randperm(num_blocks, generator=g)[:5 * 5].view(5, 5)
-            q = torch.randn(5, num_heads, head_dim, generator=g)
-            model = LlamaModel.__new__(LlamaModel)
-            model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
-                                       intermediate_size=8, num_layers=1, num_heads=num_heads,
-                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
-            model.scale, model.block_size = head_dim ** -0.5, block_size
-            pad = torch.arange(5 * block_size).unsqueeze(0) >= lens.unsqueeze(1)
-            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-            want = model._decode_attention(q, kv_layer, tables, bias)
-            got = module.paged_decode_attention(q, kv_layer, tables, lens, model.scale)
+            q, kv_layer, tables, lens, scale, want = decode_attention_case(
+                num_heads, num_kv_heads, head_dim, 16, [1, 16, 17, 33, 80], g)
+            got = module.paged_decode_attention(q, kv_layer, tables, lens, scale)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{used} {head_dim}")
+    finally:
+        module.set_isa("avx512")
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_paged_decode_attention_on_random_shapes_around_its_tiles(module, isa):
+    """The AVX2 kernel scores 8 keys at a time and sums values 64 lanes at a time: contexts one
+    short of, at and one past a tile or a block, blocks smaller than a tile, head dims with a
+    partial value tile (72, 40), one not a multiple of 8 (the generic loops), and GQA groups 1-7."""
+    used = module.set_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(11)
+        for block_size in (4, 8, 16, 32):
+            for head_dim in (8, 12, 40, 64, 72, 128):
+                group, num_kv_heads = [(1, 2), (3, 3), (7, 1)][(block_size + head_dim) % 3]
+                edges = [1, 7, 8, 9, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+                lens = sorted({n for n in edges if n >= 1} | {int(torch.randint(1, 200, (1,), generator=g))})
+                q, kv_layer, tables, lens, scale, want = decode_attention_case(
+                    group * num_kv_heads, num_kv_heads, head_dim, block_size, lens, g)
+                got = module.paged_decode_attention(q, kv_layer, tables, lens, scale)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=f"{used} block {block_size} head_dim {head_dim} group {group}")
     finally:
         module.set_isa("avx512")

@@ -3,10 +3,11 @@
 // copy and no sequence pays for the padding of a longer one.
 //
 // kv_layer: [2 (k, v), num_kv_heads, num_blocks, block_size, head_dim] (one layer of the pool)
-// Loops are written for the compiler to vectorize, compiled for AVX-512, AVX2 and baseline x86-64;
-// the instruction set chosen for the matmul kernels picks the version at run time.
+// Loops are written for the compiler to vectorize, compiled for AVX-512 and baseline x86-64, and by
+// hand for AVX2 (below); the instruction set chosen for the matmul kernels picks one at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -135,10 +136,130 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2"))) void atte
   attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
 }
 
+// AVX2 has 16 ymm registers, and GCC splits the 16-float vectors above into ymm pairs: the 16-key
+// score tile (32 halves) then lives on the stack, with store-forwarding stalls in the inner loop,
+// and the AVX2 build ran slower than the baseline one. Here everything is 8 floats wide: 8 keys
+// per score tile, 8 accumulators per value tile, explicit FMAs (the build's -ffp-contract=off keeps
+// a * b + c two instructions otherwise).
+#define AVX2_INLINE inline __attribute__((always_inline, target("avx2,fma")))
+
+// Lane j of the result: the sum of a[j]'s 8 lanes.
+AVX2_INLINE __m256 transpose_sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 low halves | high]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// q . k_j for 8 keys (rows hd apart, hd a multiple of 8); past the n-th key the last one is read
+// again so every load stays inside the block, and those lanes are dropped by the caller.
+AVX2_INLINE __m256 scores8(const float* q, const float* k, int64_t n, int64_t hd) {
+  const float* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = k + (j < n ? j : n - 1) * hd;
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < hd; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[j] + c), acc[j]);
+  }
+  return transpose_sum8(acc);
+}
+
+// out[0:8C] += sum_j p[j] * v_j[0:8C] over n value rows hd apart: C chains of FMAs, one per 8 lanes.
+template <int C>
+AVX2_INLINE void weighted_sum8(const float* p, const float* v, int64_t n, int64_t hd, float* out) {
+  __m256 acc[C];
+  for (int i = 0; i < C; ++i) acc[i] = _mm256_loadu_ps(out + 8 * i);
+  for (int64_t j = 0; j < n; ++j, v += hd) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    for (int i = 0; i < C; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < C; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+AVX2_INLINE void weighted_sum(const float* p, const float* v, int64_t n, int64_t hd, float* out) {
+  for (int64_t c = 0; c < hd; c += 64, v += 64, out += 64) switch (hd - c >= 64 ? 8 : (hd - c) / 8) {
+      case 8: weighted_sum8<8>(p, v, n, hd, out); break;
+      case 7: weighted_sum8<7>(p, v, n, hd, out); break;
+      case 6: weighted_sum8<6>(p, v, n, hd, out); break;
+      case 5: weighted_sum8<5>(p, v, n, hd, out); break;
+      case 4: weighted_sum8<4>(p, v, n, hd, out); break;
+      case 3: weighted_sum8<3>(p, v, n, hd, out); break;
+      case 2: weighted_sum8<2>(p, v, n, hd, out); break;
+      default: weighted_sum8<1>(p, v, n, hd, out);
+    }
+}
+
+// s[0:n] = softmax(s[0:n]), in place.
+AVX2_INLINE void softmax(float* s, int64_t n) {
+  __m256 best8 = _mm256_set1_ps(s[0]);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) best8 = _mm256_max_ps(best8, _mm256_loadu_ps(s + t));
+  float best = s[0];
+  for (int64_t i = t; i < n; ++i) best = s[i] > best ? s[i] : best;
+  for (int i = 0; i < 8; ++i) best = best8[i] > best ? best8[i] : best;
+  v8f sum8 = {};
+  for (t = 0; t + 8 <= n; t += 8) {
+    v8f x;
+    __builtin_memcpy(&x, s + t, sizeof x);
+    x = exp8(x - best);
+    __builtin_memcpy(s + t, &x, sizeof x);
+    sum8 += x;
+  }
+  float total = (sum8[0] + sum8[4]) + (sum8[1] + sum8[5]) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+  if (t < n) {
+    v8f x = {};
+    __builtin_memcpy(&x, s + t, (n - t) * sizeof(float));
+    x = exp8(x - best);
+    __builtin_memcpy(s + t, &x, (n - t) * sizeof(float));
+    for (int64_t i = 0; i < n - t; ++i) total += x[i];
+  }
+  const float inv = 1.f / total;
+  for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(inv)));
+  for (; t < n; ++t) s[t] *= inv;
+}
+
+// Each block is its own 4 KB (at 16 x 64 floats) somewhere in the pool, so the hardware
+// prefetchers, which do not cross pages, start every block on demand misses; ask for the next
+// block while this one is computed.
+AVX2_INLINE void prefetch(const float* p, int64_t num_floats) {
+  for (int64_t i = 0; i < num_floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 __attribute__((target("avx2,fma"))) void attend_avx2(
     const float* q, int64_t group, int64_t hd, const float* keys, const float* values, const int64_t* blocks,
     int64_t block_size, int64_t ctx, float scale, float* out, float* scores) {
-  attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
+  if (hd % 8 != 0) return attend_one(q, group, hd, keys, values, blocks, block_size, ctx, scale, out, scores);
+  // scores: [group, ctx]; each 8-key tile is read from memory once, then from L1 for the group
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t start = 0; start < ctx; start += block_size) {
+    const float* k = keys + blocks[start / block_size] * block_size * hd;
+    const int64_t n = std::min(ctx - start, block_size);
+    if (start + n < ctx)
+      prefetch(keys + blocks[start / block_size + 1] * block_size * hd, std::min(ctx - start - n, block_size) * hd);
+    for (int64_t j = 0; j < n; j += 8)
+      for (int64_t g = 0; g < group; ++g) {
+        const __m256 s = _mm256_mul_ps(scores8(q + g * hd, k + j * hd, n - j, hd), vscale);
+        float* dst = scores + g * ctx + start + j;
+        if (n - j >= 8) {
+          _mm256_storeu_ps(dst, s);
+        } else {
+          float lanes[8];
+          _mm256_storeu_ps(lanes, s);
+          for (int64_t i = 0; i < n - j; ++i) dst[i] = lanes[i];
+        }
+      }
+  }
+  prefetch(values + blocks[0] * block_size * hd, std::min(ctx, block_size) * hd);
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * ctx, ctx);
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = 0.f;
+  for (int64_t start = 0; start < ctx; start += block_size) {
+    const float* v = values + blocks[start / block_size] * block_size * hd;
+    const int64_t n = std::min(ctx - start, block_size);
+    if (start + n < ctx)
+      prefetch(values + blocks[start / block_size + 1] * block_size * hd, std::min(ctx - start - n, block_size) * hd);
+    for (int64_t g = 0; g < group; ++g) weighted_sum(scores + g * ctx + start, v, n, hd, out + g * hd);
+  }
 }
 
 void attend_scalar(const float* q, int64_t group, int64_t hd, const float* keys, const float* values,
