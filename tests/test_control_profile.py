@@ -97,3 +97,18 @@ def test_hand_written_profile_reads_and_extrapolates_threads():
     assert profile.transfer_s("shm", 1000) == pytest.approx(0.001 + 46080 * 1000 / 5e9)
     with pytest.raises(ProfileError, match="kv_transfer.tcp"):
         profile.transfer_s("tcp", 10)
+
+
+def test_profile_times_threads_as_serve_runs_them_sleeping_between_parallel_regions(monkeypatch):
+    # serve sets OMP_WAIT_POLICY=PASSIVE for engines whose threads fill the cores; OpenMP reads it
+    # when torch loads, so the profile can only set it before then, and never over the user's own
+    import sys
+
+    from splitserve.control.profile import set_omp_wait_policy
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert set_omp_wait_policy("passive") == "default"  # torch already loaded: too late, say so
+    monkeypatch.delitem(sys.modules, "torch")
+    assert set_omp_wait_policy("passive") == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert set_omp_wait_policy("passive") == "active"
