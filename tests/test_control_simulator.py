@@ -93,7 +93,7 @@ def test_a_request_that_never_ran_misses_every_deadline_instead_of_crashing_the_
 
 
 def timelines(requests, specs, num_blocks, fast_forward):
-    model = StepModel(0.045, 0.0026, 0.001, 0.005, 1.4e-5)  # the bundled model's 1-thread shape
+    model = StepModel(0.045, 0.0026, 0.001, 0.005, 1.4e-5, 0.05)  # the bundled model's 1-thread shape, with panels
     instances = [Instance(f"i{k}", spec, model, num_blocks=num_blocks, block_size=16) for k, spec in enumerate(specs)]
     sim = Simulation(instances, lambda n: 0.002 + n * 1e-6)
     sim.fast_forward = fast_forward

@@ -16,6 +16,7 @@ import heapq
 import math
 
 from splitserve.control.sim_instance import ROLES, Instance, InstanceSpec, SimRequest
+from splitserve.control.stepmodel import PANEL_ROWS
 
 __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
 
@@ -80,11 +81,14 @@ class Simulation:
         if max_steps <= 0:
             return now
         kv = sum(r.computed + 1 for r in running)
-        # model.step_s(0, 0.0, n, kv) evaluates to exactly (overhead + per_decode_seq * n) + per_kv * kv
+        # model.step_s(0, 0.0, n, kv) evaluates to exactly ((overhead + per_decode_seq * n) + per_kv * kv)
+        # + per_panel_step (the last only past PANEL_ROWS rows)
         base, per_kv = model.overhead_s + model.per_decode_seq_s * n, model.per_decode_kv_token_s
+        panel = model.per_panel_step_s if n > PANEL_ROWS else None
         ends, gaps, end = [], [], now  # gaps[j] = ends[j] - ends[j - 1], as one step at a time records it
         for _ in range(max_steps):
-            nxt = end + (base + per_kv * kv)
+            step = base + per_kv * kv
+            nxt = end + (step if panel is None else step + panel)
             if nxt >= horizon:
                 break
             ends.append(nxt)
