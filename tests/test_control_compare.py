@@ -172,3 +172,12 @@ def test_capacity_searches_over_the_workload_each_rate_replays():
         return [SimRequest(0, 0.0, 10 if m <= 3.0 else 1000, 2)]
     cap = capacity(arr, parse_profile(PROFILE), [], slo, 0.9, workload=workload)
     assert 3.0 * 0.9 < cap <= 3.0 and len(tried) > 3
+
+
+def test_settings_the_simulator_lacks_are_named_and_kept_out_of_the_ranking():
+    doc = results_doc()
+    doc["arrangements"][1]["launch"]["serve"] += ["--scheduling-policy", "priority"]
+    out = compare_results(parse_profile(PROFILE), doc)
+    assert "1P1D: simulated without --scheduling-policy priority (not modelled), not ranked" in out["skipped"]
+    assert "1P1D" not in out["ranking"]["measured_top_two"]
+    assert any(r["arrangement"] == "1P1D" for r in out["rows"])  # still shown beside its measurement

@@ -119,6 +119,18 @@ def _probe_settings(results: dict, spec_path: str | None) -> tuple[int, float | 
     return settings
 
 
+def unmodelled(serve: list[str]) -> list[str]:
+    """serve settings the simulator does not reproduce: such an arrangement is simulated as the
+    plain one (FCFS, a fixed mix) and left out of the ranking check."""
+    out = []
+    policy = serve[serve.index("--scheduling-policy") + 1] if "--scheduling-policy" in serve[:-1] else "fcfs"
+    if policy != "fcfs":
+        out.append(f"--scheduling-policy {policy}")
+    if "--adaptive" in serve:
+        out.append("--adaptive")
+    return out
+
+
 def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
@@ -146,6 +158,9 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
         arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        missing = unmodelled(launch["serve"])
+        if missing:
+            skipped.append(f"{arr.name}: simulated without {', '.join(missing)} (not modelled), not ranked")
         kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
         if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
             arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
@@ -166,7 +181,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                 rows.append({"arrangement": arr.name, "rate_multiplier": multiplier, "num_runs": len(pairs),
                              "num_stopped": len(pairs) - len(done), "metric": name, "predicted": p, "measured": m,
                              "error": error, **({"held": held} if name == "attainment" else {})})
-                if name == "attainment" and multiplier == main:
+                if name == "attainment" and multiplier == main and not missing:
                     at_main.append((arr.name, p, m))
         measured_cap = _measured_capacity(arr_doc)
         if measured_cap is not None and with_capacity:
@@ -181,7 +196,8 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "metric": f"capacity at {target:.0%}", "predicted": p, "measured": measured_cap,
                          "error": _error("capacity", p, measured_cap),
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
-            capacities.append((arr.name, p or 0.0, measured_cap))
+            if not missing:
+                capacities.append((arr.name, p or 0.0, measured_cap))
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
