@@ -133,7 +133,7 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
              for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n))
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention)
     return sim.run(fresh), instances
 
 
