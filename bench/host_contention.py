@@ -54,10 +54,13 @@ def partner(threads: int, model: str | None) -> None:
         core.step()
 
 
-def timed_pass(core, repeats: int, log) -> list[dict]:
+def timed_pass(core, repeats: int, log, seed: int) -> list[dict]:
+    import random
+
     from splitserve.control.profile import StepTimer
 
     timer = StepTimer(core, repeats, log)
+    timer.rng = random.Random(seed)  # fresh prompts each pass: the last pass's are in the prefix cache
     timer.measure_prefill(GRID["prefill"][0])  # warm-up
     timer.samples.clear()
     for n in GRID["prefill"]:
@@ -102,7 +105,7 @@ def main() -> None:
     started = time.time()
     load = [os.getloadavg()[0]]
     log("alone")
-    alone1 = timed_pass(core, args.repeats, log)
+    alone1 = timed_pass(core, args.repeats, log, 1)
     neighbour = cores[args.threads:2 * args.threads]
     proc = subprocess.Popen([sys.executable, __file__, "--partner", "--threads", str(args.threads)]
                             + (["--model", args.model] if args.model else []), stdout=subprocess.PIPE, text=True,
@@ -111,15 +114,18 @@ def main() -> None:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(1.0)
         log("beside a busy engine")
-        busy = timed_pass(core, args.repeats, log)
+        busy = timed_pass(core, args.repeats, log, 2)
     finally:
         proc.kill()
         proc.wait()
     log("alone again")
-    alone2 = timed_pass(core, args.repeats, log)
+    alone2 = timed_pass(core, args.repeats, log, 3)
     load.append(os.getloadavg()[0])
     rows = []
     for a, b, c in zip(alone1, busy, alone2):
+        if (a["prefill_tokens"], a["decode_seqs"]) != (b["prefill_tokens"], b["decode_seqs"]) or \
+                (a["prefill_tokens"], a["decode_seqs"]) != (c["prefill_tokens"], c["decode_seqs"]):
+            raise SystemExit(f"passes timed different steps ({a['kind']}): a prefix-cache hit; not comparable")
         lone = (min(a["seconds"]) + min(c["seconds"])) / 2
         rows.append({"kind": a["kind"], "prefill_tokens": a["prefill_tokens"], "decode_seqs": a["decode_seqs"],
                      "decode_kv_tokens": a["decode_kv_tokens"], "alone_s": [min(a["seconds"]), min(c["seconds"])],
