@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.control.compare import compare_results, profile_of, render
+from splitserve.control.compare import compare_results, probe_workload, profile_of, render
 from splitserve.control.overlap import analyze_overlap, analyze_records
-from splitserve.control.predict import arrangement_from_serve_args, predict, requests_from_results
+from splitserve.control.predict import arrangement_from_serve_args, capacity, predict, requests_from_results
 from splitserve.control.profile_file import FORMAT, parse_profile
+from splitserve.control.simulator import SimRequest
 from splitserve.trial.spec import SLO
 from splitserve.trial.traces import TraceRecord
 
@@ -115,3 +116,68 @@ def test_overlap_reads_trace_records_in_any_order():
     records = [TraceRecord(1.5, 10, 1), TraceRecord(1.0, 1000, 1), TraceRecord(0.0, 10, 101), TraceRecord(3.0, 10, 5)]
     result = analyze_records(records, parse_profile(PROFILE), long_input_tokens=1000)
     assert result["streams_hit_by_long_prefill"] == pytest.approx(1 / 2)
+
+
+def test_each_run_is_simulated_on_the_requests_it_replayed():
+    # a probe replays the plan's first requests compressed in time, not the whole plan: here the
+    # first two at x2 (sent at 0 and 0.25 s). Alone on its instance each prefills 64 tokens in 64 ms.
+    doc = results_doc()
+    run = doc["arrangements"][0]["runs"][0]
+    run["rate_multiplier"] = 2.0
+    run["summary"]["ttft_s"] = {"p50": 0.128, "p99": 0.128}
+    run["requests"] = [{"index": i, "class_name": "chat", "scheduled_s": t, "num_prompt_tokens": 64, "max_tokens": 8}
+                       for i, t in ((0, 0.0), (1, 0.25))]
+    out = compare_results(parse_profile(PROFILE), doc)
+    row = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "TTFT p50")
+    assert row["predicted"] == pytest.approx(0.064) and row["error"] == pytest.approx(-0.5)
+
+
+def test_a_probe_that_stopped_early_is_compared_on_whether_it_held_only():
+    doc = results_doc()
+    run = doc["arrangements"][0]["runs"][0]
+    run["summary"] = {**run["summary"], "attainment": 0.3, "stopped_early": True}
+    out = compare_results(parse_profile(PROFILE), doc)
+    att = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "attainment")
+    assert att["error"] is None and att["num_stopped"] == 1
+    assert att["held"] == [(True, False)]  # predicted to hold 90%, measured a failure
+    assert "x1S1" in render(out)
+
+
+def test_each_request_is_judged_by_its_own_class_deadlines():
+    # a 1000-token document prefills in 1 s: past the 0.5 s TTFT SLO, but its class checks no TTFT
+    slo = SLO(0.5, 0.5, 20.0, 1.0, 99.0)
+    requests = [SimRequest(0, 0.0, 1000, 2, "document"), SimRequest(1, 5.0, 10, 2, "chat")]
+    arr = arrangement_from_serve_args("colo", ["--instances", "1", "--threads-per-instance", "1"], 1)
+    profile = parse_profile(PROFILE)
+    assert predict(arr, profile, requests, slo)["attainment"] == pytest.approx(0.5)
+    lenient = {"document": SLO(None, None, 20.0, None, 99.0)}
+    assert predict(arr, profile, requests, slo, class_slos=lenient)["attainment"] == pytest.approx(1.0)
+
+
+def test_a_capacity_probe_replays_the_plans_first_requests_tiled_past_its_end():
+    plan = [SimRequest(i, i * 0.5, 64, 8) for i in range(20)]  # span 9.5 s, so one period is 10 s
+    slow = probe_workload(plan, 0.5, 4, 1.0)  # 1 s at x0.5 covers 0.5 s of the plan: one request, so 4
+    assert [r.arrival_s for r in slow] == [0.0, 1.0, 2.0, 3.0]
+    fast = probe_workload(plan, 2.0, 4, 10.0)  # 10 s at x2 covers 20 s of the plan: two periods
+    assert len(fast) == 40 and fast[20].index == 20 and fast[20].arrival_s == pytest.approx(5.0)
+
+
+def test_capacity_searches_over_the_workload_each_rate_replays():
+    slo = SLO(0.5, 0.5, 20.0, 1.0, 99.0)
+    arr = arrangement_from_serve_args("colo", ["--instances", "1", "--threads-per-instance", "1"], 1)
+    tried = []
+
+    def workload(m):  # up to x3 a short prompt, past it one the 0.5 s TTFT cannot hold
+        tried.append(m)
+        return [SimRequest(0, 0.0, 10 if m <= 3.0 else 1000, 2)]
+    cap = capacity(arr, parse_profile(PROFILE), [], slo, 0.9, workload=workload)
+    assert 3.0 * 0.9 < cap <= 3.0 and len(tried) > 3
+
+
+def test_settings_the_simulator_lacks_are_named_and_kept_out_of_the_ranking():
+    doc = results_doc()
+    doc["arrangements"][1]["launch"]["serve"] += ["--scheduling-policy", "priority"]
+    out = compare_results(parse_profile(PROFILE), doc)
+    assert "1P1D: simulated without --scheduling-policy priority (not modelled), not ranked" in out["skipped"]
+    assert "1P1D" not in out["ranking"]["measured_top_two"]
+    assert any(r["arrangement"] == "1P1D" for r in out["rows"])  # still shown beside its measurement

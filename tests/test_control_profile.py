@@ -78,6 +78,8 @@ def _broken(path: str, value):
     ("threads.1", {}, "threads.1"),
     ("kv_transfer.shm.gb_per_s", 0, "kv_transfer.shm.gb_per_s"),
     ("serial_fraction", 1.5, "serial_fraction"),
+    ("host_contention", {"factor": 0.8}, "host_contention.factor"),
+    ("host_contention", 1.2, "host_contention"),
 ])
 def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
     with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -97,3 +99,20 @@ def test_hand_written_profile_reads_and_extrapolates_threads():
     assert profile.transfer_s("shm", 1000) == pytest.approx(0.001 + 46080 * 1000 / 5e9)
     with pytest.raises(ProfileError, match="kv_transfer.tcp"):
         profile.transfer_s("tcp", 10)
+    assert profile.host_contention == 1.0  # not measured: steps beside busy instances are not slowed
+    assert parse_profile({**HAND_WRITTEN, "host_contention": {"factor": 1.2}}).host_contention == 1.2
+
+
+def test_profile_times_threads_as_serve_runs_them_sleeping_between_parallel_regions(monkeypatch):
+    # serve sets OMP_WAIT_POLICY=PASSIVE for engines whose threads fill the cores; OpenMP reads it
+    # when torch loads, so the profile can only set it before then, and never over the user's own
+    import sys
+
+    from splitserve.control.profile import set_omp_wait_policy
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert set_omp_wait_policy("passive") == "default"  # torch already loaded: too late, say so
+    monkeypatch.delitem(sys.modules, "torch")
+    assert set_omp_wait_policy("passive") == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert set_omp_wait_policy("passive") == "active"

@@ -93,7 +93,7 @@ def test_a_request_that_never_ran_misses_every_deadline_instead_of_crashing_the_
 
 
 def timelines(requests, specs, num_blocks, fast_forward):
-    model = StepModel(0.045, 0.0026, 0.001, 0.005, 1.4e-5)  # the bundled model's 1-thread shape
+    model = StepModel(0.045, 0.0026, 0.001, 0.005, 1.4e-5, 0.05)  # the bundled model's 1-thread shape, with panels
     instances = [Instance(f"i{k}", spec, model, num_blocks=num_blocks, block_size=16) for k, spec in enumerate(specs)]
     sim = Simulation(instances, lambda n: 0.002 + n * 1e-6)
     sim.fast_forward = fast_forward
@@ -122,3 +122,21 @@ def test_batched_decode_steps_give_the_same_timeline_as_one_step_at_a_time(specs
     assert all(first is not None for first, _, _ in fast[0])
     if num_blocks == 50:
         assert sum(preempted for _, preempted, _, _ in fast[1]) > 0
+
+
+def test_steps_beside_a_busy_instance_take_the_host_contention_factor_longer():
+    # two instances, both start a 100-token prefill at t=0: each 0.11 s step doubles to 0.22 s.
+    # The second request then finishes, so the first's decodes run alone at the profiled 0.015 s.
+    a, b = SimRequest(0, 0.0, 100, 3), SimRequest(1, 0.0, 100, 1)
+    instances = [Instance(f"i{k}", InstanceSpec(), MODEL, num_blocks=1000, block_size=16) for k in range(2)]
+    Simulation(instances, contention=2.0).run([a, b])
+    assert b.first_s == pytest.approx(0.22)
+    assert token_times(a) == pytest.approx([0.22, 0.235, 0.25])
+
+
+def test_a_lone_instance_is_never_slowed_by_host_contention():
+    req = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)
+    Simulation([Instance("i0", InstanceSpec(), MODEL, num_blocks=1000, block_size=16)], contention=2.0).run([req])
+    assert token_times(req) == pytest.approx([0.11, 0.125, 0.14])
+    with pytest.raises(ValueError, match="contention"):
+        Simulation([Instance("i0", InstanceSpec(), MODEL, 1000, 16)], contention=0.5)

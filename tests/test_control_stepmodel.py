@@ -65,3 +65,21 @@ def test_unprofiled_thread_counts_are_extrapolated_from_the_nearest_profiled_bel
 def test_a_negative_coefficient_is_refused_naming_it():
     with pytest.raises(ValueError, match="per_decode_seq_s"):
         StepModel(0.01, 0.001, per_decode_seq_s=-1.0)
+
+
+def test_a_step_of_more_rows_than_one_kernel_tile_pays_the_panel_cost_once():
+    # the GGUF kernels dequantize every weight into panels once per step of more than 8 rows
+    model = StepModel(0.01, 0.001, per_decode_seq_s=0.002, per_panel_step_s=0.05)
+    assert model.step_s(decode_seqs=8) == pytest.approx(0.01 + 8 * 0.002)
+    assert model.step_s(decode_seqs=9) == pytest.approx(0.01 + 9 * 0.002 + 0.05)
+    assert model.step_s(prefill_tokens=8) == pytest.approx(0.01 + 0.008)
+    assert model.step_s(prefill_tokens=4, decode_seqs=5) == pytest.approx(0.01 + 0.004 + 0.010 + 0.05)
+    assert model.prefill_s(64, chunk_budget=32) == pytest.approx(2 * (0.01 + 0.032 + 0.05))
+
+
+def test_fit_separates_the_panel_cost_from_the_cost_per_token():
+    true = StepModel(**{**TRUE.to_dict(), "per_panel_step_s": 0.05})
+    shapes, _ = synthetic(0.0)
+    report = fit_step_model(shapes, [true.predict(s) for s in shapes])
+    assert report.model.per_panel_step_s == pytest.approx(0.05, rel=1e-6)
+    assert report.model.per_prefill_token_s == pytest.approx(TRUE.per_prefill_token_s, rel=1e-6)

@@ -2,13 +2,17 @@
 
 Given a trial's results.json and a profile (or a plan.json, which embeds its profile), each
 arrangement the trial launched with `serve` arguments is rebuilt (predict.arrangement_from_serve_args)
-and simulated on the trial's exact plan (send times, lengths) at every rate it ran. Errors:
-attainment in points (predicted - measured), times relative ((predicted - measured) / measured),
-capacity relative when the trial measured one (a sweep, or a capacity search with repeats: the
-median). Repeated runs at one rate are pooled by their median. The ranking check compares the
-top two by capacity when measured, else by attainment at the trial's own rate.
+and each of its runs is simulated on exactly what that run replayed (its requests' send times and
+lengths; older results without them: the plan at the run's rate), each request judged by its
+class's SLO. Errors: attainment in points (predicted - measured), times relative ((predicted -
+measured) / measured), capacity relative when the trial measured one (a sweep, or a capacity
+search with repeats: the median), the predicted capacity searched over the same probe workloads
+(the plan's first requests, more at higher rates) and given as their offered rate, as the trial
+does. Runs at one rate are pooled by their median; a probe that stopped early measured a
+failure, not an attainment, so only whether it held is compared. The ranking check compares
+the top two by capacity when measured, else by attainment at the trial's own rate.
 
-    python -m splitserve.control.compare plan.json trial-results/x/results.json [--json out.json]
+    python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
 """
 from __future__ import annotations
 
@@ -19,10 +23,15 @@ import math
 import pathlib
 import sys
 
+from types import SimpleNamespace
+
 from splitserve.control.predict import (arrangement_from_serve_args, capacity, offered_rate, predict,
-                                        requests_from_results)
+                                        requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
-from splitserve.trial.spec import SLO
+from splitserve.control.simulator import SimRequest
+from splitserve.trial.method import CapacitySpec
+from splitserve.trial.spec import SLO, SpecError, load_spec
+from splitserve.trial.workload import probe_length
 
 METRICS = (("attainment", lambda s: s["attainment"]),
            ("TTFT p50", lambda s: s["ttft_s"]["p50"]),
@@ -64,17 +73,84 @@ def _main_multiplier(results: dict) -> float:
     return float((results.get("calibration") or {}).get("rate_multiplier") or 1.0)
 
 
-def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True) -> dict:
-    """Every run the trial made (repeats at one rate pooled by their median) beside the prediction
-    at that rate; capacity beside capacity when the trial measured one."""
-    slo_doc = results["slo"]
-    slo = SLO(slo_doc["ttft_s"], slo_doc["gap_s"], slo_doc["e2e_s"], slo_doc["max_pause_s"],
-              slo_doc.get("gap_percentile", 99.0))
-    target = slo_doc.get("attainment", target)
-    requests = requests_from_results(results)
-    if not requests:
+def _slos(results: dict) -> tuple[SLO, dict[str, SLO]]:
+    def slo_of(doc: dict) -> SLO:
+        return SLO(doc["ttft_s"], doc["gap_s"], doc["e2e_s"], doc["max_pause_s"], doc.get("gap_percentile", 99.0))
+    classes = {name: slo_of(c["slo"]) for name, c in (results.get("classes") or {}).items() if c.get("slo")}
+    return slo_of(results["slo"]), classes
+
+
+def run_requests(run: dict) -> list[SimRequest] | None:
+    """What one run replayed (its `requests`, times already at its rate); None for older results."""
+    if not run.get("requests"):
+        return None
+    return [SimRequest(q["index"], q["scheduled_s"], q["num_prompt_tokens"], q["max_tokens"], q["class_name"])
+            for q in run["requests"]]
+
+
+def probe_workload(plan: list[SimRequest], multiplier: float, min_requests: int,
+                   min_seconds: float | None) -> list[SimRequest]:
+    """The requests a trial's capacity probe replays at `multiplier` (trial/runner.py `_probe`): the
+    plan's first `probe_length` requests, the plan repeated one period later when that is more than
+    it holds, sent at `multiplier` times the plan's rate."""
+    count = probe_length([SimpleNamespace(send_at_s=r.arrival_s) for r in plan], multiplier, min_requests,
+                         min_seconds)
+    return [SimRequest(r.index, r.arrival_s / multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
+            for r in tile(plan, count)[:count]]
+
+
+def _probe_settings(results: dict, spec_path: str | None) -> tuple[int, float | None] | None:
+    """probe_requests and probe_seconds of the trial's capacity search, from its spec (results.json
+    names it; `--spec` overrides), checked against the probes the trial ran."""
+    path = spec_path or results.get("spec_path")
+    if not path or not pathlib.Path(path).is_file():
+        return None
+    cap = load_spec(path).capacity or CapacitySpec()
+    settings = (cap.probe_requests, cap.probe_seconds)
+    plan = requests_from_results(results)
+    for arr_doc in results["arrangements"]:
+        for run in arr_doc.get("runs") or []:
+            if run.get("purpose") == "probe" and run.get("requests"):
+                expected = len(probe_workload(plan, run["rate_multiplier"], *settings))
+                if expected != len(run["requests"]):
+                    raise ValueError(f"{path}: its capacity settings give {expected} requests for the probe at "
+                                     f"x{run['rate_multiplier']:g}, the trial replayed {len(run['requests'])}; "
+                                     "the spec changed since the trial: pass the trial's own spec with --spec")
+    return settings
+
+
+def unmodelled(serve: list[str]) -> list[str]:
+    """serve settings the simulator does not reproduce: such an arrangement is simulated as the
+    plain one (FCFS, a fixed mix) and left out of the ranking check."""
+    out = []
+    policy = serve[serve.index("--scheduling-policy") + 1] if "--scheduling-policy" in serve[:-1] else "fcfs"
+    if policy != "fcfs":
+        out.append(f"--scheduling-policy {policy}")
+    if "--adaptive" in serve:
+        out.append("--adaptive")
+    return out
+
+
+def _group(values: list[float | None]) -> float | None:
+    return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
+
+
+def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
+                    spec_path: str | None = None) -> dict:
+    """Every run the trial made beside the prediction for exactly what it replayed (its own requests
+    and send times; a probe replays a prefix of the plan, a fixed-rate run its own length), pooled
+    by rate (medians); capacity beside capacity, the prediction searched over the same probe
+    workloads the trial's search replays when the spec says what they are.
+
+    A probe that stopped early (it could no longer pass) measured a failure, not an attainment:
+    its attainment and times get no error; `held` says whether prediction and run agree."""
+    slo, class_slos = _slos(results)
+    target = results["slo"].get("attainment", target)
+    plan = requests_from_results(results)
+    if not plan:
         raise ValueError("results.json has an empty plan: nothing to simulate")
-    base, main = offered_rate(requests), _main_multiplier(results)
+    base, main = offered_rate(plan), _main_multiplier(results)
+    settings = _probe_settings(results, spec_path)
     rows, skipped, at_main, capacities = [], [], [], []
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
@@ -82,29 +158,46 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
         arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        missing = unmodelled(launch["serve"])
+        if missing:
+            skipped.append(f"{arr.name}: simulated without {', '.join(missing)} (not modelled), not ranked")
         kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
         if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
             arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
-        by_rate: dict[float, list[dict]] = {}
+        by_rate: dict[float, list[tuple[dict, dict]]] = {}
         for run in arr_doc["runs"]:
-            by_rate.setdefault(run["rate_multiplier"], []).append(run["summary"])
+            own = run_requests(run)
+            predicted = (predict(arr, profile, own, slo, 1.0, class_slos) if own is not None else
+                         predict(arr, profile, plan, slo, run["rate_multiplier"], class_slos))
+            by_rate.setdefault(run["rate_multiplier"], []).append((predicted, run["summary"]))
         for multiplier in sorted(by_rate):
-            summaries = by_rate[multiplier]
-            predicted = predict(arr, profile, requests, slo, multiplier)
+            pairs = by_rate[multiplier]
+            done = [(p, m) for p, m in pairs if not m.get("stopped_early")]
+            held = [(p["attainment"] >= target, m["attainment"] >= target) for p, m in pairs]
             for name, get in METRICS:
-                p, m = get(predicted), _median([get(x) for x in summaries])
-                rows.append({"arrangement": arr.name, "rate_multiplier": multiplier, "num_runs": len(summaries),
-                             "metric": name, "predicted": p, "measured": m, "error": _error(name, p, m)})
-                if name == "attainment" and multiplier == main:
+                p = _group([get(x) for x, _ in pairs])
+                m = _median([get(x) for _, x in (done or pairs)])
+                error = _error(name, _group([get(x) for x, _ in done]), m) if done else None
+                rows.append({"arrangement": arr.name, "rate_multiplier": multiplier, "num_runs": len(pairs),
+                             "num_stopped": len(pairs) - len(done), "metric": name, "predicted": p, "measured": m,
+                             "error": error, **({"held": held} if name == "attainment" else {})})
+                if name == "attainment" and multiplier == main and not missing:
                     at_main.append((arr.name, p, m))
         measured_cap = _measured_capacity(arr_doc)
         if measured_cap is not None and with_capacity:
-            cap = capacity(arr, profile, requests, slo, target)
-            p = cap * base if cap else None
+            if settings is not None:
+                workload = lambda m: probe_workload(plan, m, *settings)  # noqa: E731
+                cap = capacity(arr, profile, plan, slo, target, class_slos=class_slos, workload=workload)
+                p = offered_rate(workload(cap)) if cap else None
+            else:  # no spec: the whole plan compressed, the rate on the whole plan's base
+                cap = capacity(arr, profile, plan, slo, target, class_slos=class_slos)
+                p = cap * base if cap else None
             rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
                          "metric": f"capacity at {target:.0%}", "predicted": p, "measured": measured_cap,
-                         "error": _error("capacity", p, measured_cap)})
-            capacities.append((arr.name, p or 0.0, measured_cap))
+                         "error": _error("capacity", p, measured_cap),
+                         "workload": "the trial's probes" if settings is not None else "the whole plan"})
+            if not missing:
+                capacities.append((arr.name, p or 0.0, measured_cap))
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
@@ -132,6 +225,8 @@ def render(doc: dict) -> str:
         rate = "" if r["rate_multiplier"] is None else f"x{r['rate_multiplier']:g}"
         if r.get("num_runs", 1) and r.get("num_runs", 1) > 1:
             rate += f"({r['num_runs']})"
+        if r.get("num_stopped"):
+            rate += f"S{r['num_stopped']}"
         lines.append(f"{r['arrangement']:26} {rate:>5} {r['metric']:22} {_cell(r['metric'], r['predicted']):>10} "
                      f"{_cell(r['metric'], r['measured']):>10} {err_text:>8}")
     rk = doc["ranking"]
@@ -147,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="a trial's results.json")
     parser.add_argument("--target", type=float, default=0.9, help="attainment target for capacity")
     parser.add_argument("--json", default=None, help="also write the comparison here")
+    parser.add_argument("--spec", default=None, help="the trial's spec, for its capacity probes (default: the "
+                        "spec_path results.json names, when that file exists)")
     args = parser.parse_args(argv)
     try:
         profile = profile_of(json.loads(pathlib.Path(args.plan).read_text()), args.plan)
-        doc = compare_results(profile, json.loads(pathlib.Path(args.results).read_text()), args.target)
-    except (OSError, json.JSONDecodeError, ProfileError, ValueError, KeyError) as exc:
+        doc = compare_results(profile, json.loads(pathlib.Path(args.results).read_text()), args.target,
+                              spec_path=args.spec)
+    except (OSError, json.JSONDecodeError, ProfileError, SpecError, ValueError, KeyError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
     print(render(doc))

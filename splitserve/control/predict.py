@@ -133,7 +133,7 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
              for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n))
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention)
     return sim.run(fresh), instances
 
 
@@ -183,14 +183,25 @@ def _gap_scores(requests: list[SimRequest], q: float) -> tuple[np.ndarray, np.nd
     return pct, longest, every
 
 
-def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> dict:
+def _deadlines(requests: list[SimRequest], slo: SLO, class_slos: dict[str, SLO] | None) -> dict[str, np.ndarray]:
+    """Each request's deadlines under its class's SLO (the global one where its class sets none);
+    a deadline of None is not checked (infinite), as trial/metrics.py judges it."""
+    own = [(class_slos or {}).get(r.class_name, slo) for r in requests]
+    def col(name):
+        return np.asarray([math.inf if getattr(s, name) is None else getattr(s, name) for s in own], dtype=float)
+    return {name: col(name) for name in ("ttft_s", "gap_s", "max_pause_s", "e2e_s")}
+
+
+def score(requests: list[SimRequest], instances: list[Instance], slo: SLO,
+          class_slos: dict[str, SLO] | None = None) -> dict:
     inf = math.inf
     # a request the simulated cache could never admit never starts: it misses every deadline
     ttft = [r.first_s - r.arrival_s if r.first_s is not None else inf for r in requests]
     e2e = [r.finished_s - r.arrival_s if r.finished_s is not None else inf for r in requests]
     gap_pct, longest, all_gaps = _gap_scores(requests, slo.gap_percentile)
-    checks = {"TTFT": np.asarray(ttft) <= slo.ttft_s, "inter-token gap": gap_pct <= slo.gap_s,
-              "longest pause": longest <= slo.max_pause_s, "end-to-end time": np.asarray(e2e) <= slo.e2e_s}
+    limit = _deadlines(requests, slo, class_slos)
+    checks = {"TTFT": np.asarray(ttft) <= limit["ttft_s"], "inter-token gap": gap_pct <= limit["gap_s"],
+              "longest pause": longest <= limit["max_pause_s"], "end-to-end time": np.asarray(e2e) <= limit["e2e_s"]}
     misses = {name: int((~ok).sum()) for name, ok in checks.items()}
     good = np.logical_and.reduce(list(checks.values())).tolist()
     gap_pct, longest = gap_pct.tolist(), longest.tolist()
@@ -215,17 +226,23 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO) -> di
 
 
 def predict(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
-            rate_multiplier: float = 1.0) -> dict:
+            rate_multiplier: float = 1.0, class_slos: dict[str, SLO] | None = None) -> dict:
     done, instances = simulate(arrangement, profile, requests, rate_multiplier)
-    return score(done, instances, slo)
+    return score(done, instances, slo, class_slos)
 
 
 def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimRequest], slo: SLO,
-             target: float, first: float = 1.0, steps: int = 6, max_multiplier: float = 16.0) -> float | None:
+             target: float, first: float = 1.0, steps: int = 6, max_multiplier: float = 16.0,
+             class_slos: dict[str, SLO] | None = None, workload=None) -> float | None:
     """The highest rate multiplier whose attainment meets `target` (bracket by doubling, then bisect).
     Like the trial's sweep, it compresses the same finite workload: a handful of requests can be
-    absorbed at any rate, so the search stops at `max_multiplier` (a result equal to it is a floor)."""
-    ok = lambda m: predict(arrangement, profile, requests, slo, m)["attainment"] >= target  # noqa: E731
+    absorbed at any rate, so the search stops at `max_multiplier` (a result equal to it is a floor).
+    `workload(m)`, when given, is the request list replayed at multiplier m, its times already
+    compressed (a trial's capacity probe replays more of the plan at higher rates)."""
+    def ok(m: float) -> bool:
+        if workload is not None:
+            return predict(arrangement, profile, workload(m), slo, 1.0, class_slos)["attainment"] >= target
+        return predict(arrangement, profile, requests, slo, m, class_slos)["attainment"] >= target
     lo, hi = (first, None) if ok(first) else (None, first)
     while lo is None:
         hi /= 2

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny grid for tests and smoke runs (seconds)")
     parser.add_argument("--repeats", type=int, default=None, help="times each step is measured (default 3; quick 2)")
     parser.add_argument("--transports", default="shm,tcp", help="KV transports to time (default shm,tcp)")
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active"), default="passive",
+                        help="OpenMP threads between parallel regions: sleep (passive, default: how `serve` runs every "
+                             "engine whose threads fill the cores, so every multi-thread arrangement a plan proposes) "
+                             "or spin (active). An OMP_WAIT_POLICY already in the environment wins")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -57,6 +61,16 @@ def parse_threads(text: str) -> list[int]:
     if max(counts) > (os.cpu_count() or 1):
         raise ProfileError(f"--threads: {max(counts)} threads exceed this machine's {os.cpu_count()} cores")
     return sorted(set(counts))
+
+
+def set_omp_wait_policy(policy: str) -> str:
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: set it before that, as `serve` does for
+    its engines (frontend/launch.py). Returns the policy the runtime reads ("default" when unset).
+    A 2-thread step with sleeping threads pays a wake-up per parallel region: on the AVX2 VM a
+    one-request decode step took 32 ms instead of 17 ms (docs/benchmarks.md, "Planner")."""
+    if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    return os.environ.get("OMP_WAIT_POLICY", "default").lower()
 
 
 def machine_info() -> dict:
@@ -74,7 +88,8 @@ def machine_info() -> dict:
 
     return {"cpu_model": model, "flags": [f for f in CPU_FLAGS if f in flags], "num_cores": os.cpu_count(),
             "platform": platform.platform(), "torch": torch.__version__,
-            "load_average_start": os.getloadavg()[0], "niceness": os.nice(0)}
+            "load_average_start": os.getloadavg()[0], "niceness": os.nice(0),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default").lower()}
 
 
 class StepTimer:
@@ -260,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if not out.parent.is_dir():
             raise ProfileError(f"--out: folder {str(out.parent)!r} does not exist")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        set_omp_wait_policy(args.omp_wait_policy)
         doc = measure(args.model, threads, args.quick, args.repeats, transports, log)
     except (ProfileError, ValueError, FileNotFoundError) as exc:
         print(f"splitserve profile: {exc}", file=sys.stderr)

@@ -9,7 +9,8 @@
                  "2": {...}},
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
-     "startup_s": {"load_model": [...], "engine": [...]}}            # optional
+     "startup_s": {"load_model": [...], "engine": [...]},            # optional
+     "host_contention": {"factor": 1.15}}                            # optional: bench/host_contention.py
 
 Samples are the truth when present: the step model is refitted from them on load. A hand-written
 profile gives `step_model` alone. Every mistake raises ProfileError naming the field.
@@ -48,6 +49,7 @@ class Profile:
     transfer: dict[str, TransferModel]
     machine: dict
     raw: dict
+    host_contention: float = 1.0  # a step beside a busy instance on the same host takes this many times longer
 
     def transfer_s(self, transport: str, num_tokens: int) -> float:
         if transport not in self.transfer:
@@ -141,9 +143,13 @@ def parse_profile(doc, source: str = "profile") -> Profile:
         entry = _mapping(entry, f"kv_transfer.{name}")
         transfer[name] = TransferModel(_number(entry.get("latency_s"), f"kv_transfer.{name}.latency_s"),
                                        _number(entry.get("gb_per_s"), f"kv_transfer.{name}.gb_per_s", strict=True))
+    contention = 1.0
+    if doc.get("host_contention") is not None:
+        entry = _mapping(doc["host_contention"], "host_contention")
+        contention = _number(entry.get("factor"), "host_contention.factor", minimum=1.0)
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
-                   machine=doc.get("machine") or {}, raw=doc)
+                   machine=doc.get("machine") or {}, raw=doc, host_contention=contention)
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:

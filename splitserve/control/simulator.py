@@ -16,6 +16,7 @@ import heapq
 import math
 
 from splitserve.control.sim_instance import ROLES, Instance, InstanceSpec, SimRequest
+from splitserve.control.stepmodel import PANEL_ROWS
 
 __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
 
@@ -25,7 +26,7 @@ class Simulation:
 
     fast_forward = True  # batch runs of decode-only steps (tests turn it off to compare timelines)
 
-    def __init__(self, instances: list[Instance], transfer_s=lambda n: 0.0):
+    def __init__(self, instances: list[Instance], transfer_s=lambda n: 0.0, contention: float = 1.0):
         self.instances = instances
         self.colocated = [i for i in instances if i.role == "colocated"]
         self.prefill = [i for i in instances if i.role == "prefill"]
@@ -33,6 +34,13 @@ class Simulation:
         if not self.colocated and not (self.prefill and self.decode):
             raise ValueError("an arrangement needs a colocated instance, or a prefill and a decode instance")
         self.transfer_s = transfer_s
+        # a step that starts while another instance on the host is busy runs `contention` times its
+        # profiled time (shared memory bandwidth and cache; bench/host_contention.py measures it).
+        # Then every step goes through the event queue, so who is busy is known at each start.
+        if contention < 1.0:
+            raise ValueError(f"host contention must be >= 1 (a busy neighbour never speeds a step up), got {contention}")
+        self.contention = contention if len(instances) > 1 else 1.0
+        self._starting: dict[Instance, None] = {}
         self.events: list = []
         self._seq = 0
         self.now = 0.0
@@ -51,23 +59,31 @@ class Simulation:
         if inst.busy or not inst.has_work():
             return
         now, colocated_only = self.now, not self.prefill
+        contended = self.contention != 1.0
         while True:
             horizon = self._next_arrival_s
             if not colocated_only and self.events:
                 horizon = min(horizon, self.events[0][0])
-            if self.fast_forward and inst.decoding_only():
+            if self.fast_forward and not contended and inst.decoding_only():
                 now = self._fast_forward(inst, now, horizon)
             decodes, prefills = inst.schedule()
             if not decodes and not prefills:
                 return
-            end = now + inst.step_seconds(decodes, prefills)
+            step = inst.step_seconds(decodes, prefills)
+            if contended and self._neighbour_busy(inst):
+                step *= self.contention
+            end = now + step
             inst.busy_s += end - now
-            if end >= horizon:
+            if contended or end >= horizon:
                 inst.busy = True
                 self._push(end, 1, (inst, decodes, prefills))
                 return
             self._finish_step(inst, decodes, prefills, end)
             now = end
+
+    def _neighbour_busy(self, inst: Instance) -> bool:
+        """Another instance has a step in flight, or starts one at this same instant."""
+        return any(o is not inst and (o.busy or (o in self._starting and o.has_work())) for o in self.instances)
 
     def _fast_forward(self, inst: Instance, now: float, horizon: float) -> float:
         """Run, in one go, the decode-only steps that end before `horizon` and before any request
@@ -80,11 +96,14 @@ class Simulation:
         if max_steps <= 0:
             return now
         kv = sum(r.computed + 1 for r in running)
-        # model.step_s(0, 0.0, n, kv) evaluates to exactly (overhead + per_decode_seq * n) + per_kv * kv
+        # model.step_s(0, 0.0, n, kv) evaluates to exactly ((overhead + per_decode_seq * n) + per_kv * kv)
+        # + per_panel_step (the last only past PANEL_ROWS rows)
         base, per_kv = model.overhead_s + model.per_decode_seq_s * n, model.per_decode_kv_token_s
+        panel = model.per_panel_step_s if n > PANEL_ROWS else None
         ends, gaps, end = [], [], now  # gaps[j] = ends[j] - ends[j - 1], as one step at a time records it
         for _ in range(max_steps):
-            nxt = end + (base + per_kv * kv)
+            step = base + per_kv * kv
+            nxt = end + (step if panel is None else step + panel)
             if nxt >= horizon:
                 break
             ends.append(nxt)
@@ -184,8 +203,10 @@ class Simulation:
                 # everything due at this instant has landed: now idle instances start a step, so
                 # requests arriving together are scheduled together, as an engine's intake does
                 pending, self._pending = self._pending, {}
+                self._starting = pending
                 for inst in pending:
                     self._kick(inst)
+                self._starting = {}
                 continue
             if next_s == math.inf:
                 return requests

@@ -9,9 +9,15 @@ prefill tokens and on decode KV tokens):
            + per_prefill_attn_s    * prefill_attn_ktok2         (attention of a chunk over its context)
            + per_decode_seq_s      * decode_seqs                (a decode token's matmuls)
            + per_decode_kv_token_s * decode_kv_tokens           (a decode reads its whole KV)
+           + per_panel_step_s      * [prefill_tokens + decode_seqs > PANEL_ROWS]
 
 where prefill_attn_ktok2 = sum over chunks of chunk * (start + chunk / 2) / 1000: a chunk of
 `chunk` tokens starting at position `start` attends to about start + chunk / 2 tokens each.
+The last term is the GGUF kernels' panel path (kernels/gguf_linear.cpp): a step of more rows
+than one 8-row tile first dequantizes every weight into fp32 panels, once per step, so it
+costs a fixed amount more than a step of up to 8 rows; on one AVX2 thread about 50 ms, which
+a line through the decode steps put on every prefill token instead (a 32-token prompt 28%
+short). With fp32 weights the fit leaves it near 0.
 
 The coefficients are fitted per thread count by non-negative least squares on a profile's
 samples. A thread count the profile lacks is extrapolated with Amdahl's law, its serial
@@ -24,7 +30,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 COEFFICIENTS = ("overhead_s", "per_prefill_token_s", "per_prefill_attn_s", "per_decode_seq_s",
-                "per_decode_kv_token_s")
+                "per_decode_kv_token_s", "per_panel_step_s")
+PANEL_ROWS = 8  # kMR in kernels/gguf_linear.cpp: steps with more rows take the panel path
 DEFAULT_SERIAL_FRACTION = 0.3  # when only one thread count was profiled: a CPU forward pass scales poorly
 
 
@@ -44,7 +51,7 @@ class StepShape:
 
     def vector(self) -> list[float]:
         return [1.0, float(self.prefill_tokens), self.prefill_attn_ktok2, float(self.decode_seqs),
-                float(self.decode_kv_tokens)]
+                float(self.decode_kv_tokens), float(self.prefill_tokens + self.decode_seqs > PANEL_ROWS)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +61,7 @@ class StepModel:
     per_prefill_attn_s: float = 0.0
     per_decode_seq_s: float = 0.0
     per_decode_kv_token_s: float = 0.0
+    per_panel_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -64,9 +72,10 @@ class StepModel:
     def step_s(self, prefill_tokens: int = 0, prefill_attn: float = 0.0, decode_seqs: int = 0,
                decode_kv_tokens: int = 0) -> float:
         """Hot path of the simulator: plain arithmetic, no objects."""
-        return (self.overhead_s + self.per_prefill_token_s * prefill_tokens
-                + self.per_prefill_attn_s * prefill_attn + self.per_decode_seq_s * decode_seqs
-                + self.per_decode_kv_token_s * decode_kv_tokens)
+        seconds = (self.overhead_s + self.per_prefill_token_s * prefill_tokens
+                   + self.per_prefill_attn_s * prefill_attn + self.per_decode_seq_s * decode_seqs
+                   + self.per_decode_kv_token_s * decode_kv_tokens)
+        return seconds + self.per_panel_step_s if prefill_tokens + decode_seqs > PANEL_ROWS else seconds
 
     def predict(self, shape: StepShape) -> float:
         return self.step_s(shape.prefill_tokens, shape.prefill_attn_ktok2, shape.decode_seqs,
