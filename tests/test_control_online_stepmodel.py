@@ -38,7 +38,7 @@ def steps(rng: random.Random, model: StepModel, n: int, kinds=("prefill", "decod
 
 
 def off_by(model: StepModel, reference: StepModel) -> dict[str, float]:
-    return {c: abs(getattr(model, c) / getattr(reference, c) - 1) for c in COEFFICIENTS}
+    return {c: abs(getattr(model, c) / getattr(reference, c) - 1) for c in COEFFICIENTS if getattr(reference, c)}
 
 
 def test_the_online_fit_recovers_the_model_that_made_the_steps_despite_a_stale_prior():
