@@ -40,8 +40,8 @@ ROLES = ("prefill", "decode", "colocated")
 # on the AVX2 box (AMD EPYC family 25 model 1, 2 vCPUs),
 # bench/results/profile_bundled_amd-epyc-avx2-2core_2026-12-01.json ('threads' -> '1' / '2' ->
 # 'step_model'), rounded to 3 digits. That profile predates the 8-wide AVX2 decode attention
-# (..._attn.json: 2.3 us per KV token instead of 21), so its KV term is high for today's engine on
-# AVX2 and low for nothing; the online model (control/online_stepmodel.py) corrects it from the
+# (..._attn.json: 2.3 us per KV token instead of 21), so its KV term overstates today's engine on
+# AVX2; the online model (control/online_stepmodel.py) corrects it from the
 # first 30 measured steps. Kept as it is because the session 6 demand-shift runs used it.
 FALLBACK_STEP_MODEL = StepModels({
     1: StepModel(overhead_s=0.0222, per_prefill_token_s=0.00367, per_prefill_attn_s=0.000548,

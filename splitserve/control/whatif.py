@@ -148,10 +148,11 @@ class WhatIf:
         for h in serving:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
-            tpots.append(m.step_s(0, 0.0, n, kv) / decode_share)
+            decode_step = m.step_s(0, 0.0, n, kv)
+            tpots.append(decode_step / decode_share)
             chunk = self._chunk(h.queued_prompt_tokens)
             if demand.prompts:
-                life_s = demand.mean_answer * m.step_s(0, 0.0, n, kv) / slack  # its steps, prefills among them
+                life_s = demand.mean_answer * decode_step / slack  # its steps, prefills among them
                 meets = demand.request_rate / k * life_s
                 chunk = max(chunk, self._chunk(demand.prompt_quantile(self.attainment ** (1 / max(meets, 1.0)))))
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))

@@ -74,10 +74,9 @@ def search_settings(spec) -> CapacitySpec:
     settings from `arrivals.rate` (a relative rate), else the defaults."""
     if spec.capacity is not None:
         return spec.capacity
-    rel = spec.arrivals.relative_rate
+    rel, default = spec.arrivals.relative_rate, CapacitySpec()
     if rel is None:
-        return CapacitySpec()
-    default = CapacitySpec()
+        return default
     return replace(default, probe_requests=rel.probe_requests or default.probe_requests,
                    probe_seconds=rel.probe_seconds)
 
