@@ -85,6 +85,20 @@ def test_silu_mul_matches_torch_including_saturated_gates(module, isa):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=f"{isa} {n}x{inter}")
 
 
+def test_silu_mul_gives_the_same_bits_on_every_instruction_set(module):
+    """AVX2 runs 8 lanes at a time, AVX-512 and the baseline build 16: each lane computes the same
+    operations, so widths and tails (sizes off both multiples) must not change a bit."""
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(5, 2 * 45, generator=g) * 6
+    outs = {}
+    for isa in ISAS:
+        outs[module.set_isa(isa)] = module.silu_mul(gate_up)
+    module.set_isa("avx512")
+    first = next(iter(outs.values()))
+    for used, out in outs.items():
+        assert torch.equal(out, first), f"{used} differs"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms before the fused rotation
 def test_engine_generates_the_same_tokens_with_the_kernels_and_the_torch_fallback(module, monkeypatch,
                                                                                  tmp_path, arch):

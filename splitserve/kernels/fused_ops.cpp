@@ -53,17 +53,33 @@ ALWAYS_INLINE void rope_row(float* row, int64_t num_rotated, int64_t hd, const f
   }
 }
 
-ALWAYS_INLINE void silu_mul_row(const float* gate_up, float* out, int64_t n) {
+// W floats at a time: 16 (zmm) for AVX-512 and the baseline build, 8 for AVX2, whose 16 ymm
+// registers hold an 8-wide exp's temporaries but spill a 16-wide one's (pairs of ymm). The lanes
+// compute the same operations either way, so the two widths give the same bits.
+template <typename F, typename I>
+ALWAYS_INLINE void silu_mul_lanes(const float* gate_up, float* out, int64_t n) {
+  constexpr int64_t W = sizeof(F) / sizeof(float);
   const float* up = gate_up + n;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const v16f g = load16(gate_up + i);
-    store16(out + i, g / (1.f + exp16(-g)) * load16(up + i));
+  for (; i + W <= n; i += W) {
+    F g, u;
+    __builtin_memcpy(&g, gate_up + i, sizeof g);
+    __builtin_memcpy(&u, up + i, sizeof u);
+    const F o = g / (1.f + exp_lanes<F, I>(F{} - g)) * u;
+    __builtin_memcpy(out + i, &o, sizeof o);
   }
   for (; i < n; ++i) {
     const float g = gate_up[i];
-    out[i] = g / (1.f + exp16(v16f{} - g)[0]) * up[i];
+    out[i] = g / (1.f + exp_lanes<F, I>(F{} - g)[0]) * up[i];
   }
+}
+
+ALWAYS_INLINE void silu_mul_row(const float* gate_up, float* out, int64_t n) {
+  silu_mul_lanes<v16f, v16i>(gate_up, out, n);
+}
+
+ALWAYS_INLINE void silu_mul8_row(const float* gate_up, float* out, int64_t n) {
+  silu_mul_lanes<v8f, v8i>(gate_up, out, n);
 }
 
 // Three builds of each row function; the ISA level (2 avx512, 1 avx2, 0 scalar) picks one.
@@ -78,7 +94,11 @@ THREE_WAYS(add_rms_norm, (float* x, const float* delta, const float* w, float* h
            (x, delta, w, h, n, eps))
 THREE_WAYS(rope, (float* row, int64_t num_rotated, int64_t hd, const float* cos, const float* sin),
            (row, num_rotated, hd, cos, sin))
-THREE_WAYS(silu_mul, (const float* gate_up, float* out, int64_t n), (gate_up, out, n))
+AVX512 void silu_mul_avx512(const float* gate_up, float* out, int64_t n) { silu_mul_row(gate_up, out, n); }
+AVX2 void silu_mul_avx2(const float* gate_up, float* out, int64_t n) { silu_mul8_row(gate_up, out, n); }
+void silu_mul_base(const float* gate_up, float* out, int64_t n) { silu_mul_row(gate_up, out, n); }
+using silu_mul_fn = void (*)(const float*, float*, int64_t);
+silu_mul_fn pick_silu_mul(int level) { return level == 2 ? silu_mul_avx512 : level == 1 ? silu_mul_avx2 : silu_mul_base; }
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == torch::kFloat && t.dim() == 2 && t.is_contiguous(), name,
