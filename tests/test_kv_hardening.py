@@ -213,3 +213,32 @@ def test_a_malformed_descriptor_fails_its_transfer_before_any_block_or_socket(ch
     finally:
         receiver.close()
         server.close()
+
+
+def test_a_peer_hanging_up_between_messages_is_quiet_and_one_cut_mid_message_is_logged(caplog):
+    """Every decode instance closes its connection when done: that is no news at INFO. A
+    connection cut inside a frame is, and says so."""
+    import logging
+    import struct
+
+    sender, server = start_prefill()
+    try:
+        host, port = sender.source_info.host, sender.source_info.port
+        with caplog.at_level(logging.DEBUG, logger="splitserve.kv_transfer.server"):
+            conn = connect(host, port, None, 2, 2)
+            conn.send(Abort("nobody", b""))
+            conn.recv()
+            conn.close()  # at a message boundary
+            conn = connect(host, port, None, 2, 2)
+            conn.sock.sendall(struct.pack("!I", 64) + b"\x00" * 10)  # a header promising 64 bytes, then 10
+            conn.close()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any("middle of a message" in r.getMessage()
+                                                           for r in caplog.records):
+                time.sleep(0.05)
+        info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert any("middle of a message" in m for m in info), info
+        assert sum("dropped" in m for m in info) == 1, info
+        assert any(r.levelno == logging.DEBUG and "hung up" in r.getMessage() for r in caplog.records)
+    finally:
+        server.close()

@@ -32,7 +32,7 @@ from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_vi
 from splitserve.kv_transfer.messages import (Abort, Begin, BlockRange, Confirm, Fetch, LayerHeader, Reply,
                                              StreamEnd)
 from splitserve.kv_transfer.sender import KVSender
-from splitserve.kv_transfer.transport import AuthError, TransferError, block_index
+from splitserve.kv_transfer.transport import AuthError, PeerClosed, TransferError, block_index
 from splitserve.kv_transfer.wire import Connection, server_handshake
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,8 @@ class KVServer:
         except AuthError as exc:
             self.num_refused_peers += 1
             log.warning("kv peer refused: %s", exc)
+        except PeerClosed:
+            log.debug("kv peer hung up")  # every client does this when it is done
         except TransferError as exc:
             log.info("kv peer dropped: %s", exc)
         except (OSError, EOFError):

@@ -52,6 +52,10 @@ class NetworkError(TransferError):
     kind = "network"
 
 
+class PeerClosed(NetworkError):
+    """The peer closed the connection between two messages: how a client that is done hangs up."""
+
+
 class SourceGone(TransferError):
     """The prefill instance no longer holds the blocks (lease expired, aborted)."""
 

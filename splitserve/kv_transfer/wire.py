@@ -28,7 +28,7 @@ import msgspec
 
 from splitserve.kv_transfer.config import is_loopback
 from splitserve.kv_transfer.messages import Challenge, ControlMessage, Hello, Reply, Welcome
-from splitserve.kv_transfer.transport import AuthError, NetworkError, TransferError
+from splitserve.kv_transfer.transport import AuthError, NetworkError, PeerClosed, TransferError
 
 MAX_FRAME_BYTES = 1 << 20  # headers are small; a bigger frame is a confused or hostile peer
 _LENGTH = struct.Struct("!I")
@@ -89,7 +89,7 @@ class Connection:
         self.sock.sendall(_LENGTH.pack(len(payload)) + payload + tag)
 
     def recv(self) -> ControlMessage:
-        (length,) = _LENGTH.unpack(self._recv_exact(_LENGTH.size))
+        (length,) = _LENGTH.unpack(self._recv_exact(_LENGTH.size, at_boundary=True))
         if length > MAX_FRAME_BYTES:
             raise TransferError(f"peer sent a {length}-byte header (limit {MAX_FRAME_BYTES}); "
                                 "is something other than splitserve on this port?")
@@ -108,7 +108,7 @@ class Connection:
         self._fill(view)
         self._check_tag((view,))
 
-    def _fill(self, view: memoryview) -> None:
+    def _fill(self, view: memoryview, at_boundary: bool = False) -> None:
         received, total = 0, len(view)
         while received < total:
             if self._deadline is not None:
@@ -118,6 +118,8 @@ class Connection:
                 self.sock.settimeout(min(remaining, self.timeout_s))
             n = self.sock.recv_into(view[received:], total - received)
             if n == 0:
+                if at_boundary and received == 0:
+                    raise PeerClosed("peer closed the connection")
                 raise NetworkError("peer closed the connection in the middle of a message")
             received += n
 
@@ -139,9 +141,9 @@ class Connection:
             first = _advance(pending, first, received)
         self._check_tag(views)
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _recv_exact(self, n: int, at_boundary: bool = False) -> bytes:
         buf = bytearray(n)
-        self._fill(memoryview(buf))
+        self._fill(memoryview(buf), at_boundary)
         return bytes(buf)
 
     def close(self) -> None:
