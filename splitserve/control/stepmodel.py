@@ -29,15 +29,12 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from splitserve.protocol import prefill_attn_ktok2  # noqa: F401  (one definition; the engine reports it)
+
 COEFFICIENTS = ("overhead_s", "per_prefill_token_s", "per_prefill_attn_s", "per_decode_seq_s",
                 "per_decode_kv_token_s", "per_panel_step_s")
 PANEL_ROWS = 8  # kMR in kernels/gguf_linear.cpp: steps with more rows take the panel path
 DEFAULT_SERIAL_FRACTION = 0.3  # when only one thread count was profiled: a CPU forward pass scales poorly
-
-
-def prefill_attn_ktok2(start: int, chunk: int) -> float:
-    """The attention feature of one prefill chunk (see the module docstring)."""
-    return chunk * (start + chunk / 2) / 1000.0
 
 
 @dataclass(slots=True, frozen=True)

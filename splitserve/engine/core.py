@@ -14,14 +14,13 @@ from collections import deque
 import torch
 
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
-from splitserve.control.stepmodel import prefill_attn_ktok2
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
-from splitserve.protocol import EngineStats, StepSample
+from splitserve.protocol import EngineStats, StepSample, prefill_attn_ktok2
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
