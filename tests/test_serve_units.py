@@ -114,3 +114,23 @@ def test_engines_sleep_between_parallel_regions_when_their_threads_fill_the_core
     assert env("active", 2, 1) == "ACTIVE" and env("passive", 1, 1) == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own setting wins
     assert env("passive", 2, 1) == "ACTIVE"
+
+
+def test_kernels_off_reaches_the_engines_and_makes_them_load_no_kernels(monkeypatch):
+    """`serve --kernels off` (the engine before its C++ kernels, for before/after trials): the
+    engines' environment says so, and kernels.load() then returns None even where they are built."""
+    import argparse
+
+    from splitserve import kernels
+    from splitserve.frontend.launch import engine_env
+
+    monkeypatch.delenv("SPLITSERVE_KERNELS", raising=False)
+    args = argparse.Namespace(omp_wait_policy="auto", threads_per_instance=1, kernels="off")
+    env = engine_env(args, 2)
+    assert env["SPLITSERVE_KERNELS"] == "off"
+    assert "SPLITSERVE_KERNELS" not in engine_env(argparse.Namespace(omp_wait_policy="auto", threads_per_instance=1,
+                                                                     kernels="auto"), 2)
+    monkeypatch.setenv("SPLITSERVE_KERNELS", env["SPLITSERVE_KERNELS"])
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "built_library", lambda: pytest.fail("looked for the library although switched off"))
+    assert kernels._load() is None

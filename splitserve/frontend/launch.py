@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and other processes must share them (measured: a 2-thread 8-stream step 285 ms "
                         "spinning vs 140 ms passive beside one busy process; 69 vs 82 ms on an idle box). "
                         "An OMP_WAIT_POLICY already in the environment wins")
+    p.add_argument("--kernels", choices=("auto", "off"), default="auto",
+                   help="off: engines run the pure-torch path even where the C++ kernels are built "
+                        "(with --weight-format fp32: the engine before issue 16, for before/after trials)")
     p.add_argument("--engine-silence-timeout", type=float, default=1.5,
                    help="seconds without a message (engines send one every 0.25 s) before an engine is "
                         "declared dead and its requests are retried or failed")
@@ -150,6 +153,8 @@ def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
 def engine_env(args: argparse.Namespace, num_engines: int) -> dict[str, str]:
     """The environment engines start with: OpenMP must learn its wait policy before torch loads."""
     env = dict(os.environ)
+    if getattr(args, "kernels", "auto") == "off":
+        env["SPLITSERVE_KERNELS"] = "off"
     if "OMP_WAIT_POLICY" in env:
         return env
     policy = args.omp_wait_policy

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -47,7 +48,13 @@ def load():
         return _LOADED[0]
 
 
+KERNELS_ENV = "SPLITSERVE_KERNELS"  # "off": use the pure-torch path even where the kernels are built
+
+
 def _load():
+    if os.environ.get(KERNELS_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        log.info("GGUF kernels switched off (%s=%s); using the pure-torch path", KERNELS_ENV, os.environ[KERNELS_ENV])
+        return None
     path = built_library()
     if path is None:
         log.info("GGUF kernels not built (run `make setup`); using the pure-torch fallback")
