@@ -65,9 +65,14 @@ def free_port() -> int:
 
 
 def start_server(system: str, args, port: int, log: pathlib.Path) -> subprocess.Popen:
-    if system == "splitserve":
-        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), "--instances", "1",
-               "--threads-per-instance", str(args.http_threads), "--max-num-seqs", str(args.streams),
+    if system.startswith("splitserve"):
+        # "splitserve": one instance on every thread; "splitserve-2x1": two 1-thread instances, etc.
+        instances, threads = (1, args.http_threads) if system == "splitserve" else \
+            map(int, system.split("-", 1)[1].split("x"))
+        if instances * threads != args.http_threads:
+            raise SystemExit(f"{system}: {instances}x{threads} threads is not --http-threads {args.http_threads}")
+        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), "--instances", str(instances),
+               "--threads-per-instance", str(threads), "--max-num-seqs", str(args.streams),
                "--log-level", "warning"]
     else:
         cmd = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(bundled_gguf()),
@@ -177,6 +182,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--http-threads", type=int, default=2, help="threads each server may use")
     parser.add_argument("--stream-timeout", type=float, default=600.0)
+    parser.add_argument("--splitserve-layouts", nargs="+", default=["1x2"],
+                        help="splitserve servers to run, instances x threads (each using --http-threads in all); "
+                             "the first is reported as 'splitserve', others as 'splitserve-IxT'")
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "http"])
     parser.add_argument("--json", type=pathlib.Path, default=DEFAULT_JSON)
     args = parser.parse_args()
@@ -190,7 +198,10 @@ def main() -> None:
                   f"{row['batch_size'] / row['quiet_tokens_per_s'] * 1e3:.1f} ms (quiet), "
                   f"{row['batch_size'] / row['tokens_per_s'] * 1e3:.1f} ms (wall)", flush=True)
     if "http" not in args.skip:
-        systems = ["splitserve"]
+        systems = ["splitserve" if i == 0 else f"splitserve-{layout}"
+                   for i, layout in enumerate(args.splitserve_layouts)]
+        if args.splitserve_layouts[0] != f"1x{args.http_threads}":
+            systems[0] = f"splitserve-{args.splitserve_layouts[0]}"
         why = llamacpp_missing(args.llamacpp_python)
         if why:
             report["skipped"]["llama.cpp http"] = why
