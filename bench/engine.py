@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="decode prompts; the context grows by the timed steps to ~256 on average")
     parser.add_argument("--decode-steps", type=int, default=6, help="timed steps per batch size")
     parser.add_argument("--weight-formats", nargs="+", default=["auto", "fp32"],
-                        choices=["auto", "fp32", "gguf"],
+                        choices=["auto", "fp32", "gguf", "gguf-q8act"],
                         help="engine weight formats to run side by side (auto: the default engine, "
                              "reported as 'splitserve'; others as 'splitserve-<format>')")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "splitserve", "llama.cpp", "rss"])

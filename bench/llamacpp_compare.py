@@ -32,7 +32,7 @@ import torch
 
 from engine import LLAMACPP_PYTHON, REPO_DIR, BENCH_DIR, bundled_gguf, cpu_info, llamacpp_missing
 from records import as_row
-from splitserve_runs import build_engine, engine_decode
+from splitserve_runs import build_engine, engine_decode, system_name
 
 DEFAULT_JSON = BENCH_DIR / "results" / "llamacpp_compare.json"
 TOPICS = ["the history of bread", "how tides work", "a day on a fishing boat", "why the sky is blue",
@@ -41,10 +41,12 @@ TOPICS = ["the history of bread", "how tides work", "a day on a fishing boat", "
 
 def decode_rows(args) -> tuple[list[dict], dict, dict]:
     """Batch-1 decode rows of both systems, llama.cpp's build info, and what was skipped."""
-    engine = build_engine(args.prompt_len, 1, kv_cache_memory="256MiB")
-    rows = [as_row(r) for r in engine_decode(engine, [1], args.prompt_len, args.decode_steps, args.threads,
-                                             torch.Generator().manual_seed(0))]
-    del engine
+    rows = []
+    for weight_format in args.weight_formats:
+        engine = build_engine(args.prompt_len, 1, kv_cache_memory="256MiB", weight_format=weight_format)
+        rows += [as_row(r) for r in engine_decode(engine, [1], args.prompt_len, args.decode_steps, args.threads,
+                                                  torch.Generator().manual_seed(0), system_name(weight_format))]
+        del engine
     why = llamacpp_missing(args.llamacpp_python)
     if why:
         return rows, {}, {"llama.cpp decode": why}
@@ -182,6 +184,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--http-threads", type=int, default=2, help="threads each server may use")
     parser.add_argument("--stream-timeout", type=float, default=600.0)
+    parser.add_argument("--weight-formats", nargs="+", default=["auto"], choices=["auto", "gguf", "gguf-q8act", "fp32"],
+                        help="engine weight formats for the batch-1 decode rows (auto: 'splitserve'; others "
+                             "'splitserve-<format>'; gguf-q8act: 8-bit activations at batch 1-2, as llama.cpp)")
     parser.add_argument("--splitserve-layouts", nargs="+", default=["1x2"],
                         help="splitserve servers to run, instances x threads (each using --http-threads in all); "
                              "the first is reported as 'splitserve', others as 'splitserve-IxT'")

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -338,6 +339,157 @@ torch::Tensor gguf_dequantize(torch::Tensor qs, torch::Tensor d, torch::Tensor m
   return w;
 }
 
+// ---------------------------------------------------------------- 8-bit activations (decode rows)
+// llama.cpp's method for a few rows of x: each row is quantized per 32-block (Q8_1: dx = max|x| /
+// 127, qx = round(x / dx), sx = dx * sum(qx)), and a block's products are integer dot products:
+// Q4_1: d dx sum(q qx) + m sx; Q8_0: d dx sum(q qx). A quarter of the instructions of the fp32
+// path per weight on AVX2 (vpmaddubsw does 32 multiplies), at the cost of rounding x to 8 bits: the
+// results are not the fp32 path's, and greedy tokens may differ (docs/benchmarks.md, "Engine").
+void quantize_row_q8(const float* x, int64_t nb, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
+    float amax = 0.f;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      const int v = static_cast<int>(std::nearbyint(x[k] * inv));
+      q[k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = dx;
+    s[b] = dx * static_cast<float>(sum);
+  }
+}
+
+struct QuantX {
+  const int8_t* q;  // rows of nb * 32 int8
+  const float* d;   // rows of nb
+  const float* s;
+  int64_t nb;
+};
+
+__attribute__((target("avx2,fma"))) inline __m256i weight_bytes_q4(const uint8_t* q) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+template <int FMT, int MR, int NR>
+__attribute__((target("avx2,fma"))) void tile_q8_avx2(const QuantX& x, const WeightTile& w, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  float macc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps(), macc[i][j] = 0.f;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m256i xv[MR];
+    for (int i = 0; i < MR; ++i)
+      xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (i * x.nb + b) * kBlock));
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* q = w.qs + j * w.ldq + b * bytes_per_block(FMT);
+      __m256i wv = FMT == kQ4_1 ? weight_bytes_q4(q) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const float dw = w.d[j * w.nb + b];
+      for (int i = 0; i < MR; ++i) {
+        // vpmaddubsw multiplies unsigned by signed bytes: Q4_1's 0..15 are unsigned already; a
+        // signed Q8_0 weight moves its sign onto x (|w| * sign(w) x)
+        const __m256i p16 = FMT == kQ4_1 ? _mm256_maddubs_epi16(wv, xv[i])
+                                         : _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv[i], wv));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[i * x.nb + b]), p, acc[i][j]);
+        if (FMT == kQ4_1) macc[i][j] += w.m[j * w.nb + b] * x.s[i * x.nb + b];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum256(acc[i][j]) + macc[i][j];
+}
+
+template <int FMT, int MR, int NR>
+void tile_q8_scalar(const QuantX& x, const WeightTile& w, float* y, int64_t ldy) {
+  float acc[MR][NR] = {};
+  for (int64_t b = 0; b < w.nb; ++b)
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* q = w.qs + j * w.ldq + b * bytes_per_block(FMT);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* xq = x.q + (i * x.nb + b) * kBlock;
+        int sum = 0;
+        for (int k = 0; k < kBlock; ++k) {
+          const int wk = FMT == kQ4_1 ? (k < 16 ? (q[k] & 0x0F) : (q[k - 16] >> 4)) : static_cast<int8_t>(q[k]);
+          sum += wk * xq[k];
+        }
+        acc[i][j] += w.d[j * w.nb + b] * x.d[i * x.nb + b] * static_cast<float>(sum);
+        if (FMT == kQ4_1) acc[i][j] += w.m[j * w.nb + b] * x.s[i * x.nb + b];
+      }
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = acc[i][j];
+}
+
+template <int FMT, int MR, int NR>
+void run_tile_q8(const QuantX& x, const WeightTile& w, float* y, int64_t ldy) {
+  if (g_isa == Isa::kScalar) return tile_q8_scalar<FMT, MR, NR>(x, w, y, ldy);
+  return tile_q8_avx2<FMT, MR, NR>(x, w, y, ldy);  // AVX-512 CPUs run the AVX2 code
+}
+
+constexpr int kNRq8 = 4;
+
+template <int FMT, int NR>
+void rows_of_qx(const QuantX& x, int64_t M, const WeightTile& w, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + 2 <= M; i += 2) {
+    const QuantX xi{x.q + i * x.nb * kBlock, x.d + i * x.nb, x.s + i * x.nb, x.nb};
+    run_tile_q8<FMT, 2, NR>(xi, w, y + i * ldy, ldy);
+  }
+  if (i < M) {
+    const QuantX xi{x.q + i * x.nb * kBlock, x.d + i * x.nb, x.s + i * x.nb, x.nb};
+    run_tile_q8<FMT, 1, NR>(xi, w, y + i * ldy, ldy);
+  }
+}
+
+template <int FMT>
+void linear_q8_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                    const torch::Tensor& m, torch::Tensor& y) {
+  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
+  std::vector<int8_t> xq(M * nb * kBlock);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row_q8(x.data_ptr<float>() + i * nb * kBlock, nb, xq.data() + i * nb * kBlock, xd.data() + i * nb,
+                    xs.data() + i * nb);
+  const QuantX qx{xq.data(), xd.data(), xs.data(), nb};
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
+  const int64_t ldq = qs.size(1), num_tiles = (N + kNRq8 - 1) / kNRq8;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNRq8 / 8));
+  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kNRq8, rows = std::min<int64_t>(kNRq8, N - n);
+      const WeightTile w{qp + n * ldq, ldq, dp + n * nb, mp ? mp + n * nb : nullptr, nb};
+      if (rows == kNRq8) {
+        rows_of_qx<FMT, kNRq8>(qx, M, w, yp + n, N);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          const WeightTile wr{w.qs + r * ldq, ldq, w.d + r * nb, w.m ? w.m + r * nb : nullptr, nb};
+          rows_of_qx<FMT, 1>(qx, M, wr, yp + n + r, N);
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
+  check_inputs(qs, d, m, fmt);
+  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
+  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  if (x.size(0) == 0) return y;
+  if (fmt == kQ4_1) linear_q8_impl<kQ4_1>(x, qs, d, m, y);
+  else linear_q8_impl<kQ8_0>(x, qs, d, m, y);
+  return y;
+}
+
 std::string isa_name() {
   return g_isa == Isa::kAvx512 ? "avx512" : g_isa == Isa::kAvx2 ? "avx2" : "scalar";
 }
@@ -365,6 +517,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &gguf_linear, "x [M, K] @ dequant(W [N, K])^T -> [M, N], fp32 accumulation");
+  module.def("linear_q8", &gguf_linear_q8,
+             "x [M, K] quantized to 8 bits per 32-block (Q8_1), times W's blocks in integers -> [M, N] (llama.cpp's method)");
   module.def("dequantize", &gguf_dequantize, "W [N, K] as fp32, exactly as gguf-py dequantizes it");
   module.def("paged_decode_attention", &paged_decode_attention,
              "one query per sequence over its own KV blocks: q [b, nq, hd] -> [b, nq, hd]");

