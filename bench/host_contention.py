@@ -7,8 +7,10 @@ The profile (`splitserve profile`) times one engine on an otherwise idle host; i
 bandwidth and the last-level cache. This times the profile's own steps (control/profile.py's
 StepTimer: lone prefills, a chunk, decodes, a mixed step) on core 0 three times: alone, while a
 second engine process decodes 8 streams at context 512 on core 1 without pause, and alone again
-(so a drift of the machine shows). Each step's fastest repeat is used, as the profile does;
-`slowdown` is the busy time over the mean of the two lone times, and `factor` their median.
+(so a drift of the machine shows), and with `--rounds N` N busy passes, each between two lone ones.
+Each step's fastest repeat is used, as the profile does; a step's `slowdown` is the median over
+rounds of its busy time over the mean of the lone times either side, and `factor` their median;
+`lone_spread_median` is how far the lone passes alone disagree (the noise floor of the machine).
 The planner's simulator reads `factor` from a profile's `host_contention` (docs/benchmarks.md,
 "Planner").
 """
@@ -79,6 +81,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="busy passes, each between two lone ones (alone, busy, alone, busy, alone, ...)")
     parser.add_argument("--partner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -104,39 +108,51 @@ def main() -> None:
                                    scheduler=SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=1400)), loaded)
     started = time.time()
     load = [os.getloadavg()[0]]
-    log("alone")
-    alone1 = timed_pass(core, args.repeats, log, 1)
     neighbour = cores[args.threads:2 * args.threads]
-    proc = subprocess.Popen([sys.executable, __file__, "--partner", "--threads", str(args.threads)]
-                            + (["--model", args.model] if args.model else []), stdout=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: os.sched_setaffinity(0, neighbour))
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(1.0)
-        log("beside a busy engine")
-        busy = timed_pass(core, args.repeats, log, 2)
-    finally:
-        proc.kill()
-        proc.wait()
-    log("alone again")
-    alone2 = timed_pass(core, args.repeats, log, 3)
+    seed = 1
+    log("alone")
+    passes = [("alone", timed_pass(core, args.repeats, log, seed))]
+    for round_ in range(args.rounds):
+        proc = subprocess.Popen([sys.executable, __file__, "--partner", "--threads", str(args.threads)]
+                                + (["--model", args.model] if args.model else []), stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, neighbour))
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(1.0)
+            log(f"beside a busy engine (round {round_ + 1})")
+            seed += 1
+            passes.append(("busy", timed_pass(core, args.repeats, log, seed)))
+        finally:
+            proc.kill()
+            proc.wait()
+        log("alone again")
+        seed += 1
+        passes.append(("alone", timed_pass(core, args.repeats, log, seed)))
     load.append(os.getloadavg()[0])
     rows = []
-    for a, b, c in zip(alone1, busy, alone2):
-        if (a["prefill_tokens"], a["decode_seqs"]) != (b["prefill_tokens"], b["decode_seqs"]) or \
-                (a["prefill_tokens"], a["decode_seqs"]) != (c["prefill_tokens"], c["decode_seqs"]):
-            raise SystemExit(f"passes timed different steps ({a['kind']}): a prefix-cache hit; not comparable")
-        lone = (min(a["seconds"]) + min(c["seconds"])) / 2
-        rows.append({"kind": a["kind"], "prefill_tokens": a["prefill_tokens"], "decode_seqs": a["decode_seqs"],
-                     "decode_kv_tokens": a["decode_kv_tokens"], "alone_s": [min(a["seconds"]), min(c["seconds"])],
-                     "busy_s": min(b["seconds"]), "slowdown": min(b["seconds"]) / lone})
-        log(f"  {a['kind']:8} P={a['prefill_tokens']:5d} D={a['decode_seqs']:3d}  alone {rows[-1]['alone_s'][0] * 1e3:7.1f}"
-            f" / {rows[-1]['alone_s'][1] * 1e3:7.1f} ms, busy neighbour {rows[-1]['busy_s'] * 1e3:7.1f} ms"
-            f"  x{rows[-1]['slowdown']:.2f}")
+    for steps in zip(*(p for _, p in passes)):
+        shape = (steps[0]["prefill_tokens"], steps[0]["decode_seqs"])
+        if any((s["prefill_tokens"], s["decode_seqs"]) != shape for s in steps):
+            raise SystemExit(f"passes timed different steps ({steps[0]['kind']}): a prefix-cache hit; not comparable")
+        best = [min(s["seconds"]) for s in steps]
+        # each busy pass against the mean of the lone passes either side of it: a drift of the
+        # machine over the minutes of the run (seen: 25-50% on a shared VM) cancels to first order
+        ratios = [best[i] / ((best[i - 1] + best[i + 1]) / 2) for i in range(1, len(best), 2)]
+        alone = best[0::2]
+        rows.append({"kind": steps[0]["kind"], "prefill_tokens": shape[0], "decode_seqs": shape[1],
+                     "decode_kv_tokens": steps[0]["decode_kv_tokens"], "alone_s": alone, "busy_s": best[1::2],
+                     "slowdown_per_round": ratios, "slowdown": statistics.median(ratios),
+                     "alone_spread": max(alone) / min(alone)})
+        log(f"  {steps[0]['kind']:8} P={shape[0]:5d} D={shape[1]:3d}  alone "
+            + " / ".join(f"{a * 1e3:.1f}" for a in alone) + " ms, busy "
+            + " / ".join(f"{b * 1e3:.1f}" for b in best[1::2]) + " ms  x"
+            + " x".join(f"{r:.2f}" for r in ratios) + f"  (lone passes spread x{rows[-1]['alone_spread']:.2f})")
     factor = statistics.median(r["slowdown"] for r in rows)
-    doc = {"threads": args.threads, "factor": factor, "started_unix": started, "load_average": load,
+    drift = statistics.median(r["alone_spread"] for r in rows)
+    doc = {"threads": args.threads, "factor": factor, "lone_spread_median": drift, "rounds": args.rounds,
+           "started_unix": started, "load_average": load,
            "neighbour": "one engine decoding 8 streams at context 512 on the other core(s)", "steps": rows}
-    print(json.dumps({"threads": args.threads, "factor": round(factor, 3)}))
+    print(json.dumps({"threads": args.threads, "factor": round(factor, 3), "lone_spread_median": round(drift, 3)}))
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1))
 
