@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over a few engine steps at one batch size.
 
     python bench/profile_step.py --batch-size 32 --threads 1
+    python bench/profile_step.py --prefill 2048 --threads 1     # one whole prefill instead
 
 The C++ kernels are pybind functions, invisible to the profiler, so each is wrapped in a
 record_function named `kernel::<name>`; the table lists operators by self CPU time, and the
@@ -18,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from splitserve import kernels
 from splitserve_runs import _params, _random_prompt, _run_until_first_token, build_engine
 
-WRAPPED = ("linear", "paged_decode_attention", "dequantize", "add_rms_norm", "rope_kv_write",
+WRAPPED = ("linear", "linear_q8", "paged_decode_attention", "dequantize", "add_rms_norm", "rope_kv_write",
            "silu_mul")
 
 
@@ -71,18 +72,45 @@ def matmul_rates(model, rows: int, threads: int) -> None:
           f"{gemm:.1f} GFLOP/s -> block kernel at {flops / blocks_s / 1e9 / gemm:.0%} of the GEMM rate")
 
 
+def profile_prefill(args) -> None:
+    """One whole prefill of --prefill tokens (after a warm-up prefill of the same length)."""
+    engine = build_engine(args.prefill, 1, kv_cache_memory="512MiB", weight_format=args.weight_format)
+    generator = torch.Generator().manual_seed(0)
+    engine.add_request("warm", _random_prompt(engine, args.prefill, generator), _params(1))
+    _run_until_first_token(engine, {"warm"})
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("p", _random_prompt(engine, args.prefill, generator), _params(1))
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("engine_step"):
+            engine.step()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    step_ms = next(e.cpu_time_total for e in events if e.key == "engine_step") / 1e3
+    print(f"prefill of {args.prefill} tokens, {args.threads} thread(s): {step_ms:.1f} ms under the profiler "
+          f"({wall_ms:.1f} ms wall); by self CPU time:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"  {e.key:<40}{e.self_cpu_time_total / 1e3:9.1f} ms  {e.self_cpu_time_total / 1e3 / step_ms:6.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--weight-format", default="auto", choices=["auto", "fp32", "gguf"])
+    parser.add_argument("--weight-format", default="auto", choices=["auto", "fp32", "gguf", "gguf-q8act"])
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="profile one whole prefill of this many tokens instead of decode steps")
     parser.add_argument("--matmul-rate", action="store_true",
                         help="also time the step's matmuls alone against fp32 F.linear and a large GEMM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     wrap_kernels()
+    if args.prefill:
+        return profile_prefill(args)
     engine = build_engine(args.prompt_len, args.batch_size, kv_cache_memory="512MiB",
                           weight_format=args.weight_format)
     generator = torch.Generator().manual_seed(0)
