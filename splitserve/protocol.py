@@ -164,18 +164,12 @@ class KVStats(msgspec.Struct, frozen=True):
     num_transferring: int = 0  # decode
 
 
-def prefill_attn_ktok2(start: int, chunk: int) -> float:
-    """The attention feature of one prefill chunk of `chunk` tokens after `start` computed ones:
-    chunk * (start + chunk / 2) / 1000, the pairs of query and key it scores (control/stepmodel.py)."""
-    return chunk * (start + chunk / 2) / 1000.0
-
-
 class StepSample(msgspec.Struct, frozen=True, array_like=True):
     """One model step as it ran: its shape in the step-time model's features (control/stepmodel.py)
     and its seconds. The mix controller refits its step model on these (control/online_stepmodel.py)."""
 
     prefill_tokens: int
-    prefill_attn_ktok2: float  # summed over the step's chunks, as prefill_attn_ktok2 above defines it
+    prefill_attn_ktok2: float  # summed over the step's chunks, as stepfeatures.prefill_attn_ktok2 defines it
     decode_seqs: int
     decode_kv_tokens: int  # the decodes' context lengths, each token being decoded included
     seconds: float

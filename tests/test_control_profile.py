@@ -116,3 +116,16 @@ def test_profile_times_threads_as_serve_runs_them_sleeping_between_parallel_regi
     assert set_omp_wait_policy("passive") == "passive"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert set_omp_wait_policy("passive") == "active"
+
+
+def test_the_profile_command_reaches_set_omp_wait_policy_before_torch_loads():
+    """`splitserve profile` imports its module, then sets the policy: if anything that module
+    imports pulls torch in (the step model once did, through the engine protocol), the policy is
+    silently ignored and 2-thread steps are timed spinning, unlike every engine `serve` runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, splitserve.cli, splitserve.control.profile, splitserve.control.stepmodel; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -20,7 +20,8 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
-from splitserve.protocol import EngineStats, StepSample, prefill_attn_ktok2
+from splitserve.protocol import EngineStats, StepSample
+from splitserve.stepfeatures import prefill_attn_ktok2
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
