@@ -181,3 +181,19 @@ def test_settings_the_simulator_lacks_are_named_and_kept_out_of_the_ranking():
     assert "1P1D: simulated without --scheduling-policy priority (not modelled), not ranked" in out["skipped"]
     assert "1P1D" not in out["ranking"]["measured_top_two"]
     assert any(r["arrangement"] == "1P1D" for r in out["rows"])  # still shown beside its measurement
+
+
+def test_an_engine_other_than_the_profiled_one_is_named_and_kept_out_of_the_ranking():
+    """`--kernels off` or a weight format the profile did not time (a before/after trial of the
+    engine) is not what the profile measured: compare says so instead of ranking it."""
+    from splitserve.control.compare import unmodelled
+
+    assert unmodelled(["--weight-format", "fp32", "--kernels", "off"], "gguf") == [
+        "--kernels off", "--weight-format fp32"]
+    assert unmodelled(["--weight-format", "gguf"], "gguf") == []
+    assert unmodelled(["--weight-format", "auto"], "gguf") == []
+    doc = results_doc()
+    doc["arrangements"][1]["launch"]["serve"] += ["--kernels", "off"]
+    out = compare_results(parse_profile(PROFILE), doc)
+    assert "1P1D: simulated without --kernels off (not modelled), not ranked" in out["skipped"]
+    assert "1P1D" not in out["ranking"]["measured_top_two"]

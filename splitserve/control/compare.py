@@ -119,10 +119,16 @@ def _probe_settings(results: dict, spec_path: str | None) -> tuple[int, float | 
     return settings
 
 
-def unmodelled(serve: list[str]) -> list[str]:
+def unmodelled(serve: list[str], profiled_weight_format: str | None = None) -> list[str]:
     """serve settings the simulator does not reproduce: such an arrangement is simulated as the
-    plain one (FCFS, a fixed mix) and left out of the ranking check."""
+    plain one (FCFS, a fixed mix, the profiled engine) and left out of the ranking check."""
     out = []
+    if "--kernels" in serve[:-1] and serve[serve.index("--kernels") + 1] == "off":
+        out.append("--kernels off")  # the profile timed the engine with its kernels
+    if "--weight-format" in serve[:-1]:
+        fmt = serve[serve.index("--weight-format") + 1]
+        if fmt != "auto" and fmt != profiled_weight_format:
+            out.append(f"--weight-format {fmt}")
     policy = serve[serve.index("--scheduling-policy") + 1] if "--scheduling-policy" in serve[:-1] else "fcfs"
     if policy != "fcfs":
         out.append(f"--scheduling-policy {policy}")
@@ -158,7 +164,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
         arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
-        missing = unmodelled(launch["serve"])
+        missing = unmodelled(launch["serve"], (profile.raw.get("model") or {}).get("weight_format"))
         if missing:
             skipped.append(f"{arr.name}: simulated without {', '.join(missing)} (not modelled), not ranked")
         kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
