@@ -302,12 +302,18 @@ void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::T
   });
 }
 
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
+// x [M, K] against W's blocks: checked, made contiguous, and y [M, N] to write (both linears).
+torch::Tensor checked_output(torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                             const torch::Tensor& m, int64_t fmt) {
   check_inputs(qs, d, m, fmt);
   TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
   TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
   x = x.contiguous();
-  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  return torch::empty({x.size(0), qs.size(0)}, x.options());
+}
+
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
+  auto y = checked_output(x, qs, d, m, fmt);
   if (x.size(0) == 0) return y;
   if (fmt == kQ4_1) linear_impl<kQ4_1>(x, qs, d, m, y);
   else linear_impl<kQ8_0>(x, qs, d, m, y);
@@ -479,11 +485,7 @@ void linear_q8_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch
 }
 
 torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt) {
-  check_inputs(qs, d, m, fmt);
-  TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2, "x: float32 [M, K]");
-  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, "x has ", x.size(1), " columns, W has ", d.size(1) * kBlock);
-  x = x.contiguous();
-  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  auto y = checked_output(x, qs, d, m, fmt);
   if (x.size(0) == 0) return y;
   if (fmt == kQ4_1) linear_q8_impl<kQ4_1>(x, qs, d, m, y);
   else linear_q8_impl<kQ8_0>(x, qs, d, m, y);
