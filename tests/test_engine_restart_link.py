@@ -78,3 +78,27 @@ def test_a_restart_heard_before_its_hello_takes_over_the_id_once():
             if new is not None:
                 new.close()
     asyncio.run(go())
+
+
+def test_the_same_process_saying_hello_twice_is_registered_once_without_an_error(caplog):
+    """An engine's stats go out on one socket and its hello on another, so the stats can arrive
+    first: the frontend asks for a hello, and then gets two from the same process. The second
+    is that process again, not a rival for the id: no error, one instance."""
+    import logging
+
+    async def go():
+        client = await started_client(heartbeat_timeout_s=5.0)
+        engine = FakeEngine(client.address, "e0")
+        try:
+            with caplog.at_level(logging.DEBUG, logger="splitserve.frontend.engine_link"):
+                engine.hello(pid=7070)
+                await client.wait_ready(["e0"], 5)
+                engine.hello(pid=7070)
+                await beat(engine, 0.5)
+            assert client.instances["e0"].alive and client.instances["e0"].hello.pid == 7070
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+            assert "said hello twice" in caplog.text
+        finally:
+            engine.close()
+            await client.shutdown()
+    asyncio.run(go())

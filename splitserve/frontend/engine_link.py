@@ -260,6 +260,11 @@ class EngineLink:
         restarted = (current is not None and hello.engine_id in self._rejoined_without_hello
                      and hello.pid != current.hello.pid)
         if why is None and current is not None and current.alive and not restarted:
+            if hello.pid == current.hello.pid and hello.role == current.hello.role:
+                # the same process twice: its first stats left (output socket) before its hello
+                # (input socket), so it was asked for another, and the first arrived after all
+                log.debug("engine %s said hello twice (pid %d); already registered", hello.engine_id, hello.pid)
+                return
             why = f"engine id {hello.engine_id!r} is already taken by a live engine (pid {current.hello.pid})"
         others = [i for i in self.instances.values() if i.alive and i.hello.engine_id != hello.engine_id]
         if why is None and others and hello.model_name != others[0].hello.model_name:
