@@ -108,8 +108,10 @@ def test_repeats_are_pooled_and_a_searched_capacity_is_compared():
     assert (att["rate_multiplier"], att["num_runs"], att["measured"]) == (2.0, 3, 0.7)
     cap = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity"))
     assert cap["metric"] == "capacity at 80%" and cap["measured"] == 3.0
+    assert cap["measured_range"] == [2.0, 4.0]
+    assert cap["in_measured_range"] == (2.0 <= cap["predicted"] <= 4.0)
     assert out["ranking"]["by"] == "capacity"
-    assert "x2(3)" in render(out)
+    assert "x2(3)" in render(out) and "repeats 2.00-4.00/s: " in render(out)
 
 
 def test_overlap_reads_trace_records_in_any_order():

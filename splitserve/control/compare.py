@@ -60,6 +60,14 @@ def _measured_capacity(arr_doc: dict) -> float | None:
     return value.get("median") if isinstance(value, dict) else value
 
 
+def _measured_range(arr_doc: dict) -> tuple[float, float] | None:
+    """(min, max) of the measured capacity over repeats, when the trial repeated."""
+    value = arr_doc.get("sweep_capacity_rps") or arr_doc.get("capacity_rps")
+    if isinstance(value, dict) and value.get("min") is not None and value.get("max") is not None:
+        return float(value["min"]), float(value["max"])
+    return None
+
+
 def _median(values: list) -> float | None:
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -198,9 +206,13 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             else:  # no spec: the whole plan compressed, the rate on the whole plan's base
                 cap = capacity(arr, profile, plan, slo, target, class_slos=class_slos)
                 p = cap * base if cap else None
+            spread = _measured_range(arr_doc)
             rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
                          "metric": f"capacity at {target:.0%}", "predicted": p, "measured": measured_cap,
                          "error": _error("capacity", p, measured_cap),
+                         # with repeats, whether the prediction falls where the trial itself landed
+                         **({"measured_range": list(spread),
+                             "in_measured_range": p is not None and spread[0] <= p <= spread[1]} if spread else {}),
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
@@ -233,8 +245,12 @@ def render(doc: dict) -> str:
             rate += f"({r['num_runs']})"
         if r.get("num_stopped"):
             rate += f"S{r['num_stopped']}"
-        lines.append(f"{r['arrangement']:26} {rate:>5} {r['metric']:22} {_cell(r['metric'], r['predicted']):>10} "
-                     f"{_cell(r['metric'], r['measured']):>10} {err_text:>8}")
+        line = (f"{r['arrangement']:26} {rate:>5} {r['metric']:22} {_cell(r['metric'], r['predicted']):>10} "
+                f"{_cell(r['metric'], r['measured']):>10} {err_text:>8}")
+        if "measured_range" in r:
+            low, high = r["measured_range"]
+            line += f"  repeats {low:.2f}-{high:.2f}/s: {'inside' if r['in_measured_range'] else 'outside'}"
+        lines.append(line)
     rk = doc["ranking"]
     lines.append(f"top two by {rk['by']}: predicted {rk['predicted_top_two']}, measured {rk['measured_top_two']}"
                  f" ({'same' if rk['same_top_two'] else 'DIFFERENT'})")
