@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from splitserve.stepfeatures import prefill_attn_ktok2  # noqa: F401  (one definition; engines report it)
+from splitserve.stepfeatures import prefill_attn_ktok2  # one definition: engines report it, the model fits it
 
 COEFFICIENTS = ("overhead_s", "per_prefill_token_s", "per_prefill_attn_s", "per_decode_seq_s",
                 "per_decode_kv_token_s", "per_panel_step_s")

@@ -32,6 +32,24 @@ struct WeightTile {
   int64_t nb;  // blocks per row = K / 32
 };
 
+// All of W [N, K] as both linears read it; rows_from(n) is the tile starting at row n.
+struct BlockMatrix {
+  const uint8_t* qs;
+  const float* d;
+  const float* m;  // Q4_1 only, else nullptr
+  int64_t ldq, nb, N;
+
+  BlockMatrix(const torch::Tensor& qs_, const torch::Tensor& d_, const torch::Tensor& m_, int fmt)
+      : qs(qs_.data_ptr<uint8_t>()), d(d_.data_ptr<float>()), m(fmt == kQ4_1 ? m_.data_ptr<float>() : nullptr),
+        ldq(qs_.size(1)), nb(d_.size(1)), N(qs_.size(0)) {}
+
+  WeightTile rows_from(int64_t n) const { return {qs + n * ldq, ldq, d + n * nb, m ? m + n * nb : nullptr, nb}; }
+
+  // Tiles of `nr` rows per parallel task: enough that one task's weights are worth a thread;
+  // small matrices run inline.
+  int64_t grain(int nr) const { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * nr / 8)); }
+};
+
 // ---------------------------------------------------------------- AVX-512 (16 floats a vector)
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void dequant16x2(
@@ -266,30 +284,26 @@ void check_inputs(const torch::Tensor& qs, const torch::Tensor& d, const torch::
 template <int FMT>
 void linear_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                  const torch::Tensor& m, torch::Tensor& y) {
-  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
+  const BlockMatrix W(qs, d, m, FMT);
+  const int64_t M = x.size(0), N = W.N, nb = W.nb;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
-  const int64_t ldq = qs.size(1), num_tiles = (N + kNR - 1) / kNR;
-  // Enough tiles per task that one task's weights are worth a thread; small matrices run inline.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNR / 8));
   // Above one tile of x rows, each weight row would be dequantized once per tile: dequantize the
   // tile's NR rows once into an fp32 panel (L1-sized) and let every x tile read it instead.
   const bool panel = M > kMR;
-  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (N + kNR - 1) / kNR, W.grain(kNR), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(panel ? kNR * nb * kBlock : 0);
     const uint8_t* bp = reinterpret_cast<const uint8_t*>(buf.data());
     const int64_t ldb = nb * bytes_per_block(kPanel);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kNR, rows = std::min<int64_t>(kNR, N - n);
       if (panel)
-        for (int64_t r = 0; r < rows; ++r)
-          dequant_row<FMT>(qp + (n + r) * ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb,
-                           buf.data() + r * nb * kBlock);
+        for (int64_t r = 0; r < rows; ++r) {
+          const WeightTile row = W.rows_from(n + r);
+          dequant_row<FMT>(row.qs, row.d, row.m, nb, buf.data() + r * nb * kBlock);
+        }
       for (int64_t r = 0; r < rows; r += (rows == kNR ? kNR : 1)) {
-        const WeightTile w{qp + (n + r) * ldq, ldq, dp + (n + r) * nb, mp ? mp + (n + r) * nb : nullptr, nb};
+        const WeightTile w = W.rows_from(n + r);
         const WeightTile wp{bp + r * ldb, ldb, w.d, nullptr, nb};
         if (rows == kNR)
           panel ? rows_of_x<kPanel, kNR>(xp, M, x.size(1), wp, yp + n, N)
@@ -462,23 +476,15 @@ void linear_q8_impl(const torch::Tensor& x, const torch::Tensor& qs, const torch
     quantize_row_q8(x.data_ptr<float>() + i * nb * kBlock, nb, xq.data() + i * nb * kBlock, xd.data() + i * nb,
                     xs.data() + i * nb);
   const QuantX qx{xq.data(), xd.data(), xs.data(), nb};
+  const BlockMatrix W(qs, d, m, FMT);
   float* yp = y.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = FMT == kQ4_1 ? m.data_ptr<float>() : nullptr;
-  const int64_t ldq = qs.size(1), num_tiles = (N + kNRq8 - 1) / kNRq8;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, nb * kBlock * kNRq8 / 8));
-  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (N + kNRq8 - 1) / kNRq8, W.grain(kNRq8), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kNRq8, rows = std::min<int64_t>(kNRq8, N - n);
-      const WeightTile w{qp + n * ldq, ldq, dp + n * nb, mp ? mp + n * nb : nullptr, nb};
       if (rows == kNRq8) {
-        rows_of_qx<FMT, kNRq8>(qx, M, w, yp + n, N);
+        rows_of_qx<FMT, kNRq8>(qx, M, W.rows_from(n), yp + n, N);
       } else {
-        for (int64_t r = 0; r < rows; ++r) {
-          const WeightTile wr{w.qs + r * ldq, ldq, w.d + r * nb, w.m ? w.m + r * nb : nullptr, nb};
-          rows_of_qx<FMT, 1>(qx, M, wr, yp + n + r, N);
-        }
+        for (int64_t r = 0; r < rows; ++r) rows_of_qx<FMT, 1>(qx, M, W.rows_from(n + r), yp + n + r, N);
       }
     }
   });

@@ -89,13 +89,20 @@ class GGUFBlocks:
         return self.m if self.m is not None else self.d.new_empty(0)
 
 
-def dequantize_torch(w: GGUFBlocks) -> torch.Tensor:
+def quantized_values(w: GGUFBlocks) -> torch.Tensor:
+    """The blocks' integers, [N, K / 32, 32]: Q4_1's 0..15 (byte j holds values j and j + 16), Q8_0's -128..127."""
     n, k = w.shape
     if w.fmt == "q4_1":
         qs = w.qs.view(n, k // BLOCK, BLOCK // 2)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [n, k/32, 32]
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    return w.qs.view(torch.int8).view(n, k // BLOCK, BLOCK)
+
+
+def dequantize_torch(w: GGUFBlocks) -> torch.Tensor:
+    n, k = w.shape
+    q = quantized_values(w).float()  # [n, k/32, 32]
+    if w.fmt == "q4_1":
         return (w.d.unsqueeze(-1) * q + w.m.unsqueeze(-1)).view(n, k)
-    q = w.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).float()
     return (q * w.d.unsqueeze(-1)).view(n, k)
 
 
@@ -127,13 +134,8 @@ def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 def linear_q8_torch(x: torch.Tensor, w: GGUFBlocks) -> torch.Tensor:
     """The kernels' linear_q8 in torch (the reference its tests compare against, and the fallback):
     per block d_w d_x sum(q_w q_x) (+ m_w s_x for Q4_1), the integer sums exact."""
-    n, k = w.shape
     q, d, s = quantize_q8_torch(x)  # [M, nb, 32], [M, nb], [M, nb]
-    if w.fmt == "q4_1":
-        qs = w.qs.view(n, k // BLOCK, BLOCK // 2)
-        wq = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)  # [n, nb, 32]
-    else:
-        wq = w.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).to(torch.int32)
+    wq = quantized_values(w)  # [N, nb, 32]
     isum = torch.einsum("mbk,nbk->mnb", q.to(torch.float64), wq.to(torch.float64))  # exact: |sum| < 2^22
     out = (isum * (d.unsqueeze(1) * w.d.unsqueeze(0)).to(torch.float64)).sum(-1)
     if w.fmt == "q4_1":
