@@ -35,8 +35,9 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 7  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
-# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples
+PROTOCOL_VERSION = 8  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+# 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
+# 8: a step sample's loop time
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -172,7 +173,10 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     prefill_attn_ktok2: float  # summed over the step's chunks, as stepfeatures.prefill_attn_ktok2 defines it
     decode_seqs: int
     decode_kv_tokens: int  # the decodes' context lengths, each token being decoded included
-    seconds: float
+    seconds: float  # the model's forward and sampling (ModelRunner.execute)
+    # the engine loop's whole turn around this step, when it ran busy from the turn before (no
+    # wait for work): messages in, scheduling, the step, outputs out; 0 where unknown
+    loop_seconds: float = 0.0
 
 
 class EngineStats(msgspec.Struct, tag="stats", frozen=True):

@@ -5,7 +5,8 @@ import pytest
 
 from splitserve.control.compare import compare_results, probe_workload, profile_of, render
 from splitserve.control.overlap import analyze_overlap, analyze_records
-from splitserve.control.predict import arrangement_from_serve_args, capacity, predict, requests_from_results
+from splitserve.control.predict import (arrangement_from_serve_args, capacity, offered_rate, predict,
+                                        requests_from_results)
 from splitserve.control.profile_file import FORMAT, parse_profile
 from splitserve.control.simulator import SimRequest
 from splitserve.trial.spec import SLO
@@ -199,3 +200,46 @@ def test_an_engine_other_than_the_profiled_one_is_named_and_kept_out_of_the_rank
     out = compare_results(parse_profile(PROFILE), doc)
     assert "1P1D: simulated without --kernels off (not modelled), not ranked" in out["skipped"]
     assert "1P1D" not in out["ranking"]["measured_top_two"]
+
+
+def with_engine_steps(doc: dict, factor: float, loop_factor: float, n: int = 40) -> dict:
+    """Every run of the two served arrangements gets n decode steps of 4 sequences, measured
+    `factor` times what PROFILE says (10 ms per sequence: 40 ms), each loop turn `loop_factor` times."""
+    fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
+    for arr in doc["arrangements"][:2]:
+        role = "decode" if arr["name"] == "1P1D" else "colocated"
+        for run in arr["runs"]:
+            run["summary"]["engine_steps"] = {"fields": fields, "instances": {
+                "e0": {"role": role, "missing": 0, "samples": [[0, 0.0, 4, 400, 0.04 * factor, 0.04 * loop_factor]] * n},
+                "e9": {"role": "no-such-role", "missing": 0, "samples": [[0, 0.0, 4, 400, 9.0, 9.0]] * n}}}
+    return doc
+
+
+def test_a_trials_engine_steps_are_put_beside_the_profile_and_capacity_is_predicted_again_at_their_speed():
+    from splitserve.control.trial_steps import scaled_profile
+
+    doc = with_engine_steps(results_doc(), factor=1.5, loop_factor=2.0)
+    doc["arrangements"][0]["capacity_rps"] = 1.0
+    profile = parse_profile(PROFILE)
+    out = compare_results(profile, doc)
+    colo = next(r for r in out["steps"] if r["arrangement"] == "colo")
+    assert colo["all"]["model"]["median"] == pytest.approx(1.5)
+    assert colo["all"]["loop"]["time_weighted"] == pytest.approx(2.0)
+    assert colo["all"]["model"]["num_steps"] == 40  # the instance whose role the arrangement lacks is left out
+    assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode"}
+    first = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity at 90%")
+    again = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity, trial"))
+    assert again["step_factor"] == pytest.approx(2.0) and again["metric"] == "capacity, trial steps x2.00"
+    arr = arrangement_from_serve_args("colo", doc["arrangements"][0]["launch"]["serve"], 2)
+    slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
+    slowed = capacity(arr, scaled_profile(profile, 2.0), requests_from_results(doc), slo, 0.9)
+    assert again["predicted"] == pytest.approx(slowed * offered_rate(requests_from_results(doc)), rel=1e-6)
+    assert again["predicted"] < first["predicted"]  # twice the step time: less capacity
+    assert "engine steps in the trial" in render(out) and "tw 2.00" in render(out)
+
+
+def test_too_few_engine_steps_give_no_ratio_and_no_second_prediction():
+    doc = with_engine_steps(results_doc(), factor=1.5, loop_factor=2.0, n=5)
+    doc["arrangements"][0]["capacity_rps"] = 1.0
+    out = compare_results(parse_profile(PROFILE), doc)
+    assert out["steps"] == [] and not any(r["metric"].startswith("capacity, trial") for r in out["rows"])

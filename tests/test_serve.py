@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from serve_support import ServerProcess, free_port, all_blocks_free, metric_samples, process_alive, wait_until
+from splitserve.trial.engine_steps import step_counts, steps_since
 from tiny_models import write_tiny_checkpoint
 
 # (prompt words, answer tokens): mixed prompt and answer lengths
@@ -88,6 +89,38 @@ def test_64_concurrent_streams_get_complete_correct_answers_and_free_all_blocks(
     assert len(free) == 2  # both instances report, and both are fully free
     prompts_seen = metric_samples(server.base_url, "splitserve_instance_prefix_cache_hit_rate")
     assert all(rate > 0 for rate in prompts_seen.values()), "the router left an instance idle"
+
+
+def test_admin_steps_report_every_step_the_engines_ran(server):
+    """GET /admin/steps (what a trial keeps per run): each engine's steps with their shapes and times;
+    every answer token after the first is one decode in one step, so the decodes add up exactly."""
+    before = step_counts(server.base_url)
+    assert before is not None and len(before) == 2
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(stream_answer(client, model, c) for c in range(len(CASES))))
+
+    results = asyncio.run(run_all())
+    expected_decodes = sum(tokens - 1 for _, tokens, _ in results)
+
+    def decodes() -> int:
+        got = steps_since(server.base_url, before)
+        return sum(s[2] for inst in got["instances"].values() for s in inst["samples"])
+    assert wait_until(lambda: decodes() == expected_decodes, timeout_s=5), (decodes(), expected_decodes)
+    got = steps_since(server.base_url, before)
+    assert got["fields"] == ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds",
+                             "loop_seconds"]
+    samples = [s for inst in got["instances"].values() for s in inst["samples"]]
+    assert all(inst["role"] == "colocated" and inst["missing"] == 0 for inst in got["instances"].values())
+    assert all(s[0] + s[2] >= 1 and s[4] > 0 for s in samples)  # every sample ran something, and took time
+    assert sum(s[0] for s in samples) > 0 and all(s[3] >= s[2] for s in samples)  # a decode attends to >= 1 token
+    looped = [s for s in samples if s[5] > 0]
+    assert looped and all(s[5] >= s[4] for s in looped)  # a loop turn holds its step
+    assert httpx.get(f"{server.base_url}/admin/steps", params={"tail": 1}).json()["instances"][0]["first"] >= 0
+    bad = httpx.get(f"{server.base_url}/admin/steps", params={"tail": -1})
+    assert bad.status_code == 400 and "tail" in bad.json()["error"]["message"]
 
 
 @pytest.mark.flaky(reruns=2)  # timing-sensitive on a loaded 2-core box; see README known issues

@@ -67,3 +67,10 @@ def test_trial_of_twenty_requests_on_an_external_colocated_and_a_launched_1p1d_s
     kv = separated["runs"][0]["summary"]["kv_transfer"]
     assert kv["num_reports"] == 20 and kv["bytes"] > 0
     assert separated["runs"][0]["summary"]["kv_transfer"]["failed"] == 0
+    # the engines' own steps for the run: the prefill instance prefilled every prompt, the decode
+    # instance decoded every answer token after the first (each of 7 in one step of its own)
+    steps = separated["runs"][0]["summary"]["engine_steps"]["instances"]
+    by_role = {inst["role"]: inst["samples"] for inst in steps.values()}
+    assert set(by_role) == {"prefill", "decode"}
+    assert sum(s[0] for s in by_role["prefill"]) >= sum(prompts) * 0.5 and sum(s[2] for s in by_role["prefill"]) == 0
+    assert sum(s[2] for s in by_role["decode"]) == 20 * 7 and sum(s[0] for s in by_role["decode"]) == 0

@@ -12,6 +12,11 @@ does. Runs at one rate are pooled by their median; a probe that stopped early me
 failure, not an attainment, so only whether it held is compared. The ranking check compares
 the top two by capacity when measured, else by attainment at the trial's own rate.
 
+Where the trial kept its engines' measured steps (trial/engine_steps.py), each arrangement also
+gets those steps against the profile's step model (control/trial_steps.py), and its capacity is
+predicted a second time with the profile's steps scaled to what the trial's engines took: the
+first error minus the second is what step time explains.
+
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from splitserve.control.predict import (arrangement_from_serve_args, capacity, o
                                         requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
+from splitserve.control.trial_steps import scaled_profile, step_ratios
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.spec import SLO, SpecError, load_spec
 from splitserve.trial.workload import probe_length
@@ -149,6 +155,16 @@ def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
 
+def _trial_step_factor(ratios: dict | None) -> float | None:
+    """The time-weighted ratio of the trial's engine-loop turns to the profile's steps (the model's
+    own time where the loop was not measured)."""
+    if not ratios:
+        return None
+    entry = ratios["all"]
+    chosen = entry.get("loop") or entry.get("model")
+    return chosen["time_weighted"] if chosen else None
+
+
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
                     spec_path: str | None = None) -> dict:
     """Every run the trial made beside the prediction for exactly what it replayed (its own requests
@@ -165,7 +181,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
         raise ValueError("results.json has an empty plan: nothing to simulate")
     base, main = offered_rate(plan), _main_multiplier(results)
     settings = _probe_settings(results, spec_path)
-    rows, skipped, at_main, capacities = [], [], [], []
+    rows, skipped, at_main, capacities, step_rows = [], [], [], [], []
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
         if not launch.get("serve") or not arr_doc["runs"]:
@@ -197,15 +213,21 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "error": error, **({"held": held} if name == "attainment" else {})})
                 if name == "attainment" and multiplier == main and not missing:
                     at_main.append((arr.name, p, m))
+        ratios = step_ratios(profile, {i.role: i.threads for i in arr.instances}, arr_doc["runs"])
+        if ratios:
+            step_rows.append({"arrangement": arr.name, **ratios})
         measured_cap = _measured_capacity(arr_doc)
-        if measured_cap is not None and with_capacity:
+
+        def predicted_capacity(prof: Profile) -> float | None:
             if settings is not None:
                 workload = lambda m: probe_workload(plan, m, *settings)  # noqa: E731
-                cap = capacity(arr, profile, plan, slo, target, class_slos=class_slos, workload=workload)
-                p = offered_rate(workload(cap)) if cap else None
-            else:  # no spec: the whole plan compressed, the rate on the whole plan's base
-                cap = capacity(arr, profile, plan, slo, target, class_slos=class_slos)
-                p = cap * base if cap else None
+                cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos, workload=workload)
+                return offered_rate(workload(cap)) if cap else None
+            cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos)  # the whole plan compressed
+            return cap * base if cap else None
+
+        if measured_cap is not None and with_capacity:
+            p = predicted_capacity(profile)
             spread = _measured_range(arr_doc)
             rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
                          "metric": f"capacity at {target:.0%}", "predicted": p, "measured": measured_cap,
@@ -216,10 +238,17 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
+            factor = _trial_step_factor(ratios)
+            if factor is not None:  # the same search with the steps as long as this trial's engines ran them
+                p2 = predicted_capacity(scaled_profile(profile, factor))
+                rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
+                             "metric": f"capacity, trial steps x{factor:.2f}", "predicted": p2,
+                             "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
+                             "step_factor": factor})
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
-    return {"trial": results.get("trial"), "rows": rows, "skipped": skipped,
+    return {"trial": results.get("trial"), "rows": rows, "skipped": skipped, "steps": step_rows,
             "ranking": {"by": by, "predicted_top_two": top_pred, "measured_top_two": top_meas,
                         "same_top_two": top_pred == top_meas}}
 
@@ -251,6 +280,14 @@ def render(doc: dict) -> str:
             low, high = r["measured_range"]
             line += f"  repeats {low:.2f}-{high:.2f}/s: {'inside' if r['in_measured_range'] else 'outside'}"
         lines.append(line)
+    if doc.get("steps"):
+        lines.append("engine steps in the trial / the profile's step model (median [p10-p90], time-weighted):")
+        for r in doc["steps"]:
+            for key in sorted(k for k in r if k != "arrangement"):
+                entry = r[key]
+                parts = [f"{name} {e['median']:.2f} [{e['p10']:.2f}-{e['p90']:.2f}] tw {e['time_weighted']:.2f}"
+                         for name, e in (("model", entry["model"]), ("loop", entry.get("loop"))) if e]
+                lines.append(f"  {r['arrangement']:26} {key:16} n={entry['model']['num_steps']:6d}  " + "; ".join(parts))
     rk = doc["ranking"]
     lines.append(f"top two by {rk['by']}: predicted {rk['predicted_top_two']}, measured {rk['measured_top_two']}"
                  f" ({'same' if rk['same_top_two'] else 'DIFFERENT'})")

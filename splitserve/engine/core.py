@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 
+import msgspec
 import torch
 
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
@@ -265,6 +266,13 @@ class EngineCore:
         else:
             self.step_seconds = STEP_TIME_DECAY * self.step_seconds + (1 - STEP_TIME_DECAY) * seconds
             self.step_tokens = STEP_TIME_DECAY * self.step_tokens + (1 - STEP_TIME_DECAY) * num_tokens
+
+    def note_loop_seconds(self, steps_before: int, seconds: float) -> None:
+        """The engine loop's turn that ran exactly one step (num_steps was `steps_before` when it
+        began) took `seconds` in all: kept on that step's sample, for comparing a live engine's steps
+        with a profile's (which times EngineCore.step alone)."""
+        if self.num_steps == steps_before + 1 and self._step_samples:
+            self._step_samples[-1] = msgspec.structs.replace(self._step_samples[-1], loop_seconds=seconds)
 
     def close(self) -> None:
         """Stop KV-transfer threads and release a shared-memory pool."""

@@ -261,6 +261,7 @@ class EngineProcess:
         next_stats, changed, next_parent_check = 0.0, True, 0.0
         while not self.stopping.is_set():
             busy = self.core.has_unfinished_requests()
+            turn_started, steps_before = time.perf_counter(), self.core.num_steps
             outputs: list[TokenOutput] = []
             try:  # idle: sleep on the inbox (until stats are due); busy: take what is there
                 if busy:
@@ -288,6 +289,8 @@ class EngineProcess:
                         pass
             if outputs:
                 self.outbox.put(StepOutputs(self.engine_id, outputs))
+            if busy:  # a turn that waited for work would count the wait
+                self.core.note_loop_seconds(steps_before, time.perf_counter() - turn_started)
             now = time.monotonic()
             if changed and now >= next_stats:
                 self.outbox.put(self.core.stats())

@@ -10,6 +10,10 @@
     POST   /admin/instances/{id}/role  {"role": ...}: live role change (role_change.py); 200 once
                                    it serves in the new role, 409 with the reason when refused
                                    (e.g. it would leave no instance able to decode)
+    GET    /admin/steps[?tail=N]   every instance's measured model steps (its last request_state.STEP_LOG):
+                                   shape, seconds, the engine loop's turn; `count` numbers them, so a
+                                   reader that noted it before a run keeps what came after (a trial
+                                   puts each run's beside the profile: control/compare.py)
 
 An engine on another host joins without any call: `splitserve engine --role decode --connect
 <engine_address> ...` says hello and the router starts using it. Instances that die or go
@@ -30,6 +34,7 @@ from splitserve.frontend.openai_schema import ApiError
 from splitserve.frontend.role_change import RoleChangeRefused
 
 SpawnEngine = Callable[[str], str]  # role -> the new engine's id
+STEP_FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds")
 
 
 class AddInstance(BaseModel):
@@ -54,6 +59,22 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
                          "num_requests": load.num_requests if load else 0,
                          "outstanding_tokens": load.outstanding_tokens if load else 0})
         return {"engine_address": client.address, "instances": rows}
+
+    @app.get("/admin/steps")
+    async def list_steps(tail: int | None = None):
+        if tail is not None and tail < 0:
+            raise ApiError(400, f"tail must be >= 0, got {tail}", param="tail")
+        rows = []
+        for engine_id, inst in client.instances.items():
+            log = list(inst.step_log)
+            if tail is not None:
+                log = log[max(0, len(log) - tail):] if tail else []
+            rows.append({"id": engine_id, "role": inst.hello.role, "alive": inst.alive,
+                         "count": inst.num_step_samples, "first": inst.num_step_samples - len(log),
+                         # [prefill_tokens, prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds]
+                         "samples": [[s.prefill_tokens, round(s.prefill_attn_ktok2, 4), s.decode_seqs, s.decode_kv_tokens,
+                                      round(s.seconds, 6), round(s.loop_seconds, 6)] for s in log]})
+        return {"fields": list(STEP_FIELDS), "instances": rows}
 
     @app.post("/admin/instances", status_code=202)
     async def add_instance(body: AddInstance):

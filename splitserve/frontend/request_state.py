@@ -96,6 +96,7 @@ class RequestState:
 
 
 STEP_WINDOW = 300  # step samples kept per instance: a few seconds of busy steps, a minute of slow ones
+STEP_LOG = 50_000  # ... and for GET /admin/steps (a trial reads each run's): minutes of busy steps
 
 
 @dataclass(slots=True)
@@ -111,10 +112,14 @@ class Instance:
     # its last STEP_WINDOW measured steps, for the mix controller's online step model
     step_samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     num_step_samples: int = 0  # received since it joined: tells a reader whether new ones came
+    # the last STEP_LOG of them, for GET /admin/steps; sample i (counting from 0 since it joined) is
+    # step_log[i - (num_step_samples - len(step_log))]
+    step_log: deque[StepSample] = field(default_factory=lambda: deque(maxlen=STEP_LOG))
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.stats = stats
         self.step_samples.extend(stats.step_samples)
+        self.step_log.extend(stats.step_samples)
         self.num_step_samples += len(stats.step_samples)
 
 

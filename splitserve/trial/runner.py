@@ -32,6 +32,7 @@ from splitserve.trial.arrivals import Arrival, generate_arrivals
 from splitserve.trial.budget import SEARCH_SHARE, Budget
 from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
+from splitserve.trial.engine_steps import step_counts, steps_since
 from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.method import search_settings
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
@@ -340,6 +341,7 @@ class Trial:
         if on_done is None and self.progress and label:
             on_done = self.progress(label, len(timed))
         before = scrape_counters(endpoint.base_url)
+        steps_before = step_counts(endpoint.base_url)
         fault_events: list[dict] = []
         faults = self.spec.faults if purpose == "fixed" else []
 
@@ -354,6 +356,7 @@ class Trial:
                                        stop, live))
         wall = time.monotonic() - started
         counters = counter_deltas(before, scrape_counters(endpoint.base_url))
+        engine_steps = steps_since(endpoint.base_url, steps_before)
         phases = [t / multiplier for t in self.phase_starts_s] if self.phase_starts_s else None
         summary = summarize(records, self.spec.slo, self.spec.pause_threshold_s, phase_starts_s=phases,
                             class_slos=self.spec.class_slos)
@@ -364,6 +367,8 @@ class Trial:
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall
         summary["stopped_early"] = bool(stop is not None and stop.is_set())
+        if engine_steps is not None:
+            summary["engine_steps"] = engine_steps
         if self._adaptive_now:
             summary["role_timeline"] = fetch_role_timeline(endpoint.base_url, started_wall)
         return RunResult(multiplier, summary, records, counters, repeat, purpose)

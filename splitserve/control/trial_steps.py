@@ -1,0 +1,92 @@
+"""A trial's own engine steps beside the profile: how much slower (or faster) each step ran in the
+trial than the profile's step model says the same shape takes.
+
+A trial run keeps the steps its engines measured (trial/engine_steps.py: per instance, shape,
+`seconds` for the model's forward and sampling, `loop_seconds` for the engine loop's whole turn
+around it). The profile times EngineCore.step alone on an otherwise idle engine, so
+
+    model ratio  seconds / predicted       the machine itself: drift, a neighbour on the other
+                                           core, the frequency the host gives this minute
+    loop ratio   loop_seconds / predicted  ... plus the engine process's own work around the
+                                           step (requests in, outputs out) that the profile
+                                           does not see
+
+Both are given as the median over steps and as the ratio of the sums (time-weighted: what the
+instance's busy time was against what the model says, the figure capacity answers to). Re-simulating
+with the profile scaled by the time-weighted loop ratio (`scaled_profile`) separates the
+capacity error that step time explains from the one the simulator's scheduling model leaves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from splitserve.control.profile_file import Profile
+from splitserve.control.stepmodel import StepModels, StepShape
+
+MIN_STEPS = 20  # fewer measured steps than this and an arrangement gets no ratio
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _summary(measured: list[float], predicted: list[float]) -> dict | None:
+    pairs = [(m, p) for m, p in zip(measured, predicted) if m > 0 and p > 0]
+    if len(pairs) < MIN_STEPS:
+        return None
+    ratios = [m / p for m, p in pairs]
+    return {"num_steps": len(pairs), "median": statistics.median(ratios), "p10": _quantile(ratios, 0.1),
+            "p90": _quantile(ratios, 0.9), "time_weighted": sum(m for m, _ in pairs) / sum(p for _, p in pairs),
+            "measured_s": sum(m for m, _ in pairs)}
+
+
+def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[dict]) -> dict | None:
+    """Over every run's `engine_steps`: the model and loop ratios, all steps together and split by
+    role and by kind (steps with prompt tokens, decode-only steps). None without enough steps."""
+    groups: dict[str, tuple[list[float], list[float], list[float]]] = {}
+
+    def add(key: str, seconds: float, loop: float, predicted: float) -> None:
+        model, loops, preds = groups.setdefault(key, ([], [], []))
+        model.append(seconds)
+        loops.append(loop)
+        preds.append(predicted)
+
+    for run in runs:
+        steps = (run.get("summary") or {}).get("engine_steps") or {}
+        fields = steps.get("fields") or []
+        if fields[:6] != ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds",
+                          "loop_seconds"]:
+            continue
+        for inst in (steps.get("instances") or {}).values():
+            threads = threads_by_role.get(inst.get("role"))
+            if threads is None:
+                continue
+            model = profile.steps.for_threads(threads)
+            for p, attn, d, kv, seconds, loop in inst.get("samples") or []:
+                predicted = model.predict(StepShape(int(p), float(attn), int(d), int(kv)))
+                kind = "prefill" if p else "decode"
+                for key in ("all", f"role:{inst['role']}", f"kind:{kind}"):
+                    add(key, seconds, loop, predicted)
+    if "all" not in groups:
+        return None
+    out = {}
+    for key, (model, loops, preds) in groups.items():
+        entry = {"model": _summary(model, preds), "loop": _summary(loops, preds)}
+        if entry["model"] is not None:
+            out[key] = entry
+    return out or None
+
+
+def scaled_profile(profile: Profile, factor: float) -> Profile:
+    """The profile with every step `factor` times as long and no separate neighbour factor (a
+    ratio measured in the trial already holds whatever the neighbour cost)."""
+    if not factor > 0:
+        raise ValueError(f"step time factor must be > 0, got {factor}")
+    by_threads = {t: m.scaled(factor) for t, m in profile.steps.by_threads.items()}
+    return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
+                               host_contention=1.0)
