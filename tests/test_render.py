@@ -125,9 +125,11 @@ def test_after_a_stop_hit_nothing_more_is_emitted(renderer):
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1,
        max_size=4), max_size=3), cuts=st.lists(st.integers(0, 40), max_size=10))
-def test_stop_matcher_equals_cutting_the_whole_text_at_the_first_stop(text, stops, cuts):
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[:min(hits)] if hits else text
+def test_stop_matcher_equals_cutting_the_whole_text_at_the_stop_complete_first(text, stops, cuts):
+    # the stop complete earliest (on a tie the longer, which starts earlier): what a character-at-a-time
+    # stream stops on, whatever the cuts (hypothesis found stops "a" and "baa" on "baa" cut after "ba")
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    expected = text[:min(hits)[1]] if hits else text
     matcher = StopStringMatcher(stops)
     bounds = sorted(set([0, len(text)] + [c for c in cuts if c <= len(text)]))
     emitted, hit = "", False
@@ -140,3 +142,14 @@ def test_stop_matcher_equals_cutting_the_whole_text_at_the_first_stop(text, stop
         emitted += matcher.flush()
     assert emitted == expected
     assert hit == bool(hits)
+
+
+def test_a_stop_that_starts_earlier_but_ends_later_loses_to_the_one_complete_first_however_cut():
+    for cuts in ([], [1], [2]):
+        matcher, emitted = StopStringMatcher(["a", "baa"]), ""
+        for lo, hi in zip([0, *cuts], [*cuts, 3]):
+            piece, hit = matcher.feed("baa"[lo:hi])
+            emitted += piece
+            if hit:
+                break
+        assert (emitted, hit) == ("b", True), cuts

@@ -222,8 +222,12 @@ class Renderer:
 class StopStringMatcher:
     """Finds the first stop string in a stream of text deltas, across delta boundaries.
 
-    Holds back the last (longest stop - 1) characters, since they may begin a stop string
-    that the next delta completes; the stop string itself is never emitted.
+    "First" is the stop that is complete earliest, as if the text arrived one character at a time
+    (on a tie, the longer one, which starts earlier): so the answer does not depend on how the
+    tokens' text was cut into deltas. With stops "a" and "baa", "baa" stops at "b" whether it came
+    as one delta or two: "a" is complete before "baa" is. Holds back the last (longest stop - 1)
+    characters, since they may begin a stop string that the next delta completes; the stop string
+    itself is never emitted.
     """
 
     def __init__(self, stop: list[str]) -> None:
@@ -236,9 +240,10 @@ class StopStringMatcher:
         if not self.stop:
             return delta, False
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        # (end, start) of each stop's first occurrence: its first start is also its first end
+        hits = [(i + len(s), i) for s, i in ((s, self.pending.find(s)) for s in self.stop) if i >= 0]
         if hits:
-            emit, self.pending = self.pending[:min(hits)], ""
+            emit, self.pending = self.pending[:min(hits)[1]], ""
             return emit, True
         cut = max(0, len(self.pending) - self.hold)
         emit, self.pending = self.pending[:cut], self.pending[cut:]
