@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
+# Two workers, whole files each (a file's server fixtures stay on one worker): most tests wait on
+# subprocesses they start, so two at once fill the two cores of the CI box.
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 # The main job: how much of a doc-heavy, bursty workload each arrangement of the bundled model
 # holds within the SLOs, at equal cores and KV memory, against the best colocated setting of a
