@@ -229,7 +229,9 @@ def test_a_trials_engine_steps_are_put_beside_the_profile_and_capacity_is_predic
     assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode"}
     first = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity at 90%")
     again = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity, trial"))
-    assert again["step_factor"] == pytest.approx(2.0) and again["metric"] == "capacity, trial steps x2.00"
+    # decode-only steps here: the prompt terms take the decode steps' factor
+    assert again["step_factors"] == pytest.approx({"prefill": 2.0, "decode": 2.0})
+    assert again["metric"] == "capacity, trial steps P x2.00 D x2.00"
     arr = arrangement_from_serve_args("colo", doc["arrangements"][0]["launch"]["serve"], 2)
     slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
     slowed = capacity(arr, scaled_profile(profile, 2.0), requests_from_results(doc), slo, 0.9)
@@ -243,3 +245,25 @@ def test_too_few_engine_steps_give_no_ratio_and_no_second_prediction():
     doc["arrangements"][0]["capacity_rps"] = 1.0
     out = compare_results(parse_profile(PROFILE), doc)
     assert out["steps"] == [] and not any(r["metric"].startswith("capacity, trial") for r in out["rows"])
+
+
+def test_prompt_steps_and_decode_steps_get_their_own_factor():
+    from splitserve.control.stepmodel import StepShape
+    from splitserve.control.trial_steps import scaled_profile, step_ratios, trial_factors
+
+    fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
+    # PROFILE: 1 ms per prompt token, 10 ms per decode; prompt steps ran 1.5x, decode steps 0.8x
+    samples = [[100, 5.0, 0, 0, 0.15, 0.0]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.016]] * 30
+    runs = [{"summary": {"engine_steps": {"fields": fields, "instances": {"e": {"role": "colocated",
+                                                                              "samples": samples}}}}}]
+    profile = parse_profile(PROFILE)
+    ratios = step_ratios(profile, {"colocated": 1}, runs)
+    assert ratios["kind:prefill"]["model"]["median"] == pytest.approx(1.5)
+    assert ratios["kind:prefill"]["loop"] is None  # no loop turn measured: the model's time stands in
+    assert trial_factors(ratios) == pytest.approx((1.5, 0.8))
+    scaled = scaled_profile(profile, 1.5, 0.8).steps.for_threads(1)
+    assert scaled.predict(StepShape(100, 5.0)) == pytest.approx(0.15)
+    assert scaled.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016)
+    assert scaled_profile(profile, 2.0).host_contention == 1.0
+    with pytest.raises(ValueError, match="> 0"):
+        scaled_profile(profile, 0.0, 1.0)

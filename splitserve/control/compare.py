@@ -14,8 +14,8 @@ the top two by capacity when measured, else by attainment at the trial's own rat
 
 Where the trial kept its engines' measured steps (trial/engine_steps.py), each arrangement also
 gets those steps against the profile's step model (control/trial_steps.py), and its capacity is
-predicted a second time with the profile's steps scaled to what the trial's engines took: the
-first error minus the second is what step time explains.
+predicted a second time with the profile's steps scaled to what the trial's engines took (prompt
+steps and decode-only steps apart): the first error minus the second is what step time explains.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
 """
@@ -34,7 +34,7 @@ from splitserve.control.predict import (arrangement_from_serve_args, capacity, o
                                         requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
-from splitserve.control.trial_steps import scaled_profile, step_ratios
+from splitserve.control.trial_steps import scaled_profile, step_ratios, trial_factors
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.spec import SLO, SpecError, load_spec
 from splitserve.trial.workload import probe_length
@@ -155,16 +155,6 @@ def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
 
-def _trial_step_factor(ratios: dict | None) -> float | None:
-    """The time-weighted ratio of the trial's engine-loop turns to the profile's steps (the model's
-    own time where the loop was not measured)."""
-    if not ratios:
-        return None
-    entry = ratios["all"]
-    chosen = entry.get("loop") or entry.get("model")
-    return chosen["time_weighted"] if chosen else None
-
-
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
                     spec_path: str | None = None) -> dict:
     """Every run the trial made beside the prediction for exactly what it replayed (its own requests
@@ -238,13 +228,13 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
-            factor = _trial_step_factor(ratios)
-            if factor is not None:  # the same search with the steps as long as this trial's engines ran them
-                p2 = predicted_capacity(scaled_profile(profile, factor))
+            factors = trial_factors(ratios)
+            if factors is not None:  # the same search with the steps as long as this trial's engines ran them
+                p2 = predicted_capacity(scaled_profile(profile, *factors))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
-                             "metric": f"capacity, trial steps x{factor:.2f}", "predicted": p2,
-                             "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
-                             "step_factor": factor})
+                             "metric": f"capacity, trial steps P x{factors[0]:.2f} D x{factors[1]:.2f}",
+                             "predicted": p2, "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
+                             "step_factors": {"prefill": factors[0], "decode": factors[1]}})
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]

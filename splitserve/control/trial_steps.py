@@ -12,9 +12,13 @@ around it). The profile times EngineCore.step alone on an otherwise idle engine,
                                            does not see
 
 Both are given as the median over steps and as the ratio of the sums (time-weighted: what the
-instance's busy time was against what the model says, the figure capacity answers to). Re-simulating
-with the profile scaled by the time-weighted loop ratio (`scaled_profile`) separates the
-capacity error that step time explains from the one the simulator's scheduling model leaves.
+instance's busy time was against what the model says, the figure capacity answers to), over all
+steps and apart for steps that carry prompt tokens and decode-only steps: on the AVX2 box the
+two came apart (chat-only, session 8: decode-only steps 0.97-1.01 of the profile, prompt steps
+1.25-1.73), so one factor for both would be wrong for either. Re-simulating with the profile's
+prompt terms scaled by the prompt steps' ratio and its other terms by the decode steps' ratio
+(`scaled_profile`) separates the capacity error that step time explains from the one the
+simulator's scheduling model leaves.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import dataclasses
 import statistics
 
 from splitserve.control.profile_file import Profile
-from splitserve.control.stepmodel import StepModels, StepShape
+from splitserve.control.stepmodel import COEFFICIENTS, StepModel, StepModels, StepShape
 
 MIN_STEPS = 20  # fewer measured steps than this and an arrangement gets no ratio
 
@@ -82,11 +86,37 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
     return out or None
 
 
-def scaled_profile(profile: Profile, factor: float) -> Profile:
-    """The profile with every step `factor` times as long and no separate neighbour factor (a
-    ratio measured in the trial already holds whatever the neighbour cost)."""
-    if not factor > 0:
-        raise ValueError(f"step time factor must be > 0, got {factor}")
-    by_threads = {t: m.scaled(factor) for t, m in profile.steps.by_threads.items()}
+PREFILL_TERMS = ("per_prefill_token_s", "per_prefill_attn_s", "per_panel_step_s")  # the rest: overhead, decodes
+
+
+def trial_factors(ratios: dict | None) -> tuple[float, float] | None:
+    """(prompt steps' factor, decode-only steps' factor): each kind's time-weighted loop ratio (the
+    model's own where no loop turn was measured); a kind without enough steps takes the other's."""
+    if not ratios:
+        return None
+
+    def factor(key: str) -> float | None:
+        entry = ratios.get(key)
+        chosen = entry and (entry.get("loop") or entry.get("model"))
+        return chosen["time_weighted"] if chosen else None
+    prefill, decode = factor("kind:prefill"), factor("kind:decode")
+    overall = factor("all")
+    prefill, decode = prefill or decode or overall, decode or prefill or overall
+    return (prefill, decode) if prefill and decode else None
+
+
+def scaled_profile(profile: Profile, prefill_factor: float, decode_factor: float | None = None) -> Profile:
+    """The profile with its prompt terms (per prompt token, attention, the panel pass) `prefill_factor`
+    times as long and its other terms (overhead, decodes) `decode_factor` times (the same factor when
+    only one is given), and no separate neighbour factor: a ratio measured in the trial already
+    holds whatever the neighbour cost."""
+    decode_factor = prefill_factor if decode_factor is None else decode_factor
+    if not prefill_factor > 0 or not decode_factor > 0:
+        raise ValueError(f"step time factors must be > 0, got {prefill_factor} and {decode_factor}")
+
+    def scaled(model: StepModel) -> StepModel:
+        return StepModel(**{name: getattr(model, name) * (prefill_factor if name in PREFILL_TERMS else decode_factor)
+                            for name in COEFFICIENTS})
+    by_threads = {t: scaled(m) for t, m in profile.steps.by_threads.items()}
     return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
                                host_contention=1.0)
