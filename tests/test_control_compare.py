@@ -226,10 +226,12 @@ def test_a_trials_engine_steps_are_put_beside_the_profile_and_capacity_is_predic
     assert colo["all"]["model"]["median"] == pytest.approx(1.5)
     assert colo["all"]["loop"]["time_weighted"] == pytest.approx(2.0)
     assert colo["all"]["model"]["num_steps"] == 40  # the instance whose role the arrangement lacks is left out
-    assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode"}
+    assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode", "threads:1:kind:decode"}
     first = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity at 90%")
     again = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity, trial"))
-    assert again["step_factor"] == pytest.approx(2.0) and again["metric"] == "capacity, trial steps x2.00"
+    # decode-only steps here: the prompt terms take the decode steps' factor
+    assert again["step_factors"] == pytest.approx({"prefill": 2.0, "decode": 2.0})
+    assert again["metric"] == "capacity, trial steps P x2.00 D x2.00"
     arr = arrangement_from_serve_args("colo", doc["arrangements"][0]["launch"]["serve"], 2)
     slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
     slowed = capacity(arr, scaled_profile(profile, 2.0), requests_from_results(doc), slo, 0.9)
@@ -243,3 +245,66 @@ def test_too_few_engine_steps_give_no_ratio_and_no_second_prediction():
     doc["arrangements"][0]["capacity_rps"] = 1.0
     out = compare_results(parse_profile(PROFILE), doc)
     assert out["steps"] == [] and not any(r["metric"].startswith("capacity, trial") for r in out["rows"])
+
+
+def test_prompt_steps_and_decode_steps_get_their_own_factor():
+    from splitserve.control.stepmodel import StepShape
+    from splitserve.control.trial_steps import scaled_profile, step_ratios, trial_factors
+
+    fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
+    # PROFILE: 1 ms per prompt token, 10 ms per decode; prompt steps ran 1.5x, decode steps 0.8x
+    samples = [[100, 5.0, 0, 0, 0.15, 0.0]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.016]] * 30
+    runs = [{"summary": {"engine_steps": {"fields": fields, "instances": {"e": {"role": "colocated",
+                                                                              "samples": samples}}}}}]
+    profile = parse_profile(PROFILE)
+    ratios = step_ratios(profile, {"colocated": 1}, runs)
+    assert ratios["kind:prefill"]["model"]["median"] == pytest.approx(1.5)
+    assert ratios["kind:prefill"]["loop"] is None  # no loop turn measured: the model's time stands in
+    assert trial_factors(ratios) == pytest.approx((1.5, 0.8))
+    scaled = scaled_profile(profile, 1.5, 0.8).steps.for_threads(1)
+    assert scaled.predict(StepShape(100, 5.0)) == pytest.approx(0.15)
+    assert scaled.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016)
+    assert scaled_profile(profile, 2.0).host_contention == 1.0
+    with pytest.raises(ValueError, match="> 0"):
+        scaled_profile(profile, 0.0, 1.0)
+
+
+def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_profile_reads_back(tmp_path):
+    import json
+
+    from splitserve.control.compare import calibrated_profile, main
+    from splitserve.control.profile_file import ProfileError
+    from splitserve.control.stepmodel import StepShape
+
+    fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
+    doc = results_doc()
+    # both served arrangements run 1 thread per instance: their steps pool, prompt steps 1.5x, decodes 0.8x
+    samples = [[100, 5.0, 0, 0, 0.15, 0.15]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.0]] * 30
+    for arr in doc["arrangements"][:2]:
+        role = "prefill" if arr["name"] == "1P1D" else "colocated"
+        arr["runs"][0]["summary"]["engine_steps"] = {"fields": fields,
+                                                     "instances": {"e": {"role": role, "samples": samples}}}
+    raw = {**PROFILE, "host_contention": {"factor": 1.3}, "trial_calibration": {"threads": {"1": {"prefill": 9.0,
+                                                                                               "decode": 9.0}}}}
+    out = calibrated_profile(raw, doc, "results.json")  # an old calibration is replaced, not compounded
+    assert out["trial_calibration"]["threads"]["1"]["prefill"] == pytest.approx(1.5)
+    assert out["trial_calibration"]["threads"]["1"]["decode"] == pytest.approx(0.8)
+    assert out["trial_calibration"]["threads"]["1"]["prefill_steps"] == 60
+    profile = parse_profile(out)
+    assert profile.host_contention == 1.0  # the trial's steps already ran beside their neighbours
+    model = profile.steps.for_threads(1)
+    assert model.predict(StepShape(100, 5.0)) == pytest.approx(0.15)
+    assert model.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016)
+    with pytest.raises(ProfileError, match=r"trial_calibration.threads.4: calibrates a thread count"):
+        parse_profile({**PROFILE, "trial_calibration": {"threads": {"4": {"prefill": 1.0, "decode": 1.0}}}})
+    with pytest.raises(ProfileError, match=r"trial_calibration.threads.1.decode: must be > 0"):
+        parse_profile({**PROFILE, "trial_calibration": {"threads": {"1": {"prefill": 1.0, "decode": 0}}}})
+    # the command line writes it; a trial without steps is refused with the reason
+    (tmp_path / "p.json").write_text(json.dumps(PROFILE))
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    assert main([str(tmp_path / "p.json"), str(tmp_path / "r.json"), "--calibrate-out", str(tmp_path / "c.json")]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["trial_calibration"]["threads"]["1"]["decode"] == \
+        pytest.approx(0.8)
+    (tmp_path / "r0.json").write_text(json.dumps(results_doc()))
+    assert main([str(tmp_path / "p.json"), str(tmp_path / "r0.json"), "--calibrate-out", str(tmp_path / "d.json")]) == 2
+    assert not (tmp_path / "d.json").exists()

@@ -14,10 +14,11 @@ the top two by capacity when measured, else by attainment at the trial's own rat
 
 Where the trial kept its engines' measured steps (trial/engine_steps.py), each arrangement also
 gets those steps against the profile's step model (control/trial_steps.py), and its capacity is
-predicted a second time with the profile's steps scaled to what the trial's engines took: the
-first error minus the second is what step time explains.
+predicted a second time with the profile's steps scaled to what the trial's engines took (prompt
+steps and decode-only steps apart): the first error minus the second is what step time explains.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
+        [--calibrate-out calibrated-profile.json]
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from splitserve.control.predict import (arrangement_from_serve_args, capacity, o
                                         requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
-from splitserve.control.trial_steps import scaled_profile, step_ratios
+from splitserve.control.trial_steps import calibration, scaled_profile, step_ratios, trial_factors
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.spec import SLO, SpecError, load_spec
 from splitserve.trial.workload import probe_length
@@ -155,16 +156,6 @@ def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
 
-def _trial_step_factor(ratios: dict | None) -> float | None:
-    """The time-weighted ratio of the trial's engine-loop turns to the profile's steps (the model's
-    own time where the loop was not measured)."""
-    if not ratios:
-        return None
-    entry = ratios["all"]
-    chosen = entry.get("loop") or entry.get("model")
-    return chosen["time_weighted"] if chosen else None
-
-
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
                     spec_path: str | None = None) -> dict:
     """Every run the trial made beside the prediction for exactly what it replayed (its own requests
@@ -238,19 +229,40 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
-            factor = _trial_step_factor(ratios)
-            if factor is not None:  # the same search with the steps as long as this trial's engines ran them
-                p2 = predicted_capacity(scaled_profile(profile, factor))
+            factors = trial_factors(ratios)
+            if factors is not None:  # the same search with the steps as long as this trial's engines ran them
+                p2 = predicted_capacity(scaled_profile(profile, *factors))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
-                             "metric": f"capacity, trial steps x{factor:.2f}", "predicted": p2,
-                             "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
-                             "step_factor": factor})
+                             "metric": f"capacity, trial steps P x{factors[0]:.2f} D x{factors[1]:.2f}",
+                             "predicted": p2, "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
+                             "step_factors": {"prefill": factors[0], "decode": factors[1]}})
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
     return {"trial": results.get("trial"), "rows": rows, "skipped": skipped, "steps": step_rows,
             "ranking": {"by": by, "predicted_top_two": top_pred, "measured_top_two": top_meas,
                         "same_top_two": top_pred == top_meas}}
+
+
+def calibrated_profile(profile_doc: dict, results: dict, source: str) -> dict:
+    """profile_doc (a profile.json's content) with `trial_calibration` from this trial's engine steps:
+    per thread count, the measured over the modelled time of steps with prompt tokens and of
+    decode-only steps, every modelled arrangement's steps together, against the profile without any
+    calibration it had. ValueError when the trial kept no steps (older results, another server)."""
+    base = {k: v for k, v in profile_doc.items() if k != "trial_calibration"}
+    profile = parse_profile(base)
+    arrangements = []
+    for arr_doc in results["arrangements"]:
+        launch = arr_doc.get("launch") or {}
+        if not launch.get("serve") or unmodelled(launch["serve"], (base.get("model") or {}).get("weight_format")):
+            continue
+        arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        arrangements.append(({i.role: i.threads for i in arr.instances}, arr_doc.get("runs") or []))
+    threads = calibration(profile, arrangements)
+    if not threads:
+        raise ValueError(f"{source}: no engine steps to calibrate from (the trial must run splitserve serve "
+                         "arrangements with a splitserve that answers GET /admin/steps)")
+    return {**base, "trial_calibration": {"source": source, "trial": results.get("trial"), "threads": threads}}
 
 
 def _cell(metric: str, value) -> str:
@@ -303,17 +315,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the comparison here")
     parser.add_argument("--spec", default=None, help="the trial's spec, for its capacity probes (default: the "
                         "spec_path results.json names, when that file exists)")
+    parser.add_argument("--calibrate-out", default=None, metavar="PROFILE.json",
+                        help="also write the profile calibrated by this trial's engine steps (per thread count, "
+                             "prompt steps and decode steps apart), for `splitserve plan --profile` and later compares")
     args = parser.parse_args(argv)
     try:
-        profile = profile_of(json.loads(pathlib.Path(args.plan).read_text()), args.plan)
-        doc = compare_results(profile, json.loads(pathlib.Path(args.results).read_text()), args.target,
-                              spec_path=args.spec)
+        plan_doc = json.loads(pathlib.Path(args.plan).read_text())
+        profile = profile_of(plan_doc, args.plan)
+        results = json.loads(pathlib.Path(args.results).read_text())
+        doc = compare_results(profile, results, args.target, spec_path=args.spec)
+        calibrated = (calibrated_profile(profile.raw, results, args.results) if args.calibrate_out else None)
     except (OSError, json.JSONDecodeError, ProfileError, SpecError, ValueError, KeyError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
     print(render(doc))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(doc, indent=1))
+    if calibrated is not None:
+        pathlib.Path(args.calibrate_out).write_text(json.dumps(calibrated, indent=1))
+        factors = ", ".join(f"{t} thread(s): prompt steps x{e['prefill']:.2f}, decode steps x{e['decode']:.2f}"
+                            for t, e in calibrated["trial_calibration"]["threads"].items())
+        print(f"calibrated profile: {args.calibrate_out} ({factors})")
     return 0
 
 

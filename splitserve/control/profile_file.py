@@ -10,10 +10,15 @@
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
      "startup_s": {"load_model": [...], "engine": [...]},            # optional
-     "host_contention": {"factor": 1.15}}                            # optional: bench/host_contention.py
+     "host_contention": {"factor": 1.15},                            # optional: bench/host_contention.py
+     "trial_calibration": {"source": "...", "threads": {"1": {"prefill": 1.3, "decode": 1.0}}}}  # optional
 
 Samples are the truth when present: the step model is refitted from them on load. A hand-written
-profile gives `step_model` alone. Every mistake raises ProfileError naming the field.
+profile gives `step_model` alone. `trial_calibration` (written by `python -m splitserve.control.compare
+... --calibrate-out`) holds how much longer a trial's engines took than this model, per thread count,
+for steps with prompt tokens and for decode-only steps; the model of that thread count is scaled by
+them (StepModel.scaled_by_kind) and `host_contention` is then not applied, since a trial's steps
+already ran beside their neighbours. Every mistake raises ProfileError naming the field.
 """
 from __future__ import annotations
 
@@ -147,6 +152,19 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     if doc.get("host_contention") is not None:
         entry = _mapping(doc["host_contention"], "host_contention")
         contention = _number(entry.get("factor"), "host_contention.factor", minimum=1.0)
+    if doc.get("trial_calibration") is not None:
+        calibrated = _mapping(_mapping(doc["trial_calibration"], "trial_calibration").get("threads"),
+                              "trial_calibration.threads")
+        for key, entry in calibrated.items():
+            path = f"trial_calibration.threads.{key}"
+            if not key.isdigit() or int(key) not in models:
+                raise ProfileError(f"{path}: calibrates a thread count the profile has no model for "
+                                   f"(it has {sorted(models)})")
+            entry = _mapping(entry, path)
+            models[int(key)] = models[int(key)].scaled_by_kind(
+                _number(entry.get("prefill"), f"{path}.prefill", strict=True),
+                _number(entry.get("decode"), f"{path}.decode", strict=True))
+        contention = 1.0
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
                    machine=doc.get("machine") or {}, raw=doc, host_contention=contention)

@@ -267,6 +267,11 @@ class EngineCore:
             self.step_seconds = STEP_TIME_DECAY * self.step_seconds + (1 - STEP_TIME_DECAY) * seconds
             self.step_tokens = STEP_TIME_DECAY * self.step_tokens + (1 - STEP_TIME_DECAY) * num_tokens
 
+    @property
+    def step_samples_full(self) -> bool:
+        """As many step samples wait as one stats message carries: send stats now or lose the oldest."""
+        return len(self._step_samples) >= MAX_STEP_SAMPLES
+
     def note_loop_seconds(self, steps_before: int, seconds: float) -> None:
         """The engine loop's turn that ran exactly one step (num_steps was `steps_before` when it
         began) took `seconds` in all: kept on that step's sample, for comparing a live engine's steps

@@ -292,7 +292,8 @@ class EngineProcess:
             if busy:  # a turn that waited for work would count the wait
                 self.core.note_loop_seconds(steps_before, time.perf_counter() - turn_started)
             now = time.monotonic()
-            if changed and now >= next_stats:
+            # early when the step samples would overflow (fast steps): every step reaches GET /admin/steps
+            if changed and (now >= next_stats or self.core.step_samples_full):
                 self.outbox.put(self.core.stats())
                 next_stats, changed = now + STATS_INTERVAL_S, False
             if now >= next_parent_check:

@@ -6,9 +6,10 @@ prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds] (admin
 `python -m splitserve.control.compare` puts them beside what the profile says the same steps
 take, which tells a step-time error (the machine, the engine loop) from a scheduling one.
 
-Steps reach the server with the engines' stats (at most every 0.25 s), so the reader waits that
-long after a run before it asks; a server that does not answer (an older one, another server, a
-refused admin route) gives None and the run simply has no steps.
+Steps reach the server with the engines' stats (at most 0.25 s later), so the reader waits that
+long before it counts (the warm-up's last steps must not land in the run) and after the run before
+it reads; a server that does not answer (an older one, another server, a refused admin route) gives
+None and the run simply has no steps.
 """
 from __future__ import annotations
 
@@ -30,7 +31,12 @@ def _fetch(base_url: str, tail: int | None, timeout_s: float) -> dict | None:
 
 
 def step_counts(base_url: str, timeout_s: float = 5.0) -> dict[str, int] | None:
-    """Steps reported so far, per instance id."""
+    """Steps reported so far, per instance id, once the steps of what ran before (a warm-up, the
+    previous run) have arrived."""
+    doc = _fetch(base_url, 0, timeout_s)
+    if doc is None:
+        return None
+    time.sleep(SETTLE_S)
     doc = _fetch(base_url, 0, timeout_s)
     return None if doc is None else {row["id"]: int(row["count"]) for row in doc.get("instances", [])}
 
