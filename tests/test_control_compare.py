@@ -203,70 +203,76 @@ def test_an_engine_other_than_the_profiled_one_is_named_and_kept_out_of_the_rank
 
 
 def with_engine_steps(doc: dict, factor: float, loop_factor: float, n: int = 40) -> dict:
-    """Every run of the two served arrangements gets n decode steps of 4 sequences, measured
-    `factor` times what PROFILE says (10 ms per sequence: 40 ms), each loop turn `loop_factor` times."""
+    """Every run of the two served arrangements gets n decode steps of 4 sequences and n prompt steps
+    of 64 tokens, measured `factor` times what PROFILE says (10 ms per sequence: 40 ms; 1 ms per prompt
+    token: 64 ms), each loop turn `loop_factor` times."""
     fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
     for arr in doc["arrangements"][:2]:
         role = "decode" if arr["name"] == "1P1D" else "colocated"
         for run in arr["runs"]:
             run["summary"]["engine_steps"] = {"fields": fields, "instances": {
-                "e0": {"role": role, "missing": 0, "samples": [[0, 0.0, 4, 400, 0.04 * factor, 0.04 * loop_factor]] * n},
+                "e0": {"role": role, "missing": 0, "samples": [[0, 0.0, 4, 400, 0.04 * factor, 0.04 * loop_factor]] * n
+                       + [[64, 2.048, 0, 0, 0.064 * factor, 0.064 * loop_factor]] * n},
                 "e9": {"role": "no-such-role", "missing": 0, "samples": [[0, 0.0, 4, 400, 9.0, 9.0]] * n}}}
     return doc
 
 
 def test_a_trials_engine_steps_are_put_beside_the_profile_and_capacity_is_predicted_again_at_their_speed():
-    from splitserve.control.trial_steps import scaled_profile
+    from splitserve.control.trial_steps import refit, trial_samples, with_models
 
-    doc = with_engine_steps(results_doc(), factor=1.5, loop_factor=2.0)
+    doc = with_engine_steps(results_doc(), factor=3.0, loop_factor=4.0)
     doc["arrangements"][0]["capacity_rps"] = 1.0
     profile = parse_profile(PROFILE)
     out = compare_results(profile, doc)
     colo = next(r for r in out["steps"] if r["arrangement"] == "colo")
-    assert colo["all"]["model"]["median"] == pytest.approx(1.5)
-    assert colo["all"]["loop"]["time_weighted"] == pytest.approx(2.0)
-    assert colo["all"]["model"]["num_steps"] == 40  # the instance whose role the arrangement lacks is left out
-    assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode", "threads:1:kind:decode"}
+    assert colo["all"]["model"]["median"] == pytest.approx(3.0)
+    assert colo["all"]["loop"]["time_weighted"] == pytest.approx(4.0)
+    assert colo["all"]["model"]["num_steps"] == 80  # the instance whose role the arrangement lacks is left out
+    assert set(colo) == {"arrangement", "all", "role:colocated", "kind:decode", "kind:prefill",
+                         "threads:1:kind:decode", "threads:1:kind:prefill"}
     first = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity at 90%")
-    again = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"].startswith("capacity, trial"))
-    # decode-only steps here: the prompt terms take the decode steps' factor
-    assert again["step_factors"] == pytest.approx({"prefill": 2.0, "decode": 2.0})
-    assert again["metric"] == "capacity, trial steps P x2.00 D x2.00"
+    again = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity, its steps refit")
+    assert again["refit"]["1"]["num_steps"] == 80
     arr = arrangement_from_serve_args("colo", doc["arrangements"][0]["launch"]["serve"], 2)
+    refitted = refit(profile, trial_samples({"colocated": 1}, doc["arrangements"][0]["runs"]))
+    # the loop turns (4x the profile) are what the instance's time went to
+    assert refitted[1].model.decode_step_s(4, 400) == pytest.approx(0.16, rel=0.05)
+    assert refitted[1].model.prefill_s(64) == pytest.approx(0.256, rel=0.05)
     slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
-    slowed = capacity(arr, scaled_profile(profile, 2.0), requests_from_results(doc), slo, 0.9)
+    slowed = capacity(arr, with_models(profile, {1: refitted[1].model}), requests_from_results(doc), slo, 0.9)
     assert again["predicted"] == pytest.approx(slowed * offered_rate(requests_from_results(doc)), rel=1e-6)
-    assert again["predicted"] < first["predicted"]  # twice the step time: less capacity
-    assert "engine steps in the trial" in render(out) and "tw 2.00" in render(out)
+    assert again["predicted"] < first["predicted"]  # four times the step time: less capacity
+    assert "engine steps in the trial" in render(out) and "tw 4.00" in render(out)
 
 
 def test_too_few_engine_steps_give_no_ratio_and_no_second_prediction():
     doc = with_engine_steps(results_doc(), factor=1.5, loop_factor=2.0, n=5)
     doc["arrangements"][0]["capacity_rps"] = 1.0
     out = compare_results(parse_profile(PROFILE), doc)
-    assert out["steps"] == [] and not any(r["metric"].startswith("capacity, trial") for r in out["rows"])
+    assert out["steps"] == [] and not any(r["metric"] == "capacity, its steps refit" for r in out["rows"])
 
 
-def test_prompt_steps_and_decode_steps_get_their_own_factor():
+def mixed_steps() -> list:
+    """PROFILE says 1 ms per prompt token and 10 ms per decode: prompt steps ran 1.5x, decode steps 0.8x."""
+    return [[100, 5.0, 0, 0, 0.15, 0.0]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.016]] * 30
+
+
+def test_prompt_steps_and_decode_steps_are_told_apart():
     from splitserve.control.stepmodel import StepShape
-    from splitserve.control.trial_steps import scaled_profile, step_ratios, trial_factors
+    from splitserve.control.trial_steps import refit, step_ratios, trial_samples, with_models
 
     fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
-    # PROFILE: 1 ms per prompt token, 10 ms per decode; prompt steps ran 1.5x, decode steps 0.8x
-    samples = [[100, 5.0, 0, 0, 0.15, 0.0]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.016]] * 30
     runs = [{"summary": {"engine_steps": {"fields": fields, "instances": {"e": {"role": "colocated",
-                                                                              "samples": samples}}}}}]
+                                                                              "samples": mixed_steps()}}}}}]
     profile = parse_profile(PROFILE)
     ratios = step_ratios(profile, {"colocated": 1}, runs)
     assert ratios["kind:prefill"]["model"]["median"] == pytest.approx(1.5)
+    assert ratios["kind:decode"]["model"]["median"] == pytest.approx(0.8)
     assert ratios["kind:prefill"]["loop"] is None  # no loop turn measured: the model's time stands in
-    assert trial_factors(ratios) == pytest.approx((1.5, 0.8))
-    scaled = scaled_profile(profile, 1.5, 0.8).steps.for_threads(1)
-    assert scaled.predict(StepShape(100, 5.0)) == pytest.approx(0.15)
-    assert scaled.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016)
-    assert scaled_profile(profile, 2.0).host_contention == 1.0
-    with pytest.raises(ValueError, match="> 0"):
-        scaled_profile(profile, 0.0, 1.0)
+    model = refit(profile, trial_samples({"colocated": 1}, runs))[1].model
+    assert model.predict(StepShape(100, 5.0)) == pytest.approx(0.15, rel=0.05)
+    assert model.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016, rel=0.05)
+    assert with_models(parse_profile({**PROFILE, "host_contention": {"factor": 1.3}}), {1: model}).host_contention == 1.0
 
 
 def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_profile_reads_back(tmp_path):
@@ -278,33 +284,29 @@ def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_prof
 
     fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds"]
     doc = results_doc()
-    # both served arrangements run 1 thread per instance: their steps pool, prompt steps 1.5x, decodes 0.8x
-    samples = [[100, 5.0, 0, 0, 0.15, 0.15]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.0]] * 30
-    for arr in doc["arrangements"][:2]:
+    for arr in doc["arrangements"][:2]:  # both 1 thread per instance: their steps pool
         role = "prefill" if arr["name"] == "1P1D" else "colocated"
         arr["runs"][0]["summary"]["engine_steps"] = {"fields": fields,
-                                                     "instances": {"e": {"role": role, "samples": samples}}}
-    raw = {**PROFILE, "host_contention": {"factor": 1.3}, "trial_calibration": {"threads": {"1": {"prefill": 9.0,
-                                                                                               "decode": 9.0}}}}
-    out = calibrated_profile(raw, doc, "results.json")  # an old calibration is replaced, not compounded
-    assert out["trial_calibration"]["threads"]["1"]["prefill"] == pytest.approx(1.5)
-    assert out["trial_calibration"]["threads"]["1"]["decode"] == pytest.approx(0.8)
-    assert out["trial_calibration"]["threads"]["1"]["prefill_steps"] == 60
+                                                     "instances": {"e": {"role": role, "samples": mixed_steps()}}}
+    stale = {"threads": {"1": {"step_model": {"overhead_s": 9.0, "per_prefill_token_s": 9.0}}}}
+    raw = {**PROFILE, "host_contention": {"factor": 1.3}, "trial_calibration": stale}
+    out = calibrated_profile(raw, doc, "results.json")  # refitted against the uncalibrated profile
+    entry = out["trial_calibration"]["threads"]["1"]
+    assert entry["num_steps"] == 120 and entry["num_prompt_steps"] == 60 and entry["median_abs_rel_error"] < 0.05
     profile = parse_profile(out)
     assert profile.host_contention == 1.0  # the trial's steps already ran beside their neighbours
     model = profile.steps.for_threads(1)
-    assert model.predict(StepShape(100, 5.0)) == pytest.approx(0.15)
-    assert model.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016)
+    assert model.predict(StepShape(100, 5.0)) == pytest.approx(0.15, rel=0.05)
+    assert model.predict(StepShape(0, 0.0, 2, 100)) == pytest.approx(0.016, rel=0.05)
     with pytest.raises(ProfileError, match=r"trial_calibration.threads.4: calibrates a thread count"):
-        parse_profile({**PROFILE, "trial_calibration": {"threads": {"4": {"prefill": 1.0, "decode": 1.0}}}})
-    with pytest.raises(ProfileError, match=r"trial_calibration.threads.1.decode: must be > 0"):
-        parse_profile({**PROFILE, "trial_calibration": {"threads": {"1": {"prefill": 1.0, "decode": 0}}}})
+        parse_profile({**PROFILE, "trial_calibration": {"threads": {"4": {"step_model": {}}}}})
+    with pytest.raises(ProfileError, match=r"trial_calibration.threads.1.step_model"):
+        parse_profile({**PROFILE, "trial_calibration": {"threads": {"1": {"prefill": 1.2}}}})
     # the command line writes it; a trial without steps is refused with the reason
     (tmp_path / "p.json").write_text(json.dumps(PROFILE))
     (tmp_path / "r.json").write_text(json.dumps(doc))
     assert main([str(tmp_path / "p.json"), str(tmp_path / "r.json"), "--calibrate-out", str(tmp_path / "c.json")]) == 0
-    assert json.loads((tmp_path / "c.json").read_text())["trial_calibration"]["threads"]["1"]["decode"] == \
-        pytest.approx(0.8)
+    assert json.loads((tmp_path / "c.json").read_text())["trial_calibration"]["threads"]["1"]["num_steps"] == 120
     (tmp_path / "r0.json").write_text(json.dumps(results_doc()))
     assert main([str(tmp_path / "p.json"), str(tmp_path / "r0.json"), "--calibrate-out", str(tmp_path / "d.json")]) == 2
     assert not (tmp_path / "d.json").exists()

@@ -14,8 +14,8 @@ the top two by capacity when measured, else by attainment at the trial's own rat
 
 Where the trial kept its engines' measured steps (trial/engine_steps.py), each arrangement also
 gets those steps against the profile's step model (control/trial_steps.py), and its capacity is
-predicted a second time with the profile's steps scaled to what the trial's engines took (prompt
-steps and decode-only steps apart): the first error minus the second is what step time explains.
+predicted a second time with the step model refitted on the trial's own steps (the profile as its
+prior): the first error minus the second is what step time explains.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
         [--calibrate-out calibrated-profile.json]
@@ -35,7 +35,7 @@ from splitserve.control.predict import (arrangement_from_serve_args, capacity, o
                                         requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
-from splitserve.control.trial_steps import calibration, scaled_profile, step_ratios, trial_factors
+from splitserve.control.trial_steps import calibration, refit, step_ratios, trial_samples, with_models
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.spec import SLO, SpecError, load_spec
 from splitserve.trial.workload import probe_length
@@ -229,13 +229,14 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
-            factors = trial_factors(ratios)
-            if factors is not None:  # the same search with the steps as long as this trial's engines ran them
-                p2 = predicted_capacity(scaled_profile(profile, *factors))
+            refitted = refit(profile, trial_samples({i.role: i.threads for i in arr.instances}, arr_doc["runs"]))
+            if refitted:  # the same search with the steps as this trial's engines ran them
+                p2 = predicted_capacity(with_models(profile, {t: o.model for t, o in refitted.items()}))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
-                             "metric": f"capacity, trial steps P x{factors[0]:.2f} D x{factors[1]:.2f}",
-                             "predicted": p2, "measured": measured_cap, "error": _error("capacity", p2, measured_cap),
-                             "step_factors": {"prefill": factors[0], "decode": factors[1]}})
+                             "metric": "capacity, its steps refit", "predicted": p2, "measured": measured_cap,
+                             "error": _error("capacity", p2, measured_cap),
+                             "refit": {str(t): {"num_steps": o.num_samples, "median_abs_rel_error": o.median_error}
+                                       for t, o in refitted.items()}})
     ranking, by = (capacities, "capacity") if capacities else (at_main, f"attainment at x{main:g}")
     top_pred = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[1] or 0))[:2]]
     top_meas = [n for n, _, _ in sorted(ranking, key=lambda x: -(x[2] or 0))[:2]]
@@ -246,9 +247,8 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
 
 def calibrated_profile(profile_doc: dict, results: dict, source: str) -> dict:
     """profile_doc (a profile.json's content) with `trial_calibration` from this trial's engine steps:
-    per thread count, the measured over the modelled time of steps with prompt tokens and of
-    decode-only steps, every modelled arrangement's steps together, against the profile without any
-    calibration it had. ValueError when the trial kept no steps (older results, another server)."""
+    per thread count, the step model refitted on every modelled arrangement's steps together, the
+    profile without any calibration it had as the prior. ValueError when the trial kept no steps (older results, another server)."""
     base = {k: v for k, v in profile_doc.items() if k != "trial_calibration"}
     profile = parse_profile(base)
     arrangements = []
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", default=None, help="the trial's spec, for its capacity probes (default: the "
                         "spec_path results.json names, when that file exists)")
     parser.add_argument("--calibrate-out", default=None, metavar="PROFILE.json",
-                        help="also write the profile calibrated by this trial's engine steps (per thread count, "
-                             "prompt steps and decode steps apart), for `splitserve plan --profile` and later compares")
+                        help="also write the profile calibrated by this trial's engine steps (per thread count, the step "
+                             "model refitted on them), for `splitserve plan --profile` and later compares")
     args = parser.parse_args(argv)
     try:
         plan_doc = json.loads(pathlib.Path(args.plan).read_text())
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.json).write_text(json.dumps(doc, indent=1))
     if calibrated is not None:
         pathlib.Path(args.calibrate_out).write_text(json.dumps(calibrated, indent=1))
-        factors = ", ".join(f"{t} thread(s): prompt steps x{e['prefill']:.2f}, decode steps x{e['decode']:.2f}"
+        factors = ", ".join(f"{t} thread(s): {e['num_steps']} steps, fit within {e['median_abs_rel_error']:.0%} (median)"
                             for t, e in calibrated["trial_calibration"]["threads"].items())
         print(f"calibrated profile: {args.calibrate_out} ({factors})")
     return 0

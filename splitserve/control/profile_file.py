@@ -11,14 +11,13 @@
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
      "startup_s": {"load_model": [...], "engine": [...]},            # optional
      "host_contention": {"factor": 1.15},                            # optional: bench/host_contention.py
-     "trial_calibration": {"source": "...", "threads": {"1": {"prefill": 1.3, "decode": 1.0}}}}  # optional
+     "trial_calibration": {"source": "...", "threads": {"1": {"step_model": {...}, "num_steps": 900}}}}  # optional
 
 Samples are the truth when present: the step model is refitted from them on load. A hand-written
 profile gives `step_model` alone. `trial_calibration` (written by `python -m splitserve.control.compare
-... --calibrate-out`) holds how much longer a trial's engines took than this model, per thread count,
-for steps with prompt tokens and for decode-only steps; the model of that thread count is scaled by
-them (StepModel.scaled_by_kind) and `host_contention` is then not applied, since a trial's steps
-already ran beside their neighbours. Every mistake raises ProfileError naming the field.
+... --calibrate-out`) holds, per thread count, the step model refitted on a trial's own engine steps
+with this profile as the prior; it replaces that thread count's model, and `host_contention` is then
+not applied, since a trial's steps already ran beside their neighbours. Every mistake raises ProfileError naming the field.
 """
 from __future__ import annotations
 
@@ -160,10 +159,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
             if not key.isdigit() or int(key) not in models:
                 raise ProfileError(f"{path}: calibrates a thread count the profile has no model for "
                                    f"(it has {sorted(models)})")
-            entry = _mapping(entry, path)
-            models[int(key)] = models[int(key)].scaled_by_kind(
-                _number(entry.get("prefill"), f"{path}.prefill", strict=True),
-                _number(entry.get("decode"), f"{path}.decode", strict=True))
+            models[int(key)] = _step_model(_mapping(entry, path).get("step_model"), f"{path}.step_model")
         contention = 1.0
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,

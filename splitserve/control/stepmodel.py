@@ -33,7 +33,6 @@ from splitserve.stepfeatures import prefill_attn_ktok2  # one definition: engine
 
 COEFFICIENTS = ("overhead_s", "per_prefill_token_s", "per_prefill_attn_s", "per_decode_seq_s",
                 "per_decode_kv_token_s", "per_panel_step_s")
-PREFILL_TERMS = ("per_prefill_token_s", "per_prefill_attn_s", "per_panel_step_s")  # scaled_by_kind's prompt terms
 PANEL_ROWS = 8  # kMR in kernels/gguf_linear.cpp: steps with more rows take the panel path
 DEFAULT_SERIAL_FRACTION = 0.3  # when only one thread count was profiled: a CPU forward pass scales poorly
 
@@ -94,12 +93,6 @@ class StepModel:
 
     def scaled(self, factor: float) -> "StepModel":
         return StepModel(*(getattr(self, name) * factor for name in COEFFICIENTS))
-
-    def scaled_by_kind(self, prefill_factor: float, decode_factor: float) -> "StepModel":
-        """The prompt terms (per prompt token, attention, the panel pass) `prefill_factor` times, the
-        rest (overhead, decodes) `decode_factor` times: a trial's measured steps can say the two apart."""
-        return StepModel(*(getattr(self, name) * (prefill_factor if name in PREFILL_TERMS else decode_factor)
-                           for name in COEFFICIENTS))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,13 +12,14 @@ around it). The profile times EngineCore.step alone on an otherwise idle engine,
                                            does not see
 
 Both are given as the median over steps and as the ratio of the sums (time-weighted: what the
-instance's busy time was against what the model says, the figure capacity answers to), over all
-steps and apart for steps that carry prompt tokens and decode-only steps: on the AVX2 box the
-two came apart (chat-only, session 8: decode-only steps 0.97-1.01 of the profile, prompt steps
-1.25-1.73), so one factor for both would be wrong for either. Re-simulating with the profile's
-prompt terms scaled by the prompt steps' ratio and its other terms by the decode steps' ratio
-(`scaled_profile`) separates the capacity error that step time explains from the one the
-simulator's scheduling model leaves.
+instance's busy time was against what the model says), over all steps and apart for steps that
+carry prompt tokens and decode-only steps: on the AVX2 box the two came apart (chat-only, session
+8: decode-only steps 0.97-1.01 of the profile, prompt steps 1.25-1.73).
+
+The step model refitted on a trial's own steps, with the profile as its prior (`refit`: the mix
+controller's online fit), says what the arrangement's steps took in that trial; simulating with
+it (`with_models`) separates the capacity error that step time explains from the one the
+simulator's scheduling model leaves, and `calibration` writes it into a profile for later plans.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import dataclasses
 import statistics
 
 from splitserve.control.profile_file import Profile
-from splitserve.control.stepmodel import StepModels, StepShape
+from splitserve.control.online_stepmodel import OnlineStepModel
+from splitserve.control.online_stepmodel import StepSample as OnlineSample
+from splitserve.control.stepmodel import StepModel, StepModels, StepShape
 
 MIN_STEPS = 20  # fewer measured steps than this and an arrangement gets no ratio
 
@@ -88,65 +91,10 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
     return out or None
 
 
-def trial_factors(ratios: dict | None) -> tuple[float, float] | None:
-    """(prompt steps' factor, decode-only steps' factor): each kind's time-weighted loop ratio (the
-    model's own where no loop turn was measured); a kind without enough steps takes the other's."""
-    if not ratios:
-        return None
-
-    def factor(key: str) -> float | None:
-        entry = ratios.get(key)
-        chosen = entry and (entry.get("loop") or entry.get("model"))
-        return chosen["time_weighted"] if chosen else None
-    return _factor_pair(factor("kind:prefill"), factor("kind:decode"), factor("all"))
-
-
-def _factor_pair(prefill: float | None, decode: float | None, overall: float | None) -> tuple[float, float] | None:
-    prefill, decode = prefill or decode or overall, decode or prefill or overall
-    return (prefill, decode) if prefill and decode else None
-
-
-def scaled_profile(profile: Profile, prefill_factor: float, decode_factor: float | None = None) -> Profile:
-    """The profile with its prompt terms (per prompt token, attention, the panel pass) `prefill_factor`
-    times as long and its other terms (overhead, decodes) `decode_factor` times (the same factor when
-    only one is given), and no separate neighbour factor: a ratio measured in the trial already
-    holds whatever the neighbour cost."""
-    decode_factor = prefill_factor if decode_factor is None else decode_factor
-    if not prefill_factor > 0 or not decode_factor > 0:
-        raise ValueError(f"step time factors must be > 0, got {prefill_factor} and {decode_factor}")
-
-    by_threads = {t: m.scaled_by_kind(prefill_factor, decode_factor) for t, m in profile.steps.by_threads.items()}
-    return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
-                               host_contention=1.0)
-
-
-def calibration(profile: Profile, arrangements: list[tuple[dict[str, int], list[dict]]]) -> dict:
-    """Per thread count, the prompt-step and decode-step factors of every given arrangement's
-    measured steps together ((threads by role, runs) pairs), against `profile` (uncalibrated):
-    what `parse_profile` applies when a profile carries it as `trial_calibration.threads`."""
-    pooled: dict[str, tuple[list[float], list[float]]] = {}
-    for threads_by_role, runs in arrangements:
-        for key, (measured, predicted) in _kind_times(profile, threads_by_role, runs).items():
-            m, p = pooled.setdefault(key, ([], []))
-            m.extend(measured)
-            p.extend(predicted)
-    out = {}
-    for threads in sorted({key.split(":")[1] for key in pooled}, key=int):
-        entry = {}
-        for kind in ("prefill", "decode"):
-            summary = _summary(*pooled.get(f"threads:{threads}:kind:{kind}", ([], [])))
-            if summary:
-                entry[kind], entry[f"{kind}_steps"] = summary["time_weighted"], summary["num_steps"]
-        pair = _factor_pair(entry.get("prefill"), entry.get("decode"), None)
-        if pair:
-            out[threads] = {**entry, "prefill": pair[0], "decode": pair[1]}
-    return out
-
-
-def _kind_times(profile: Profile, threads_by_role: dict[str, int], runs: list[dict]) -> dict:
-    """threads:N:kind:K -> (measured seconds, predicted seconds) per step: the loop turn where it was
-    measured, the model's own time otherwise."""
-    out: dict[str, tuple[list[float], list[float]]] = {}
+def trial_samples(threads_by_role: dict[str, int], runs: list[dict]) -> dict[int, list[OnlineSample]]:
+    """Every run's measured steps by thread count: the engine loop's turn where it was measured (what
+    the instance's time went to), the model's own seconds otherwise."""
+    out: dict[int, list[OnlineSample]] = {}
     for run in runs:
         steps = (run.get("summary") or {}).get("engine_steps") or {}
         if (steps.get("fields") or [])[:6] != list(SAMPLE_FIELDS):
@@ -155,9 +103,43 @@ def _kind_times(profile: Profile, threads_by_role: dict[str, int], runs: list[di
             threads = threads_by_role.get(inst.get("role"))
             if threads is None:
                 continue
-            model = profile.steps.for_threads(threads)
-            for p, attn, d, kv, seconds, loop in inst.get("samples") or []:
-                measured, predicted = out.setdefault(f"threads:{threads}:kind:{'prefill' if p else 'decode'}", ([], []))
-                measured.append(loop if loop > 0 else seconds)
-                predicted.append(model.predict(StepShape(int(p), float(attn), int(d), int(kv))))
+            out.setdefault(threads, []).extend(
+                OnlineSample(StepShape(int(p), float(attn), int(d), int(kv)), loop if loop > 0 else seconds)
+                for p, attn, d, kv, seconds, loop in inst.get("samples") or [])
     return out
+
+
+def refit(profile: Profile, samples: dict[int, list[OnlineSample]]) -> dict[int, OnlineStepModel]:
+    """Per thread count with enough steps, the step model refitted on the trial's steps with the
+    profile's model as the prior (online_stepmodel.py, the mix controller's own fit): where the
+    trial's steps speak (chat-sized prompts, its decode batches) they decide; elsewhere (prompts far
+    longer than it ran) the profile's shape holds."""
+    out = {}
+    for threads, measured in sorted(samples.items()):
+        online = OnlineStepModel(profile.steps.for_threads(threads))
+        online.refit(measured)
+        if online.ready:
+            out[threads] = online
+    return out
+
+
+def with_models(profile: Profile, models: dict[int, StepModel]) -> Profile:
+    """The profile with these thread counts' step models replaced, and no separate neighbour factor:
+    steps measured in a trial already ran beside their neighbours."""
+    by_threads = {**profile.steps.by_threads, **models}
+    return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
+                               host_contention=1.0)
+
+
+def calibration(profile: Profile, arrangements: list[tuple[dict[str, int], list[dict]]]) -> dict:
+    """`trial_calibration.threads` for a profile: per thread count, the step model refitted on every
+    given arrangement's steps together ((threads by role, runs) pairs) with `profile` (uncalibrated)
+    as the prior, with how many steps it saw and how well it fits them."""
+    pooled: dict[int, list[OnlineSample]] = {}
+    for threads_by_role, runs in arrangements:
+        for threads, samples in trial_samples(threads_by_role, runs).items():
+            pooled.setdefault(threads, []).extend(samples)
+    return {str(threads): {"step_model": online.model.to_dict(), "num_steps": online.num_samples,
+                           "num_prompt_steps": sum(1 for x in pooled[threads] if x.shape.prefill_tokens),
+                           "median_abs_rel_error": online.median_error}
+            for threads, online in refit(profile, pooled).items()}
