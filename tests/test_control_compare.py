@@ -307,6 +307,9 @@ def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_prof
     (tmp_path / "r.json").write_text(json.dumps(doc))
     assert main([str(tmp_path / "p.json"), str(tmp_path / "r.json"), "--calibrate-out", str(tmp_path / "c.json")]) == 0
     assert json.loads((tmp_path / "c.json").read_text())["trial_calibration"]["threads"]["1"]["num_steps"] == 120
+    assert main([str(tmp_path / "p.json"), str(tmp_path / "r.json"), "--calibrate-out", str(tmp_path / "c2.json"),
+                 "--calibrate-with", str(tmp_path / "r.json")]) == 0  # two trials' steps pool
+    assert json.loads((tmp_path / "c2.json").read_text())["trial_calibration"]["threads"]["1"]["num_steps"] == 240
     (tmp_path / "r0.json").write_text(json.dumps(results_doc()))
     assert main([str(tmp_path / "p.json"), str(tmp_path / "r0.json"), "--calibrate-out", str(tmp_path / "d.json")]) == 2
     assert not (tmp_path / "d.json").exists()

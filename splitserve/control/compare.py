@@ -18,7 +18,7 @@ predicted a second time with the step model refitted on the trial's own steps (t
 prior): the first error minus the second is what step time explains.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
-        [--calibrate-out calibrated-profile.json]
+        [--calibrate-out calibrated-profile.json [--calibrate-with other-results.json ...]]
 """
 from __future__ import annotations
 
@@ -245,14 +245,15 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                         "same_top_two": top_pred == top_meas}}
 
 
-def calibrated_profile(profile_doc: dict, results: dict, source: str) -> dict:
+def calibrated_profile(profile_doc: dict, results: dict | list[dict], source: str) -> dict:
     """profile_doc (a profile.json's content) with `trial_calibration` from this trial's engine steps:
     per thread count, the step model refitted on every modelled arrangement's steps together, the
     profile without any calibration it had as the prior. ValueError when the trial kept no steps (older results, another server)."""
     base = {k: v for k, v in profile_doc.items() if k != "trial_calibration"}
     profile = parse_profile(base)
+    trials = results if isinstance(results, list) else [results]
     arrangements = []
-    for arr_doc in results["arrangements"]:
+    for arr_doc in (a for r in trials for a in r["arrangements"]):
         launch = arr_doc.get("launch") or {}
         if not launch.get("serve") or unmodelled(launch["serve"], (base.get("model") or {}).get("weight_format")):
             continue
@@ -262,7 +263,8 @@ def calibrated_profile(profile_doc: dict, results: dict, source: str) -> dict:
     if not threads:
         raise ValueError(f"{source}: no engine steps to calibrate from (the trial must run splitserve serve "
                          "arrangements with a splitserve that answers GET /admin/steps)")
-    return {**base, "trial_calibration": {"source": source, "trial": results.get("trial"), "threads": threads}}
+    return {**base, "trial_calibration": {"source": source, "trials": [r.get("trial") for r in trials],
+                                          "threads": threads}}
 
 
 def _cell(metric: str, value) -> str:
@@ -318,13 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-out", default=None, metavar="PROFILE.json",
                         help="also write the profile calibrated by this trial's engine steps (per thread count, the step "
                              "model refitted on them), for `splitserve plan --profile` and later compares")
+    parser.add_argument("--calibrate-with", action="append", default=[], metavar="RESULTS.json",
+                        help="more trials whose engine steps the calibration pools with this one's (repeatable)")
     args = parser.parse_args(argv)
     try:
         plan_doc = json.loads(pathlib.Path(args.plan).read_text())
         profile = profile_of(plan_doc, args.plan)
         results = json.loads(pathlib.Path(args.results).read_text())
         doc = compare_results(profile, results, args.target, spec_path=args.spec)
-        calibrated = (calibrated_profile(profile.raw, results, args.results) if args.calibrate_out else None)
+        more = [json.loads(pathlib.Path(path).read_text()) for path in args.calibrate_with]
+        calibrated = (calibrated_profile(profile.raw, [results, *more], ", ".join([args.results, *args.calibrate_with]))
+                      if args.calibrate_out else None)
     except (OSError, json.JSONDecodeError, ProfileError, SpecError, ValueError, KeyError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
