@@ -16,7 +16,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NAME = "splitserve_gguf_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "prefill_attention.cpp",
+                                                                "fused_ops.cpp")]
 HEADERS = [Path(__file__).with_name("vec_math.h")]  # not compiled alone; a change still makes the build stale
 BUILD_DIR = Path(__file__).with_name("_build")
 # -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does. -fopenmp: ATen's

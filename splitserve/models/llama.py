@@ -142,7 +142,7 @@ class LlamaModel:
         n = batch.input_ids.shape[0]
         x = self.embed.rows(batch.input_ids).dequantize() if isinstance(self.embed, GGUFBlocks) \
             else self.embed[batch.input_ids]  # [n, hidden]
-        # The C++ kernel reads each decode's own blocks in place; the torch path gathers them and
+        # The C++ kernels read each sequence's own blocks in place; the torch path gathers them and
         # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
         paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         decode_biases = []
@@ -174,9 +174,11 @@ class LlamaModel:
                 attn[s] = paged.paged_decode_attention(q[s], kv_layer, group.block_tables, group.context_lens,
                                                        self.scale) if paged else \
                     self._decode_attention(q[s], kv_layer, group.block_tables, decode_biases[gi])
-            for chunk in batch.prefills:
+            for chunk in batch.prefills:  # the chunk's own K/V are in the cache already (rope_kv_write)
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
-                attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
+                attn[s] = paged.paged_prefill_attention(q[s], kv_layer, chunk.block_ids, chunk.num_context_tokens,
+                                                        self.scale) if paged else \
+                    self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
             h = add_rms_norm(x, linear(attn.view(n, nq * hd), layer["o"]), layer["post_norm"], eps)
             delta = linear(silu_mul(linear(h, layer["gate_up"])), layer["down"])
         x = x[batch.sample_indices] + delta[batch.sample_indices]
