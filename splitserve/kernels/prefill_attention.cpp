@@ -3,11 +3,11 @@
 // a whole prompt (ctx == t) and a chunk after cached context, with no gather and no mask tensor.
 //
 // Per task (one KV head, a tile of query tokens with all `group` query heads of that KV head as
-// rows, so each key tile is read once for the group), keys are walked 16 at a time with an online
+// rows, so each key is read once for the group), keys are walked 16 at a time with an online
 // softmax (running max and sum per row; the accumulator is rescaled as the max grows). Tiles past
-// the diagonal are skipped; only tiles that cross it are masked. S = Q K^T and O += P V are 6 x 16
-// register tiles: 12 accumulators, two 8-float loads and one broadcast fit AVX2's 16 registers.
-// The keys are first packed transposed ([hd][16] per tile) so S's tile reads whole vectors.
+// the diagonal are skipped; only tiles that cross it are masked. Query rows live in vector lanes
+// (q, scores and the output are kept transposed per task), so the softmax's row maxima and sums
+// are plain vector ops, and keys and values are read in place as broadcasts, never copied.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,9 +20,11 @@
 
 namespace {
 
-constexpr int64_t kKeys = 16;   // keys per tile (one block of the default cache layout)
-constexpr int64_t kRows = 6;    // query rows per register tile
-constexpr int64_t kTokens = 16;  // query tokens per task tile (times `group` rows)
+constexpr int64_t kKeys = 16;  // keys per tile (one block of the default cache layout)
+constexpr int64_t kVecs = 3;   // row vectors per register tile: 24 query rows in the lanes
+constexpr int64_t kRows = 8 * kVecs;
+constexpr int64_t kCols = 4;   // keys (S) or head dims (O) per register tile, each a broadcast
+constexpr int64_t kTaskRows = 2 * kRows;  // query rows per task tile: tokens x group, padded
 
 ALWAYS_INLINE v8f load8(const float* p) {
   v8f v;
@@ -32,12 +34,10 @@ ALWAYS_INLINE v8f load8(const float* p) {
 
 ALWAYS_INLINE void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof v); }
 
-ALWAYS_INLINE v8f splat(float x) { return v8f{} + x; }
+// The instructions below are written out because intrinsics may not be inlined into these generic
+// helpers (GCC refuses the target mismatch before they are inlined into the AVX2 and AVX-512 tiles).
 
-// a * b + c; one rounding with FMA (the build's -ffp-contract=off keeps a * b + c two otherwise).
-// The instructions are written out because intrinsics may not be inlined into these generic helpers
-// (GCC refuses the target mismatch before they are inlined into the AVX2 and AVX-512 tiles).
-// *p in every lane; one vbroadcastss from memory (GCC builds the generic splat from scalar inserts).
+// *p in every lane, one vbroadcastss from memory (GCC builds the generic splat from scalar inserts).
 template <bool FMA>
 ALWAYS_INLINE v8f broadcast(const float* p) {
   if constexpr (FMA) {
@@ -45,183 +45,196 @@ ALWAYS_INLINE v8f broadcast(const float* p) {
     asm("vbroadcastss %[p], %[r]" : [r] "=x"(r) : [p] "m"(*p));
     return r;
   } else {
-    return splat(*p);
+    return v8f{} + *p;
   }
 }
 
+// a * b + c; one rounding with FMA (the build's -ffp-contract=off keeps a * b + c two otherwise).
 template <bool FMA>
 ALWAYS_INLINE v8f madd(v8f a, v8f b, v8f c) {
   if constexpr (FMA) {
-    asm("vfmadd231ps %[b], %[a], %[c]" : [c] "+x"(c) : [a] "x"(a), [b] "xm"(b));
+    asm("vfmadd231ps %[b], %[a], %[c]" : [c] "+x"(c) : [a] "x"(a), [b] "x"(b));
     return c;
   } else {
     return a * b + c;
   }
 }
 
-ALWAYS_INLINE float hmax8(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+// 2^x for x <= 0 (scores come scaled by log2 e): 2^n from the exponent bits, 2^f on [-1/2, 1/2] by
+// Cephes' exp2f polynomial (within 2 ulp). Below 2^-125 (nothing next to the row's maximum of 1) it
+// stays there, so -inf and the first tile's correction are finite and no result is subnormal.
+template <bool FMA>
+ALWAYS_INLINE v8f exp2_nonpositive(v8f x) {
+  const v8f lo = v8f{} - 125.f, shifter = v8f{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < lo ? lo : x;
+  const v8f big = x + shifter;
+  const v8f f = x - (big - shifter);
+  v8f p = madd<FMA>(v8f{} + 1.535336188319500e-4f, f, v8f{} + 1.339887440266574e-3f);
+  p = madd<FMA>(p, f, v8f{} + 9.618437357674640e-3f);
+  p = madd<FMA>(p, f, v8f{} + 5.550332471162809e-2f);
+  p = madd<FMA>(p, f, v8f{} + 2.402264791363012e-1f);
+  p = madd<FMA>(p, f, v8f{} + 6.931472028550421e-1f);
+  p = madd<FMA>(p, f, v8f{} + 1.f);
+  // big's low mantissa bits hold the integer n (two's complement): shifted into the exponent field
+  return (v8f)((v8i)p + ((v8i)big << 23));
 }
 
-// s[6][16] = q[6 rows, ldq apart] . kt[hdp][16]
+// Register tiles keep 24 query rows in the lanes of three vectors and take 4 columns as broadcasts:
+// 12 accumulators, 3 row vectors and a broadcast are AVX2's 16 registers.
+//
+// st[c][0:24] = sum_d qt[d][0:24] * key_c[d] for 4 keys
 template <bool FMA>
-ALWAYS_INLINE void score_tile(const float* q, int64_t ldq, const float* kt, int64_t hdp, float* s) {
-  v8f acc[kRows][2] = {};
-  for (int64_t d = 0; d < hdp; ++d) {
-    const v8f k0 = load8(kt + d * kKeys), k1 = load8(kt + d * kKeys + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < kRows; ++r) {
-      const v8f qb = broadcast<FMA>(q + r * ldq + d);
-      acc[r][0] = madd<FMA>(qb, k0, acc[r][0]);
-      acc[r][1] = madd<FMA>(qb, k1, acc[r][1]);
+ALWAYS_INLINE void score_tile(const float* qt, int64_t ldq, const float* const* keys, int64_t hd, float* st,
+                              int64_t lds) {
+  v8f acc[kCols][kVecs] = {};
+  const float *k0 = keys[0], *k1 = keys[1], *k2 = keys[2], *k3 = keys[3];
+  for (int64_t d = 0; d < hd; ++d, qt += ldq) {
+    const v8f q0 = load8(qt), q1 = load8(qt + 8), q2 = load8(qt + 16);
+    const float* kc[kCols] = {k0 + d, k1 + d, k2 + d, k3 + d};
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) {
+      const v8f kb = broadcast<FMA>(kc[c]);
+      acc[c][0] = madd<FMA>(q0, kb, acc[c][0]);
+      acc[c][1] = madd<FMA>(q1, kb, acc[c][1]);
+      acc[c][2] = madd<FMA>(q2, kb, acc[c][2]);
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < kRows; ++r) {
-    store8(s + r * kKeys, acc[r][0]);
-    store8(s + r * kKeys + 8, acc[r][1]);
-  }
+#pragma GCC unroll 4
+  for (int c = 0; c < kCols; ++c)
+    for (int i = 0; i < kVecs; ++i) store8(st + c * lds + 8 * i, acc[c][i]);
 }
 
-// o[6 rows, ldo apart][16 columns] = o * corr[row] + p[6][0:n] . v[n rows, ldv apart][16 columns]
-template <bool FMA>
-ALWAYS_INLINE void value_tile(const float* p, const float* v, int64_t ldv, int64_t n, const float* corr, float* o,
-                              int64_t ldo) {
-  v8f acc[kRows][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < kRows; ++r) {
-    const v8f c = splat(corr[r]);
-    acc[r][0] = load8(o + r * ldo) * c;
-    acc[r][1] = load8(o + r * ldo + 8) * c;
+// ot[c][0:24] = ot[c][0:24] * corr[0:24] + sum_j pt[j][0:24] * value_j[col + c] for C head dims, n keys
+template <bool FMA, int C>
+ALWAYS_INLINE void value_tile(const float* pt, int64_t ldp, const float* const* values, int64_t col, int64_t n,
+                              const float* corr, float* ot, int64_t ldo) {
+  v8f acc[C][kVecs];
+  const v8f c0 = load8(corr), c1 = load8(corr + 8), c2 = load8(corr + 16);
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    acc[c][0] = load8(ot + c * ldo) * c0;
+    acc[c][1] = load8(ot + c * ldo + 8) * c1;
+    acc[c][2] = load8(ot + c * ldo + 16) * c2;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const v8f v0 = load8(v + j * ldv), v1 = load8(v + j * ldv + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < kRows; ++r) {
-      const v8f pb = broadcast<FMA>(p + r * kKeys + j);
-      acc[r][0] = madd<FMA>(pb, v0, acc[r][0]);
-      acc[r][1] = madd<FMA>(pb, v1, acc[r][1]);
+  for (int64_t j = 0; j < n; ++j, pt += ldp) {
+    const v8f p0 = load8(pt), p1 = load8(pt + 8), p2 = load8(pt + 16);
+    const float* v = values[j] + col;
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const v8f vb = broadcast<FMA>(v + c);
+      acc[c][0] = madd<FMA>(p0, vb, acc[c][0]);
+      acc[c][1] = madd<FMA>(p1, vb, acc[c][1]);
+      acc[c][2] = madd<FMA>(p2, vb, acc[c][2]);
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < kRows; ++r) {
-    store8(o + r * ldo, acc[r][0]);
-    store8(o + r * ldo + 8, acc[r][1]);
-  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < kVecs; ++i) store8(ot + c * ldo + 8 * i, acc[c][i]);
 }
 
 struct Problem {
   const float* q;  // [t, nq, hd] with row strides q_token, q_head
   int64_t q_token, q_head;
-  const float* kt;  // [nkv, num_key_tiles, hdp, 16] packed keys, zero past ctx and hd
-  const float* values;  // [nkv] head bases: paged blocks, or packed [ctx, hdp] rows
-  int64_t v_head;  // distance between heads' value bases
-  bool values_packed;
+  const float* keys;  // [nkv, num_blocks, block_size, hd]
+  const float* values;
+  int64_t head_stride;
   const int64_t* blocks;
   int64_t block_size;
-  int64_t t, ctx, group, nkv, hd, hdp, num_key_tiles;
+  int64_t t, ctx, group, nkv, hd;
+  int64_t tokens_per_tile;
   float scale;
   float* out;  // [t, nq, hd]
 };
 
-// The value rows of key tile k0 for head h: a pointer and a row stride.
-ALWAYS_INLINE const float* value_rows(const Problem& pb, int64_t h, int64_t k0, int64_t* ldv) {
-  const float* base = pb.values + h * pb.v_head;
-  if (pb.values_packed) {
-    *ldv = pb.hdp;
-    return base + k0 * pb.hdp;
-  }
-  *ldv = pb.hd;
-  return base + (pb.blocks[k0 / pb.block_size] * pb.block_size + k0 % pb.block_size) * pb.hd;
-}
-
 struct Scratch {
-  std::vector<float> q, o, s, m, mnew, corr, l;
-  void reserve(int64_t rows, int64_t hdp) {
-    q.resize(rows * hdp);
-    o.resize(rows * hdp);
-    s.resize(rows * kKeys);
-    m.resize(rows);
-    mnew.resize(rows);
-    corr.resize(rows);
-    l.resize(rows * 8);
-  }
+  std::vector<float> qt, ot, st, pos, m, l, corr;
+  std::vector<const float*> krows, vrows;
 };
 
-// Query tokens i0 .. i0 + n - 1 of KV head h: rows r = token * group + g, padded to a multiple of 6
-// with copies of the last token's position (their results are dropped).
+// Query tokens i0 .. i0 + n - 1 of KV head h. Row r = token * group + g sits in lane r of the
+// transposed tiles ([hd][rows] for q and the output, [keys][rows] for scores); rows past n * group
+// pad to a multiple of 24 and repeat the last token's position (their results are dropped).
 template <bool FMA>
 ALWAYS_INLINE void attend_tile(const Problem& pb, int64_t h, int64_t i0, int64_t n, Scratch& sc) {
-  const int64_t G = pb.group, hdp = pb.hdp, hd = pb.hd;
-  const int64_t rows = n * G, padded = (rows + kRows - 1) / kRows * kRows;
-  sc.reserve(padded, hdp);
-  float *q = sc.q.data(), *o = sc.o.data(), *s = sc.s.data();
-  float *m = sc.m.data(), *mnew = sc.mnew.data(), *corr = sc.corr.data(), *l = sc.l.data();
-  std::fill(sc.q.begin(), sc.q.begin() + padded * hdp, 0.f);
-  std::fill(sc.o.begin(), sc.o.begin() + padded * hdp, 0.f);
-  std::fill(sc.l.begin(), sc.l.begin() + padded * 8, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + padded, -std::numeric_limits<float>::infinity());
+  const int64_t G = pb.group, hd = pb.hd;
+  const int64_t rows = n * G, M = (rows + kRows - 1) / kRows * kRows;
+  sc.qt.assign(hd * M, 0.f);
+  sc.ot.assign(hd * M, 0.f);
+  sc.st.resize(kKeys * M);
+  sc.pos.resize(M);
+  sc.m.assign(M, -std::numeric_limits<float>::infinity());
+  sc.l.assign(M, 0.f);
+  sc.corr.resize(M);
+  sc.krows.resize(kKeys);
+  sc.vrows.resize(kKeys);
+  float *qt = sc.qt.data(), *ot = sc.ot.data(), *st = sc.st.data(), *pos = sc.pos.data();
+  float *m = sc.m.data(), *l = sc.l.data(), *corr = sc.corr.data();
+  const float** krows = sc.krows.data();
+  const float** vrows = sc.vrows.data();
+  const int64_t first_pos = pb.ctx - pb.t + i0, last_pos = first_pos + n - 1;
+  for (int64_t r = 0; r < M; ++r) pos[r] = static_cast<float>(first_pos + std::min(r / G, n - 1));
+  const float scale = pb.scale * 1.44269504088896341f;  // log2 e: the softmax runs in powers of 2
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = pb.q + (i0 + r / G) * pb.q_token + (h * G + r % G) * pb.q_head;
-    for (int64_t d = 0; d < hd; ++d) q[r * hdp + d] = src[d] * pb.scale;
+    for (int64_t d = 0; d < hd; ++d) qt[d * M + r] = src[d] * scale;
   }
-  const int64_t first_pos = pb.ctx - pb.t + i0;  // the tile's first query position
-  const int64_t last_pos = first_pos + n - 1;
-  const v8f lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const float* key_base = pb.keys + h * pb.head_stride;
+  const float* value_base = pb.values + h * pb.head_stride;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
-    const bool diagonal = k0 + kKeys - 1 > first_pos;
-    const float* kt = pb.kt + (h * pb.num_key_tiles + k0 / kKeys) * hdp * kKeys;
-    for (int64_t r = 0; r < padded; r += kRows) score_tile<FMA>(q + r * hdp, hdp, kt, hdp, s + r * kKeys);
-    for (int64_t r = 0; r < padded; ++r) {
-      v8f s0 = load8(s + r * kKeys), s1 = load8(s + r * kKeys + 8);
-      if (diagonal) {  // key k0 + j is visible to this row while k0 + j <= its position
-        const int64_t pos = first_pos + std::min(r / G, n - 1);
-        const float visible = static_cast<float>(pos - k0);  // lanes j <= visible are kept
-        s0 = lane <= visible ? s0 : neg_inf;
-        s1 = lane + 8.f <= visible ? s1 : neg_inf;
-        store8(s + r * kKeys, s0);
-        store8(s + r * kKeys + 8, s1);
+    // keys past the last visible one point at it: every read stays inside the context, and the
+    // mask drops them
+    const int64_t num_keys = std::min(kKeys, last_pos + 1 - k0);
+    for (int64_t j = 0, b = k0 / pb.block_size, o = k0 % pb.block_size; j < kKeys; ++j) {
+      if (j < num_keys) {
+        const int64_t offset = (pb.blocks[b] * pb.block_size + o) * hd;
+        krows[j] = key_base + offset;
+        vrows[j] = value_base + offset;
+        if (++o == pb.block_size) o = 0, ++b;
+      } else {
+        krows[j] = krows[num_keys - 1];
+        vrows[j] = vrows[num_keys - 1];
       }
-      const float best = hmax8(s0 > s1 ? s0 : s1);
-      mnew[r] = best > m[r] ? best : m[r];  // finite: every row sees key 0 in the first tile
     }
-    for (int64_t r = 0; r < padded; r += 8) {
-      v8f mo = {}, mn = {};
-      const int64_t k = std::min<int64_t>(8, padded - r);
-      __builtin_memcpy(&mo, m + r, k * sizeof(float));
-      __builtin_memcpy(&mn, mnew + r, k * sizeof(float));
-      const v8f c = exp8(mo - mn);  // exp(-inf) clamps to ~1e-38: times the zeros of a first tile
-      __builtin_memcpy(corr + r, &c, k * sizeof(float));
-      __builtin_memcpy(m + r, &mn, k * sizeof(float));
-    }
-    for (int64_t r = 0; r < padded; ++r) {
-      const float mr = m[r];
-      v8f s0 = load8(s + r * kKeys), s1 = load8(s + r * kKeys + 8);
-      v8f p0 = exp8(s0 - mr), p1 = exp8(s1 - mr);
-      if (diagonal) {
-        p0 = s0 == neg_inf ? 0.f : p0;
-        p1 = s1 == neg_inf ? 0.f : p1;
+    for (int64_t j = 0; j < kKeys; j += kCols)
+      for (int64_t r = 0; r < M; r += kRows) score_tile<FMA>(qt + r, M, krows + j, hd, st + j * M + r, M);
+    const bool diagonal = k0 + kKeys - 1 > first_pos;  // some key here is past some row's position
+    for (int64_t r = 0; r < M; r += 8) {
+      const v8f row_pos = load8(pos + r);
+      v8f best = load8(m + r);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        v8f s = load8(st + j * M + r);
+        if (diagonal) {
+          s = static_cast<float>(k0 + j) <= row_pos ? s : neg_inf;
+          store8(st + j * M + r, s);
+        }
+        best = s > best ? s : best;  // finite: every row sees key 0 in the first tile
       }
-      store8(s + r * kKeys, p0);
-      store8(s + r * kKeys + 8, p1);
-      store8(l + r * 8, load8(l + r * 8) * corr[r] + (p0 + p1));
+      const v8f c = exp2_nonpositive<FMA>(load8(m + r) - best);  // first tile: ~2^-125 times zeros
+      store8(corr + r, c);
+      store8(m + r, best);
+      v8f sum = {};
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const v8f s = load8(st + j * M + r);
+        v8f p = exp2_nonpositive<FMA>(s - best);
+        if (diagonal) p = s == neg_inf ? 0.f : p;
+        store8(st + j * M + r, p);
+        sum += p;
+      }
+      store8(l + r, load8(l + r) * c + sum);
     }
-    int64_t ldv;
-    const float* v = value_rows(pb, h, k0, &ldv);
-    // rows past ctx (a partial last tile) may hold anything: never read them
-    const int64_t nkeys = std::min(kKeys, last_pos + 1 - k0);
-    for (int64_t c = 0; c < hdp; c += kKeys)
-      for (int64_t r = 0; r < padded; r += kRows)
-        value_tile<FMA>(s + r * kKeys, v + c, ldv, nkeys, corr + r, o + r * hdp + c, hdp);
+    for (int64_t r = 0; r < M; r += kRows) {
+      int64_t d = 0;
+      for (; d + kCols <= hd; d += kCols)
+        value_tile<FMA, kCols>(st + r, M, vrows, d, num_keys, corr + r, ot + d * M + r, M);
+      for (; d < hd; ++d)  // the remaining head dims, one at a time
+        value_tile<FMA, 1>(st + r, M, vrows, d, num_keys, corr + r, ot + d * M + r, M);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const v8f lr = load8(l + r * 8);
-    const float inv = 1.f / (((lr[0] + lr[4]) + (lr[1] + lr[5])) + ((lr[2] + lr[6]) + (lr[3] + lr[7])));
+    const float inv = 1.f / l[r];
     float* dst = pb.out + ((i0 + r / G) * pb.nkv * G + h * G + r % G) * hd;
-    for (int64_t d = 0; d < hd; ++d) dst[d] = o[r * hdp + d] * inv;
+    for (int64_t d = 0; d < hd; ++d) dst[d] = ot[d * M + r] * inv;
   }
 }
 
@@ -245,14 +258,14 @@ void tile_scalar(const Problem& pb, int64_t h, int64_t i0, int64_t n, Scratch& s
 // Tasks pair query tile j with tile (count - 1 - j), so under the causal mask every task costs
 // about the same and at::parallel_for's equal split of the task range balances the threads.
 void attend(const Problem& pb, TileFn tile_fn) {
-  const int64_t tiles = (pb.t + kTokens - 1) / kTokens, pairs = (tiles + 1) / 2;
+  const int64_t tt = pb.tokens_per_tile, tiles = (pb.t + tt - 1) / tt, pairs = (tiles + 1) / 2;
   at::parallel_for(0, pb.nkv * pairs, 1, [&](int64_t begin, int64_t end) {
     Scratch sc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / pairs, j = task % pairs;
-      const int64_t a = j * kTokens, b = (tiles - 1 - j) * kTokens;
-      tile_fn(pb, h, a, std::min(kTokens, pb.t - a), sc);
-      if (b != a) tile_fn(pb, h, b, std::min(kTokens, pb.t - b), sc);
+      const int64_t a = j * tt, b = (tiles - 1 - j) * tt;
+      tile_fn(pb, h, a, std::min(tt, pb.t - a), sc);
+      if (b != a) tile_fn(pb, h, b, std::min(tt, pb.t - b), sc);
     }
   });
 }
@@ -280,36 +293,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_layer, t
   for (int64_t b = 0; b < used_blocks; ++b)
     TORCH_CHECK(blocks[b] >= 0 && blocks[b] < num_blocks, "block id out of range");
   auto out = torch::empty({t, nq, hd}, q.options());
-
-  const int64_t hdp = (hd + kKeys - 1) / kKeys * kKeys, tiles = (ctx + kKeys - 1) / kKeys;
-  const int64_t head_stride = num_blocks * block_size * hd;
+  const int64_t group = nq / nkv;
   const float* kp = kv_layer.data_ptr<float>();
-  const float* vp = kp + nkv * head_stride;
-  auto key_row = [&](int64_t pos) { return (blocks[pos / block_size] * block_size + pos % block_size) * hd; };
-  // A 16-key tile lies inside one block when blocks are whole tiles; value rows are then read in
-  // place, else (and for a head_dim not a multiple of 16) copied to [ctx, hdp] rows first.
-  const bool pack_values = block_size % kKeys != 0 || hd != hdp;
-  std::vector<float> kt(static_cast<size_t>(nkv * tiles * hdp * kKeys), 0.f);
-  std::vector<float> vpacked(pack_values ? static_cast<size_t>(nkv * tiles * kKeys * hdp) : 0, 0.f);
-  at::parallel_for(0, nkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / tiles, k0 = task % tiles * kKeys;
-      float* dst = kt.data() + task * hdp * kKeys;
-      for (int64_t j = 0; j < kKeys && k0 + j < ctx; ++j) {
-        const float* src = kp + h * head_stride + key_row(k0 + j);
-        for (int64_t d = 0; d < hd; ++d) dst[d * kKeys + j] = src[d];
-        if (pack_values) {
-          const float* vsrc = vp + h * head_stride + key_row(k0 + j);
-          std::copy(vsrc, vsrc + hd, vpacked.data() + (h * tiles * kKeys + k0 + j) * hdp);
-        }
-      }
-    }
-  });
-
-  Problem pb{q.data_ptr<float>(), q.stride(0), q.stride(1), kt.data(),
-             pack_values ? vpacked.data() : vp, pack_values ? tiles * kKeys * hdp : head_stride, pack_values,
-             blocks, block_size, t, ctx, nq / nkv, nkv, hd, hdp, tiles, static_cast<float>(scale),
-             out.data_ptr<float>()};
+  const int64_t head_stride = num_blocks * block_size * hd;
+  Problem pb{q.data_ptr<float>(), q.stride(0), q.stride(1), kp, kp + nkv * head_stride, head_stride, blocks,
+             block_size, t, ctx, group, nkv, hd, std::max<int64_t>(1, kTaskRows / group),
+             static_cast<float>(scale), out.data_ptr<float>()};
   const int level = splitserve_isa_level();
   attend(pb, level == 2 ? tile_avx512 : level == 1 ? tile_avx2 : tile_scalar);
   return out;
