@@ -1,4 +1,4 @@
-"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention, the fused elementwise ops
+"""Optional C++ CPU kernels (GGUF block matmul, paged decode and prefill attention, the fused elementwise ops
 between them), built by `make setup`; pure-torch code stands in
 when they are absent (no compiler, or an out-of-date build), with the same results.
 

@@ -34,8 +34,9 @@ ALWAYS_INLINE v8f load8(const float* p) {
 
 ALWAYS_INLINE void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// The instructions below are written out because intrinsics may not be inlined into these generic
-// helpers (GCC refuses the target mismatch before they are inlined into the AVX2 and AVX-512 tiles).
+// FMA: the helpers are instantiated in the AVX2 and AVX-512 tiles (true) or the baseline one. The
+// instructions are written out because intrinsics may not be inlined into these generic helpers
+// (GCC refuses the target mismatch before they are inlined into the AVX2 and AVX-512 tiles).
 
 // *p in every lane, one vbroadcastss from memory (GCC builds the generic splat from scalar inserts).
 template <bool FMA>

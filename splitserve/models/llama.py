@@ -191,7 +191,7 @@ class LlamaModel:
         return kv_layer.index_select(2, block_ids.flatten()).flatten(2, 3)
 
     def _prefill_attention(self, q, k, v, kv_layer, chunk: PrefillChunk) -> torch.Tensor:
-        # q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
+        # The torch path of the C++ paged_prefill_attention. q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
         t, ctx = chunk.num_tokens, chunk.num_context_tokens
         if ctx == t:  # nothing cached before this chunk: attend to the chunk itself, causally
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
