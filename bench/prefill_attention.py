@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -33,6 +34,19 @@ def torch_path(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
                                num_kv_heads=num_kv_heads, head_dim=head_dim)
     model.scale, model.block_size = head_dim ** -0.5, block_size
     return model
+
+
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it (model name, family/model), and its widest vector set."""
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                    if ":" in line)
+    except OSError:
+        return platform.processor() or platform.machine()
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = info.get("flags", "").split()
+    widest = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, {widest})"
 
 
 def causal_flops(t: int, ctx: int, num_heads: int, head_dim: int) -> int:
@@ -68,6 +82,7 @@ def main() -> None:
     reference = torch_path(nq, nkv, hd, bs)
     g = torch.Generator().manual_seed(0)
     rows = []
+    print(f"CPU: {cpu_name()}; kernel instruction set: {module.isa()}")
     for case in args.cases:
         t, ctx = (int(x) for x in case.split(":"))
         num_needed = -(-ctx // bs)
@@ -99,7 +114,7 @@ def main() -> None:
                       f" | GFLOP/s {min(gflops):5.1f}-{max(gflops):5.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            json.dump({"cpu": cpu_name(), "threads_available": os.cpu_count(), "torch": torch.__version__,
                        "shape": {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd, "block_size": bs},
                        "rows": rows}, f, indent=1)
 
