@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from splitserve import kernels
 from splitserve_runs import _params, _random_prompt, _run_until_first_token, build_engine
 
-WRAPPED = ("linear", "linear_q8", "paged_decode_attention", "dequantize", "add_rms_norm", "rope_kv_write",
-           "silu_mul")
+WRAPPED = ("linear", "linear_q8", "paged_decode_attention", "paged_prefill_attention", "dequantize", "add_rms_norm",
+           "rope_kv_write", "silu_mul")
 
 
 def wrap_kernels() -> None:

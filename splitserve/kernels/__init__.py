@@ -1,4 +1,4 @@
-"""Optional C++ CPU kernels (GGUF block matmul, paged decode attention, the fused elementwise ops
+"""Optional C++ CPU kernels (GGUF block matmul, paged decode and prefill attention, the fused elementwise ops
 between them), built by `make setup`; pure-torch code stands in
 when they are absent (no compiler, or an out-of-date build), with the same results.
 
@@ -16,7 +16,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NAME = "splitserve_gguf_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "prefill_attention.cpp",
+                                                                "fused_ops.cpp")]
 HEADERS = [Path(__file__).with_name("vec_math.h")]  # not compiled alone; a change still makes the build stale
 BUILD_DIR = Path(__file__).with_name("_build")
 # -ffp-contract=off keeps d * q + m a multiply then an add, as gguf-py does. -fopenmp: ATen's

@@ -517,6 +517,8 @@ int splitserve_isa_level() { return g_isa == Isa::kAvx512 ? 2 : g_isa == Isa::kA
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);  // paged_attention.cpp
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_ids,
+                                      int64_t num_context_tokens, double scale);  // prefill_attention.cpp
 // fused_ops.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 void rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
@@ -530,6 +532,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dequantize", &gguf_dequantize, "W [N, K] as fp32, exactly as gguf-py dequantizes it");
   module.def("paged_decode_attention", &paged_decode_attention,
              "one query per sequence over its own KV blocks: q [b, nq, hd] -> [b, nq, hd]");
+  module.def("paged_prefill_attention", &paged_prefill_attention,
+             "a chunk's t queries (the last t of num_context_tokens) causally over its KV blocks: q [t, nq, hd] -> [t, nq, hd]");
   module.def("add_rms_norm", &add_rms_norm, "x += delta in place (if given), then RMSNorm(x) * weight");
   module.def("rope_kv_write", &rope_kv_write, "rotary q/k in place in the qkv rows; k/v into their cache slots");
   module.def("silu_mul", &silu_mul, "silu(gate) * up from [n, 2 * intermediate] rows");

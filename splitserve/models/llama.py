@@ -142,7 +142,7 @@ class LlamaModel:
         n = batch.input_ids.shape[0]
         x = self.embed.rows(batch.input_ids).dequantize() if isinstance(self.embed, GGUFBlocks) \
             else self.embed[batch.input_ids]  # [n, hidden]
-        # The C++ kernel reads each decode's own blocks in place; the torch path gathers them and
+        # The C++ kernels read each sequence's own blocks in place; the torch path gathers them and
         # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
         paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         decode_biases = []
@@ -174,9 +174,11 @@ class LlamaModel:
                 attn[s] = paged.paged_decode_attention(q[s], kv_layer, group.block_tables, group.context_lens,
                                                        self.scale) if paged else \
                     self._decode_attention(q[s], kv_layer, group.block_tables, decode_biases[gi])
-            for chunk in batch.prefills:
+            for chunk in batch.prefills:  # the chunk's own K/V are in the cache already (rope_kv_write)
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
-                attn[s] = self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
+                attn[s] = paged.paged_prefill_attention(q[s], kv_layer, chunk.block_ids, chunk.num_context_tokens,
+                                                        self.scale) if paged else \
+                    self._prefill_attention(q[s], k[s], v[s], kv_layer, chunk)
             h = add_rms_norm(x, linear(attn.view(n, nq * hd), layer["o"]), layer["post_norm"], eps)
             delta = linear(silu_mul(linear(h, layer["gate_up"])), layer["down"])
         x = x[batch.sample_indices] + delta[batch.sample_indices]
@@ -189,7 +191,7 @@ class LlamaModel:
         return kv_layer.index_select(2, block_ids.flatten()).flatten(2, 3)
 
     def _prefill_attention(self, q, k, v, kv_layer, chunk: PrefillChunk) -> torch.Tensor:
-        # q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
+        # The torch path of the C++ paged_prefill_attention. q: [t, nq, hd]; k, v: [t, nkv, hd] (this chunk only)
         t, ctx = chunk.num_tokens, chunk.num_context_tokens
         if ctx == t:  # nothing cached before this chunk: attend to the chunk itself, causally
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
