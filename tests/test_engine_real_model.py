@@ -175,21 +175,25 @@ def test_eight_bit_activations_leave_transformers_greedy_path_only_at_near_ties(
     """weight_format 'gguf-q8act' (decode at batch 1 on 8-bit activations, as llama.cpp): greedy
     tokens are no longer guaranteed to be transformers', but where they first differ the two
     candidates must be a near-tie in transformers' own logits (a wrong kernel would pick tokens
-    far down the list), and most chats must still match end to end (5 of 8 did when written)."""
+    far down the list), and the chats must not leave transformers' path early: a broken 8-bit path
+    goes astray within the first tokens, so half the chats must agree for at least 16 of 32 tokens.
+    How many match end to end moves with any fp32 rounding in the model: 5 of 8 when written, 3 of
+    8 once prefill attention ran in the paged C++ kernel (first differences at tokens 7-26, every
+    one a near-tie of 0.0002-0.09)."""
     _, prompts, hf = case
     loaded = load_model(None, weight_format="gguf-q8act")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    equal = 0
+    agreed = []  # per chat, how many leading tokens equal transformers' greedy choice
     for p in prompts:  # one at a time: every decode step is a batch of one, on the 8-bit path
         engine = EngineCore(EngineConfig(cache=CacheConfig(kv_cache_memory="256MiB")), loaded)
         engine.add_request("r", p, params)
         tokens = run_to_end(engine)["r"]
         logits = continuation_logits(hf, p, tokens)
         differ = [j for j, t in enumerate(tokens) if logits[j].argmax().item() != t]
+        agreed.append(differ[0] if differ else len(tokens))
         if not differ:
-            equal += 1
             continue
         j = differ[0]
         gap = (logits[j].max() - logits[j, tokens[j]]).item()
         assert gap < 0.25, f"prompt of {len(p)} tokens: token {j} is {gap:.3f} below transformers' best"
-    assert equal >= len(prompts) // 2, f"only {equal} of {len(prompts)} chats match transformers end to end"
+    assert sorted(agreed)[len(agreed) // 2] >= NEW_TOKENS // 2, f"leading tokens equal to transformers': {agreed}"
