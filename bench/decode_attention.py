@@ -23,7 +23,8 @@ from splitserve.models.llama import LlamaModel
 
 
 def torch_path(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> LlamaModel:
-    """A LlamaModel shell with only what `_decode_attention` (the engine's torch fallback) reads."""
+    """A LlamaModel shell with only what the engine's torch attention fallbacks (`_decode_attention`,
+    `_prefill_attention`) read; bench/prefill_attention.py uses it too."""
     model = LlamaModel.__new__(LlamaModel)
     model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
                                intermediate_size=8, num_layers=1, num_heads=num_heads,

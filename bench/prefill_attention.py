@@ -17,23 +17,13 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import torch
 
 from splitserve import kernels
-from splitserve.config import ModelConfig
 from splitserve.models.llama import LlamaModel, PrefillChunk
 
-
-def torch_path(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> LlamaModel:
-    """A LlamaModel shell with only what `_prefill_attention` (the engine's torch fallback) reads."""
-    model = LlamaModel.__new__(LlamaModel)
-    model.config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=num_heads * head_dim,
-                               intermediate_size=8, num_layers=1, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim)
-    model.scale, model.block_size = head_dim ** -0.5, block_size
-    return model
+from decode_attention import time_runs, torch_path  # noqa: E402  (run as a script: bench/ is on the path)
 
 
 def cpu_name() -> str:
@@ -52,16 +42,6 @@ def cpu_name() -> str:
 def causal_flops(t: int, ctx: int, num_heads: int, head_dim: int) -> int:
     visible_pairs = sum(ctx - t + i + 1 for i in range(t))
     return 4 * head_dim * visible_pairs * num_heads
-
-
-def time_runs(step, repeats: int) -> list[float]:
-    step()  # warm-up
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        runs.append(time.perf_counter() - t0)
-    return runs
 
 
 def main() -> None:

@@ -3,8 +3,6 @@ give the torch path's results on random and odd shapes, on every instruction set
 an engine generates the same tokens with the kernels as with the torch fallback."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -12,27 +10,8 @@ from splitserve import kernels
 from splitserve.models import fused
 from splitserve.sampling import SamplingParams
 from engine_support import make_engine, run_to_end
+from kernel_support import ISAS, isa, module  # noqa: F401  (fixtures)
 from tiny_models import write_tiny_checkpoint
-
-ISAS = ["avx512", "avx2", "scalar"]
-
-
-@pytest.fixture(scope="module")
-def module():
-    if kernels.load() is None:
-        if shutil.which("c++") is None:
-            pytest.skip("no C++ compiler here: only the torch path can run")
-        from splitserve.kernels import build
-        build.build()
-        kernels.load.cache_clear()
-    return kernels.load()
-
-
-@pytest.fixture(params=ISAS)
-def isa(module, request):
-    used = module.set_isa(request.param)  # a CPU without AVX-512 runs the best set it has instead
-    yield used
-    module.set_isa("avx512")
 
 
 @pytest.mark.parametrize("with_delta", [True, False])

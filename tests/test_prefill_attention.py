@@ -4,37 +4,15 @@ every instruction set this CPU has; and an engine using it generates transformer
 for whole prompts and for chunked prefill."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from splitserve import kernels
 from splitserve.sampling import SamplingParams
 from engine_support import hf_greedy, make_engine, run_to_end
+from kernel_support import ISAS, isa, module  # noqa: F401  (fixtures)
 from tiny_models import write_tiny_checkpoint
-
-ISAS = ["avx512", "avx2", "scalar"]
-
-
-@pytest.fixture(scope="module")
-def module():
-    if kernels.load() is None:
-        if shutil.which("c++") is None:
-            pytest.skip("no C++ compiler here: only the torch path can run")
-        from splitserve.kernels import build
-        build.build()
-        kernels.load.cache_clear()
-    return kernels.load()
-
-
-@pytest.fixture(params=ISAS)
-def isa(module, request):
-    used = module.set_isa(request.param)  # a CPU without AVX-512 runs the best set it has instead
-    yield used
-    module.set_isa("avx512")
 
 
 def scattered_cache(g, nkv, hd, ctx, block_size):
