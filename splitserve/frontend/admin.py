@@ -23,6 +23,7 @@ decided in front of them: see http_guard.py and instance_budget.py.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -66,9 +67,8 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             raise ApiError(400, f"tail must be >= 0, got {tail}", param="tail")
         rows = []
         for engine_id, inst in client.instances.items():
-            log = list(inst.step_log)
-            if tail is not None:
-                log = log[max(0, len(log) - tail):] if tail else []
+            skip = 0 if tail is None else max(0, len(inst.step_log) - tail)
+            log = list(itertools.islice(inst.step_log, skip, None))
             rows.append({"id": engine_id, "role": inst.hello.role, "alive": inst.alive,
                          "count": inst.num_step_samples, "first": inst.num_step_samples - len(log),
                          # [prefill_tokens, prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds]

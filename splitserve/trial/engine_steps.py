@@ -47,7 +47,11 @@ def steps_since(base_url: str, before: dict[str, int] | None, timeout_s: float =
     if before is None:
         return None
     time.sleep(SETTLE_S)
-    doc = _fetch(base_url, None, timeout_s)
+    counts = _fetch(base_url, 0, timeout_s)  # ask for the new steps only, not the whole log
+    if counts is None:
+        return None
+    tail = max((row["count"] - before.get(row["id"], 0) for row in counts.get("instances", [])), default=0)
+    doc = _fetch(base_url, max(tail, 0), timeout_s)
     if doc is None:
         return None
     out = {}
