@@ -179,6 +179,10 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     loop_seconds: float = 0.0
 
 
+# GET /admin/steps and a trial's `engine_steps` give each step as a list of these, in this order
+STEP_SAMPLE_FIELDS = tuple(f.name for f in msgspec.structs.fields(StepSample))
+
+
 class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     engine_id: str
     role: str

@@ -4,8 +4,6 @@ instruction set this CPU has, and an engine on a quantized GGUF generates the fp
 greedy tokens."""
 from __future__ import annotations
 
-import shutil
-
 import gguf
 import numpy as np
 import pytest
@@ -18,20 +16,10 @@ from splitserve.models.gguf_blocks import GGUFBlocks, dequantize_torch
 from splitserve.models.loader import load_model
 from splitserve.sampling import SamplingParams
 from engine_support import run_to_end
+from kernel_support import module  # noqa: F401  (fixture)
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 
 QTYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-
-
-@pytest.fixture(scope="module")
-def module():
-    if kernels.load() is None:
-        if shutil.which("c++") is None:
-            pytest.skip("no C++ compiler here: only the pure-torch fallback can run (tested below)")
-        from splitserve.kernels import build
-        build.build()
-        kernels.load.cache_clear()
-    return kernels.load()
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[GGUFBlocks, np.ndarray]:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from splitserve.control.profile_file import Profile
 from splitserve.control.online_stepmodel import OnlineStepModel
 from splitserve.control.online_stepmodel import StepSample as OnlineSample
+from splitserve.control.profile_file import Profile
 from splitserve.control.stepmodel import StepModel, StepModels, StepShape
+from splitserve.protocol import STEP_SAMPLE_FIELDS
 
 MIN_STEPS = 20  # fewer measured steps than this and an arrangement gets no ratio
 
@@ -52,7 +53,19 @@ def _summary(measured: list[float], predicted: list[float]) -> dict | None:
             "measured_s": sum(m for m, _ in pairs)}
 
 
-SAMPLE_FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds")
+def _instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
+    """(role, threads, shape, model seconds, loop seconds) of every step the runs kept, for the
+    instances whose role the arrangement has (runs without steps, or of another layout, give none)."""
+    for run in runs:
+        steps = (run.get("summary") or {}).get("engine_steps") or {}
+        if tuple(steps.get("fields") or ()) != STEP_SAMPLE_FIELDS:
+            continue
+        for inst in (steps.get("instances") or {}).values():
+            threads = threads_by_role.get(inst.get("role"))
+            if threads is None:
+                continue
+            for p, attn, d, kv, seconds, loop in inst.get("samples") or []:
+                yield inst["role"], threads, StepShape(int(p), float(attn), int(d), int(kv)), seconds, loop
 
 
 def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[dict]) -> dict | None:
@@ -66,21 +79,11 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
         loops.append(loop)
         preds.append(predicted)
 
-    for run in runs:
-        steps = (run.get("summary") or {}).get("engine_steps") or {}
-        fields = steps.get("fields") or []
-        if fields[:6] != list(SAMPLE_FIELDS):
-            continue
-        for inst in (steps.get("instances") or {}).values():
-            threads = threads_by_role.get(inst.get("role"))
-            if threads is None:
-                continue
-            model = profile.steps.for_threads(threads)
-            for p, attn, d, kv, seconds, loop in inst.get("samples") or []:
-                predicted = model.predict(StepShape(int(p), float(attn), int(d), int(kv)))
-                kind = "prefill" if p else "decode"
-                for key in ("all", f"role:{inst['role']}", f"kind:{kind}", f"threads:{threads}:kind:{kind}"):
-                    add(key, seconds, loop, predicted)
+    for role, threads, shape, seconds, loop in _instance_steps(threads_by_role, runs):
+        predicted = profile.steps.for_threads(threads).predict(shape)
+        kind = "prefill" if shape.prefill_tokens else "decode"
+        for key in ("all", f"role:{role}", f"kind:{kind}", f"threads:{threads}:kind:{kind}"):
+            add(key, seconds, loop, predicted)
     if "all" not in groups:
         return None
     out = {}
@@ -95,17 +98,8 @@ def trial_samples(threads_by_role: dict[str, int], runs: list[dict]) -> dict[int
     """Every run's measured steps by thread count: the engine loop's turn where it was measured (what
     the instance's time went to), the model's own seconds otherwise."""
     out: dict[int, list[OnlineSample]] = {}
-    for run in runs:
-        steps = (run.get("summary") or {}).get("engine_steps") or {}
-        if (steps.get("fields") or [])[:6] != list(SAMPLE_FIELDS):
-            continue
-        for inst in (steps.get("instances") or {}).values():
-            threads = threads_by_role.get(inst.get("role"))
-            if threads is None:
-                continue
-            out.setdefault(threads, []).extend(
-                OnlineSample(StepShape(int(p), float(attn), int(d), int(kv)), loop if loop > 0 else seconds)
-                for p, attn, d, kv, seconds, loop in inst.get("samples") or [])
+    for _, threads, shape, seconds, loop in _instance_steps(threads_by_role, runs):
+        out.setdefault(threads, []).append(OnlineSample(shape, loop if loop > 0 else seconds))
     return out
 
 

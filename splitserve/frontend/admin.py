@@ -33,9 +33,9 @@ from splitserve.config import ROLES
 from splitserve.frontend.engine_client import EngineClient
 from splitserve.frontend.openai_schema import ApiError
 from splitserve.frontend.role_change import RoleChangeRefused
+from splitserve.protocol import STEP_SAMPLE_FIELDS
 
 SpawnEngine = Callable[[str], str]  # role -> the new engine's id
-STEP_FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds")
 
 
 class AddInstance(BaseModel):
@@ -71,10 +71,10 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             log = list(itertools.islice(inst.step_log, skip, None))
             rows.append({"id": engine_id, "role": inst.hello.role, "alive": inst.alive,
                          "count": inst.num_step_samples, "first": inst.num_step_samples - len(log),
-                         # [prefill_tokens, prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds]
+                         # in STEP_SAMPLE_FIELDS' order
                          "samples": [[s.prefill_tokens, round(s.prefill_attn_ktok2, 4), s.decode_seqs, s.decode_kv_tokens,
                                       round(s.seconds, 6), round(s.loop_seconds, 6)] for s in log]})
-        return {"fields": list(STEP_FIELDS), "instances": rows}
+        return {"fields": list(STEP_SAMPLE_FIELDS), "instances": rows}
 
     @app.post("/admin/instances", status_code=202)
     async def add_instance(body: AddInstance):

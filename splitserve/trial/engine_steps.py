@@ -2,7 +2,7 @@
 
 Before a replay the trial notes how many steps every instance has reported; after it, it keeps
 the ones that came since: per instance, its role and one row per step, [prefill_tokens,
-prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds] (admin.STEP_FIELDS).
+prefill_attn_ktok2, decode_seqs, decode_kv_tokens, seconds, loop_seconds] (protocol.STEP_SAMPLE_FIELDS).
 `python -m splitserve.control.compare` puts them beside what the profile says the same steps
 take, which tells a step-time error (the machine, the engine loop) from a scheduling one.
 
