@@ -47,7 +47,7 @@ QUICK = dict(
     models=[checkpoints.TINY], serve_model=checkpoints.TINY,
     greedy_prompts=[5, 12, 30, 64, 100, 150, 200, 300], greedy_tokens=16, greedy_chunk=64,
     greedy_dtypes=["float32", "bfloat16"], step_dtype="float32", batches=[1, 4, 8], context=64,
-    prefills=[128, 512], warmup=1, repeats=3, kv_cache="64MiB",
+    prefills=[128, 512], warmup=2, repeats=5, kv_cache="64MiB",
     streams=4, long_tokens=512, stream_tokens=1500, warmup_tokens=8, settle_s=0.5, serve_chunk=64,
     serve_kv_mib=64, threads=1)
 

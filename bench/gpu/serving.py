@@ -96,7 +96,7 @@ def run_arrangements(model: str, device: str, dtype: str, flags: dict[str, list[
         started = time.perf_counter()
         server = Server(["--model", model, "--device", device, "--dtype", dtype, *arrangement], log)
         try:
-            server.wait_ready()
+            server.wait_ready(timeout_s=240)  # a hung start must not eat the whole device run
             ready = time.perf_counter()
             results[name] = asyncio.run(measure(server.url, **sizes))
             results[name].update(startup_s=ready - started, measure_s=time.perf_counter() - ready)
@@ -109,7 +109,7 @@ def run_arrangements(model: str, device: str, dtype: str, flags: dict[str, list[
     return results
 
 
-def copy_rates(num_bytes: int, device: str, repeats: int = 5) -> dict:
+def copy_rates(num_bytes: int, device: str, repeats: int = 20) -> dict:
     """GB/s of one copy of `num_bytes` from the device to the host: into pinned and into pageable
     memory on CUDA (what the handover's staging is measured against), host to host on the CPU."""
     dev = torch.device(device)
