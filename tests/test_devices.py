@@ -143,7 +143,7 @@ def test_engine_dtype_is_checked_and_crosses_the_wire():
 
 def test_a_bf16_engine_holds_weights_and_kv_in_bf16_and_synchronizes_each_step(tmp_path, monkeypatch):
     from splitserve.engine import model_runner
-    from splitserve.engine.llm import LLM
+    from splitserve.entrypoints.llm import LLM
     from splitserve.sampling import SamplingParams
 
     synced = []
