@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
+from splitserve.devices import check_device, torch_dtype
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
@@ -38,9 +39,11 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        check_device(config.device)  # before any weight is read: one clear line if there is no such device
+        dtype = torch_dtype(config.dtype)
         if loaded is None:
             from splitserve.models.loader import load_model
-            loaded = load_model(config.model, device=config.device, weight_format=config.weight_format)
+            loaded = load_model(config.model, device=config.device, dtype=dtype, weight_format=config.weight_format)
         # Keep the tokenizer, not `loaded`: the runner holds its own fused copies of the
         # weights, and the caller's dict can be freed once it lets go of it.
         self.tokenizer = loaded.tokenizer
@@ -52,7 +55,7 @@ class EngineCore:
             pool, self._pool_handle = allocate_kv_cache(config, shape, dtype)
             return pool
 
-        self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device,
+        self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device, dtype=dtype,
                                   allocate_pool=allocate)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
@@ -210,6 +213,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             sampled = self.runner.execute(batch, self.generator)
+            self.runner.synchronize()  # a prompt chunk that samples nothing leaves its kernels queued
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine lives on
             requests = batch.decodes + [r for r, _ in batch.prefills]
             return outputs + [self._fail(r, f"{type(e).__name__}: {e}") for r in requests]
