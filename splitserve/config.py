@@ -9,13 +9,13 @@ import re
 from dataclasses import dataclass, field
 
 from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.roles import ROLES
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit integer, lower first
 WEIGHT_FORMATS = ("auto", "fp32", "gguf", "gguf-q8act")  # models/loader.py says what each means
-ROLES = ("colocated", "prefill", "decode")
 # weights, activations and KV (devices.py maps them to torch); bfloat16 is what a GPU serves in
 DTYPES = ("float32", "bfloat16", "float16")
 

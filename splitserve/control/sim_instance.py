@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splitserve.control.stepmodel import StepModel
+from splitserve.roles import ROLES
 
-ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclass(slots=True, frozen=True)

@@ -57,9 +57,11 @@ def transfer_report(record, outcome: str | None) -> KVTransferReport | None:
 
 def to_wire(o) -> TokenOutput:
     """An engine RequestOutput as the frontend gets it."""
-    return TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
-                       o.num_cached_tokens, o.error, False, o.kv_descriptor,
-                       transfer_report(o.kv_transfer, o.kv_outcome), o.logprobs, o.prompt_logprobs)
+    return TokenOutput(request_id=o.request_id, new_token_ids=o.new_token_ids, finished=o.finished,
+                       finish_reason=o.finish_reason, num_prompt_tokens=o.num_prompt_tokens,
+                       num_cached_tokens=o.num_cached_tokens, error=o.error, kv_descriptor=o.kv_descriptor,
+                       kv_transfer=transfer_report(o.kv_transfer, o.kv_outcome), logprobs=o.logprobs,
+                       prompt_logprobs=o.prompt_logprobs)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
