@@ -16,7 +16,7 @@ import numpy as np
 
 from splitserve.config import parse_size
 from splitserve.control.profile_file import Profile
-from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
+from splitserve.control.simulator import MAX_QUEUED_REQUESTS, Instance, InstanceSpec, Simulation, SimRequest
 from splitserve.trial.arrivals import generate_arrivals
 from splitserve.trial.spec import SLO, TrialSpec
 
@@ -126,14 +126,19 @@ def offered_rate(requests: list[SimRequest]) -> float:
 
 
 def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimRequest],
-             rate_multiplier: float = 1.0) -> tuple[list[SimRequest], list[Instance]]:
+             rate_multiplier: float = 1.0, max_queued_requests: int = MAX_QUEUED_REQUESTS,
+             ) -> tuple[list[SimRequest], list[Instance]]:
+    """The arrangement's instances run the requests (their arrival times divided by the
+    multiplier); max_queued_requests: the frontend's admission limit per instance, past
+    max_num_seqs (serve's --max-queued-requests)."""
     num_blocks = arrangement.kv_cache_bytes // (profile.kv_bytes_per_token * profile.block_size)
     instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size)
                  for i, s in enumerate(arrangement.instances)]
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
              for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention)
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention,
+                     max_queued_requests)
     return sim.run(fresh), instances
 
 

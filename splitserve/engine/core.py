@@ -22,7 +22,7 @@ from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
 from splitserve.protocol import EngineStats, StepSample
-from splitserve.stepfeatures import prefill_attn_ktok2
+from splitserve.stepfeatures import step_shape
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -300,11 +300,3 @@ class EngineCore:
             num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
             num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
             num_role_changes=self.num_role_changes, step_samples=samples)
-
-
-def step_shape(batch: ScheduledBatch) -> tuple[int, float, int, int]:
-    """(prefill tokens, prefill attention ktok2, decode sequences, decode KV tokens) of a step, as
-    control/stepmodel.py models it; a decode at position p attends to p + 1 tokens."""
-    prefill_tokens = sum(n for _, n in batch.prefills)
-    attn = sum(prefill_attn_ktok2(r.num_computed_tokens, n) for r, n in batch.prefills)
-    return prefill_tokens, attn, len(batch.decodes), sum(r.num_computed_tokens + 1 for r in batch.decodes)
