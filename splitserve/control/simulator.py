@@ -212,8 +212,9 @@ class Simulation:
             if request.status is RequestStatus.FINISHED_PREFILL_DONE:  # the frontend hands it over
                 router.on_finish(inst.name, rid)
                 decode = self.by_name[req.decode_instance]
+                # a new request there, stamped with its arrival there (the priority policy's tie-break)
                 decode.add(sim_request(rid, int(rid), req.prompt_tokens, req.answer_tokens, req.priority,
-                                       req.arrival_s, first_token=True), source=inst.name)
+                                       now, first_token=True), source=inst.name)
                 self._pending[decode] = None
                 continue
             req.finished_s = now

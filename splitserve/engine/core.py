@@ -34,8 +34,11 @@ MAX_STEP_SAMPLES = 64
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None, kv_network=None):
+    def __init__(self, config: EngineConfig, loaded=None, kv_network=None, clock=time.monotonic):
+        """clock: what stamps a request's arrival (the priority policy's tie-break); a test that
+        steps the engine on virtual time passes its own."""
         self.config = config
+        self._clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
@@ -148,7 +151,7 @@ class EngineCore:
                 PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
             raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
                              f"got {priority!r}")
-        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
+        request = Request(request_id, prompt_token_ids, params, arrival_time=self._clock(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
         if params.seed is not None:
