@@ -90,7 +90,7 @@ def test_the_same_process_saying_hello_twice_is_registered_once_without_an_error
         client = await started_client(heartbeat_timeout_s=5.0)
         engine = FakeEngine(client.address, "e0")
         try:
-            with caplog.at_level(logging.DEBUG, logger="splitserve.frontend.engine_link"):
+            with caplog.at_level(logging.DEBUG, logger="splitserve.coordinator.engine_link"):
                 engine.hello(pid=7070)
                 await client.wait_ready(["e0"], 5)
                 engine.hello(pid=7070)

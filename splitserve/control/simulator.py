@@ -1,8 +1,8 @@
 """A discrete-event model of this project's serving, built from its own policy code.
 
 Each instance (control/sim_engine.py) is the engine's Scheduler and BlockManager with the role's
-connector decisions; routing is frontend/router.py's Router itself, told of starts, progress and
-ends as the frontend's dispatcher tells it. Time is virtual and jumps from event to event (an
+connector decisions; routing is coordinator/router.py's Router itself, told of starts, progress and
+ends as the coordinator's dispatcher tells it. Time is virtual and jumps from event to event (an
 arrival, the end of an engine step, the end of a KV transfer); nothing sleeps. A step lasts what
 the step model (control/stepmodel.py) says for what it holds; its sampled tokens reach the client
 at its end. A prefill instance's first token goes to the client and the request to the decode
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from splitserve.config import ROLES
 from splitserve.control.sim_engine import SAMPLED_TOKEN, InstanceSpec, SimEngine, sim_request
 from splitserve.engine.request import RequestStatus
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router, prefix_key
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router, prefix_key
 from splitserve.stepfeatures import prefill_attn_ktok2
 
 __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
