@@ -32,6 +32,7 @@ A request's path:
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -180,14 +181,15 @@ class Scheduler:
     def _reserve_decodes(self) -> list[Request]:
         """Blocks for one more token for every running decode, preempting (newest, or lowest
         priority) if short."""
-        decodes = []
+        decodes, preempted = [], set()
         # in priority order the victim (the last in that order) is never one already given its slot
         for request in self._in_order(self.running):
-            if request not in self.running or request.is_prefilling:
+            if request in preempted or request.is_prefilling:
                 continue
             while not self.blocks.can_append(request):
                 victim = self._victim()
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is request:
                     break
             else:
@@ -211,7 +213,7 @@ class Scheduler:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
         step = _StepPlan(short_budget=min(self._budget(batch), self.config.max_num_batched_tokens // 2))
         if not self.by_priority:
-            self._plan_prompts(batch, step, list(self.waiting), list(self._short_waiting), self.running)
+            self._plan_prompts(batch, step, None, list(self._short_waiting), self.running)
             return batch
         levels = sorted({r.priority for r in self.waiting} | {r.priority for r in self.running if r.is_prefilling})
         for level in levels:
@@ -222,10 +224,11 @@ class Scheduler:
                                [r for r in self._in_order(self.running) if r.priority == level])
         return batch
 
-    def _plan_prompts(self, batch: ScheduledBatch, step: _StepPlan, waiting: list[Request],
+    def _plan_prompts(self, batch: ScheduledBatch, step: _StepPlan, waiting: list[Request] | None,
                       short: list[Request], running: list[Request]) -> None:
         """Steps (2)-(4) of the chunked policy over one priority level's requests (all, under fcfs);
-        `waiting`, its short requests `short` and `running` are in scheduling order."""
+        `waiting` (None: the whole queue), its short requests `short` and `running` are in
+        scheduling order."""
         jumped, short_refused = set(), False
         for request in short:
             if step.short_budget < self._shortest_waiting or not step.admitting:
@@ -245,6 +248,10 @@ class Scheduler:
                 break
             if request in self.running and request.is_prefilling and request.request_id not in jumped:
                 batch.prefills.append((request, min(request.num_tokens - request.num_computed_tokens, budget)))
+        if waiting is None:
+            # step (4) passes at most one request per budget token besides those that jumped: a
+            # copy of that much of the queue, not of all of it
+            waiting = list(itertools.islice(self.waiting, max(self._budget(batch), 0) + len(jumped)))
         for request in waiting:
             if self._budget(batch) <= 0 or not step.admitting:
                 break
