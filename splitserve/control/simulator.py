@@ -179,7 +179,7 @@ class Simulation:
         k = len(ends)
         if k == 0:
             return now
-        sched.advance_steady(k, SAMPLED_TOKEN)
+        sched.advance_steady(k, SAMPLED_TOKEN, (prompt, chunk))
         inst.busy_s, inst.num_steps = busy, inst.num_steps + k
         if not decodes:
             return end

@@ -350,11 +350,12 @@ class Scheduler:
             steps = lo
         return (steps, prompt, chunk if prompt is not None else 0) if steps > 0 else (0, None, 0)
 
-    def advance_steady(self, steps: int, token_id: int) -> None:
+    def advance_steady(self, steps: int, token_id: int, plan: tuple[Request | None, int] | None = None) -> None:
         """The state `steps` steady steps (steady_steps said they are) leave, each decode sampling
-        `token_id`, without planning each step. The blocks taken are the set a step at a time
-        takes (the front of the free queue)."""
-        _, prompt, chunk = self.steady_steps(steps)
+        `token_id`, without planning each step; `plan`: the (prompt, chunk) steady_steps gave, when
+        nothing changed since. The blocks taken are the set a step at a time takes (the front of
+        the free queue)."""
+        prompt, chunk = plan if plan is not None else self.steady_steps(steps)[1:]
         for request in self.running:
             if request is prompt:
                 request.num_computed_tokens += steps * chunk
