@@ -23,7 +23,7 @@ from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
 from splitserve.protocol import EngineStats, StepSample
-from splitserve.stepfeatures import prefill_attn_ktok2
+from splitserve.stepfeatures import step_shape
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -35,8 +35,11 @@ MAX_STEP_SAMPLES = 64
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None, kv_network=None):
+    def __init__(self, config: EngineConfig, loaded=None, kv_network=None, clock=time.monotonic):
+        """clock: what stamps a request's arrival (the priority policy's tie-break); a test that
+        steps the engine on virtual time passes its own."""
         self.config = config
+        self._clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         check_device(config.device)  # before any weight is read: one clear line if there is no such device
@@ -151,7 +154,7 @@ class EngineCore:
                 PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
             raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
                              f"got {priority!r}")
-        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
+        request = Request(request_id, prompt_token_ids, params, arrival_time=self._clock(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
         if params.seed is not None:
@@ -304,11 +307,3 @@ class EngineCore:
             num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
             num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
             num_role_changes=self.num_role_changes, step_samples=samples)
-
-
-def step_shape(batch: ScheduledBatch) -> tuple[int, float, int, int]:
-    """(prefill tokens, prefill attention ktok2, decode sequences, decode KV tokens) of a step, as
-    control/stepmodel.py models it; a decode at position p attends to p + 1 tokens."""
-    prefill_tokens = sum(n for _, n in batch.prefills)
-    attn = sum(prefill_attn_ktok2(r.num_computed_tokens, n) for r, n in batch.prefills)
-    return prefill_tokens, attn, len(batch.decodes), sum(r.num_computed_tokens + 1 for r in batch.decodes)
