@@ -180,8 +180,8 @@ def _rounds(trial, endpoints, grid, repeat, budget_s) -> dict[str, Search]:
             break
         trial.rounds.append({"repeat": repeat, "round": k, "order": active})
         for name in active:
-            run = _watched_probe(trial, endpoints, name, searches[name].multiplier, repeat, k)
-            spent += run.summary["wall_s"]
+            run, wall = _watched_probe(trial, endpoints, name, searches[name].multiplier, repeat, k)
+            spent += wall
             searches[name].add(run, k, target, cap.precision, cap.grow, rng)
             trial._notify()
         k += 1
@@ -200,6 +200,7 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
     CPU during it is measured: side by side means they must sleep while another is probed."""
     cap, ep = search_settings(trial.spec), endpoints[name]
     idle = {n: _tree(e.pid) for n, e in endpoints.items() if n != name and e.pid}
+    wall = 0.0
     for attempt in (0, 1):
         speed = speed_benchmark() if speed_benchmark else None
         cpu0 = {n: _cpu_s(procs) for n, procs in idle.items()}
@@ -214,6 +215,7 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
         run.summary["idle_cpu_share"] = {n: (_cpu_s(procs) - cpu0[n]) / max(run.summary["wall_s"], 1e-9)
                                          for n, procs in idle.items()}
         run.summary["attempt"] = attempt
+        wall += run.summary["wall_s"]
         run.summary["round"] = k
         disturbed = bool(reading and reading.disturbed)
         run.summary["disturbed"] = disturbed
@@ -222,7 +224,7 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
         run.purpose = "probe-disturbed"  # kept for the record, not fitted
         trial.result_for(name).runs.append(run)
     trial.result_for(name).runs.append(run)
-    return run
+    return run, wall
 
 
 def _tree(pid):

@@ -265,7 +265,7 @@ def _fitted_context(doc: dict, q: dict) -> str:
     if host["probes"]:
         if host["watched"]:
             out += (f" Host: {host['disturbed']} of {host['probes']} probes run were disturbed (other processes "
-                    f"took more than 10% of the cores), {host['redone']} redone"
+                    f"took more than 10% of the cores), {host['redone']} redone")
             if host.get("speed_spread"):
                 lo, hi = host["speed_spread"]
                 out += f"; the machine's speed between probes ranged {lo:.0%}-{hi:.0%} of its median"
