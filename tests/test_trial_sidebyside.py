@@ -81,3 +81,16 @@ def test_a_probe_stopped_early_counts_only_the_requests_it_decided(tmp_path):
         for i, good in zip(outcomes["index"], outcomes["good"]):
             if i in undecided:
                 assert good is False
+
+
+def test_a_phased_plan_is_probed_whole_or_on_the_phase_the_spec_names():
+    from splitserve.trial.runner import phase_plan
+    from splitserve.trial.spec import SpecError
+    from splitserve.trial.workload import PlannedRequest
+
+    plan = [PlannedRequest(i, "chat", t, [1], 1) for i, t in enumerate([0.0, 5.0, 12.0, 15.0, 31.0])]
+    assert phase_plan(plan, [0.0, 10.0, 30.0], None) == plan
+    second = phase_plan(plan, [0.0, 10.0, 30.0], 2)
+    assert [r.index for r in second] == [2, 3] and [r.send_at_s for r in second] == [2.0, 5.0]
+    with pytest.raises(SpecError, match="capacity.phase: 4"):
+        phase_plan(plan, [0.0, 10.0, 30.0], 4)

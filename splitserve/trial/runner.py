@@ -362,6 +362,11 @@ class Trial:
         never sent, or cut off undecided, is not an outcome."""
         cap = search_settings(self.spec)
         base = self.plan_for_run(run)
+        if self.phase_starts_s is not None:
+            # a phased plan is probed whole (or on the phase the spec names): its first requests are
+            # its first phase only, and a plan that opens with its hardest phase held nothing there
+            base = phase_plan(base, self.phase_starts_s, cap.phase)
+            num = max(num, len(base))
         count = probe_length(base, multiplier, num, cap.probe_seconds)
         plan = tiled(base, count, lambda p, k: recut(p, self.spec, self.source,
                                                      content_stream(self.spec.seed, run + 10_000 * k)))
@@ -467,6 +472,20 @@ def _past_deadline(rec: RequestRecord, slo, now: float) -> bool:
     return ((not times and slo.ttft_s is not None and age > slo.ttft_s)
             or (slo.e2e_s is not None and age > slo.e2e_s)
             or bool(times and slo.max_pause_s is not None and now - times[-1] > slo.max_pause_s))
+
+
+def phase_plan(plan: list[PlannedRequest], starts: list[float], phase: int | None) -> list[PlannedRequest]:
+    """The whole plan, or the requests of one phase (1-based) moved to start at 0."""
+    if phase is None:
+        return plan
+    if phase > len(starts):
+        raise SpecError(f"capacity.phase: {phase}, but the plan has {len(starts)} phases")
+    start = starts[phase - 1]
+    end = starts[phase] if phase < len(starts) else math.inf
+    picked = [dataclasses.replace(r, send_at_s=r.send_at_s - start) for r in plan if start <= r.send_at_s < end]
+    if not picked:
+        raise SpecError(f"capacity.phase: phase {phase} has no requests to probe")
+    return picked
 
 
 def offered_rate_of(plan: list[PlannedRequest]) -> float | None:
