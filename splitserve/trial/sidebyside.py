@@ -116,6 +116,7 @@ def run_repeat(trial, repeat: int) -> None:
     with contextlib.ExitStack() as stack:
         if together:
             endpoints = {a.name: ep for a in launches if (ep := _launch(trial, stack, a, repeat)) is not None}
+            started = time.monotonic()   # the budget is replay time: the launches are not in it
             searches = _rounds(trial, endpoints, grid, repeat, budget_s)
         else:  # one at a time, the reference first; the tuning grid needs its points side by side
             endpoints, searches = {}, {}
