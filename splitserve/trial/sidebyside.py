@@ -36,7 +36,7 @@ from splitserve.trial.method import grid_arrangements, search_settings
 from splitserve.trial.resources import arrangement_resources, with_kv_split
 
 TUNE_ROUNDS = 2
-SEARCH_FRACTION = 0.75         # of capacity.budget_s; the fixed-rate runs get the rest
+SEARCH_FRACTION = 0.8          # of capacity.budget_s; the fixed-rate runs get the rest
 PER_INSTANCE_BYTES = 1 << 30   # model, torch and runtime per engine process, beside its KV memory
 DISTURBED_SHARE = 0.10
 
@@ -69,6 +69,11 @@ class Search:
             self.done = True
         else:
             self.multiplier = curve.next_rate(self.probes, self.found, grow, precision) / self.rps_per_multiplier
+
+    def rank(self) -> tuple[float, float]:
+        """The score, then the share of all its decided requests good (probes at the same rates)."""
+        n = sum(p.n for p in self.probes)
+        return self.score(), (sum(p.k for p in self.probes) / n if n else 0.0)
 
     def score(self) -> float:
         """For ranking the tuning grid: the crossing, a lower bound as is, an upper bound below it."""
@@ -115,7 +120,7 @@ def run_repeat(trial, repeat: int) -> None:
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if together:
-            endpoints = {a.name: ep for a in launches if (ep := _launch(trial, stack, a, repeat)) is not None}
+            endpoints = _launch_all(trial, stack, launches, repeat)
             started = time.monotonic()   # the budget is replay time: the launches are not in it
             searches = _rounds(trial, endpoints, grid, repeat, budget_s)
         else:  # one at a time, the reference first; the tuning grid needs its points side by side
@@ -146,6 +151,48 @@ def _rotated(items, k):
     return items[k:] + items[:k]
 
 
+def _launch_all(trial, stack, arrangements, repeat) -> dict:
+    """Start every server at once (loading the model is mostly waiting on imports and files, so
+    the launches overlap), then warm each up in turn. Each server's stop is registered as soon as it
+    is up, so an interrupted launch still stops every server it started."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    managers = {a.name: launched(with_kv_split(a, trial.spec.kv_cache_memory), trial.spec.model,
+                                 trial.out_dir / "logs", cpus=trial.cpus if a.url is None else None)
+                for a in arrangements}
+
+    def enter(name):
+        try:
+            ep = managers[name].__enter__()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the main thread below
+            return exc
+        stack.push(managers[name].__exit__)   # a deque append: safe from a thread
+        return ep
+
+    with ThreadPoolExecutor(max_workers=len(managers) or 1) as pool:
+        got = dict(zip(managers, pool.map(enter, managers)))
+    endpoints = {}
+    for arr in arrangements:
+        ep = got[arr.name]
+        if isinstance(ep, LaunchError):
+            trial.result_for(arr.name).error = str(ep)
+            continue
+        if isinstance(ep, BaseException):
+            raise ep
+        _ready(trial, arr, ep, repeat)
+        endpoints[arr.name] = ep
+    return endpoints
+
+
+def _ready(trial, arr, ep, repeat) -> None:
+    trial._ensure_plan(ep)
+    trial._warm_up(ep)
+    from splitserve.trial.resources import read_affinity
+
+    trial.result_for(arr.name).launches.append({"repeat": repeat, "processes": read_affinity(ep.pid) if ep.pid
+                                                else [], "cpus": trial.cpus if arr.url is None else None})
+
+
 def _launch(trial, stack, arr, repeat):
     result = trial.result_for(arr.name)
     try:
@@ -154,12 +201,7 @@ def _launch(trial, stack, arr, repeat):
     except LaunchError as exc:
         result.error = str(exc)
         return None
-    trial._ensure_plan(ep)
-    trial._warm_up(ep)
-    from splitserve.trial.resources import read_affinity
-
-    result.launches.append({"repeat": repeat, "processes": read_affinity(ep.pid) if ep.pid else [],
-                            "cpus": trial.cpus if arr.url is None else None})
+    _ready(trial, arr, ep, repeat)
     return ep
 
 
@@ -186,8 +228,12 @@ def _rounds(trial, endpoints, grid, repeat, budget_s) -> dict[str, Search]:
             searches[name].add(run, k, target, cap.precision, cap.grow, rng)
             trial._notify()
         k += 1
-        if grid and k == TUNE_ROUNDS:
-            _pick_tuned(trial, searches, endpoints, grid_names)
+        if grid and trial.tuning is None:
+            _halve_grid(trial, searches, grid_names, k)
+            if k == TUNE_ROUNDS:
+                _pick_tuned(trial, searches, endpoints, grid_names)
+    if grid and trial.tuning is None:   # the budget ended the search inside the tuning rounds
+        _pick_tuned(trial, searches, endpoints, grid_names)
     return searches
 
 
@@ -245,11 +291,23 @@ def _cpu_s(procs) -> float:
     return total
 
 
+def _halve_grid(trial, searches, grid_names, k):
+    """Successive halving before the last tuning round: the better half of the colocated settings
+    (base and grid points) go on, so the tuning rounds cost less than a probe of every point each."""
+    if k >= TUNE_ROUNDS:
+        return
+    pool = [n for n in [trial.spec.tune.base, *grid_names] if n in searches and not searches[n].done]
+    ranked = sorted(pool, key=lambda n: searches[n].rank(), reverse=True)
+    for n in ranked[(len(ranked) + 1) // 2:]:
+        if n in grid_names:      # the base is a named arrangement: it is always searched
+            searches[n].done = True
+
+
 def _pick_tuned(trial, searches, endpoints, grid_names):
     """After the tuning rounds: the best colocated setting continues, the other grid points stop."""
     base = trial.spec.tune.base
     pool = [base, *grid_names]
-    best = max((n for n in pool if n in searches), key=lambda n: searches[n].score(), default=None)
+    best = max((n for n in pool if n in searches), key=lambda n: searches[n].rank(), default=None)
     for n in grid_names:
         if n != best and n in searches:
             searches[n].done = True
