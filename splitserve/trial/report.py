@@ -252,7 +252,7 @@ def _method_html(doc: dict) -> str:
                      f"capacity (x{cal.get('rate_multiplier') or 0:.3g} of the nominal rate). "
                      f"{html.escape(cal.get('note', ''))}</p>")
     tuning = doc.get("tuning")
-    if tuning:
+    if tuning and tuning.get("method") != "fitted":  # the fitted grid is in the verdict and the probe table
         cells = ", ".join(f"{html.escape(p['name'])}: {p['attainment']:.0%}" if p["attainment"] is not None
                           else f"{html.escape(p['name'])}: failed" for p in tuning["points"])
         parts.append(f"<p>Colocated grid at x{tuning['rate_multiplier']:.3g}: {cells}; best: "
