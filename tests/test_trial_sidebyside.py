@@ -97,3 +97,83 @@ def test_a_phased_plan_is_probed_whole_or_on_the_phase_the_spec_names():
     assert [r.index for r in second] == [2, 3] and [r.send_at_s for r in second] == [2.0, 5.0]
     with pytest.raises(SpecError, match="capacity.phase: 4"):
         phase_plan(plan, [0.0, 10.0, 30.0], 4)
+
+
+class _Curves:
+    """A stand-in for runner.Trial: each arrangement's probe outcomes drawn from a known curve."""
+
+    def __init__(self, crossings, base, budget_s=None, max_probes=6):
+        from types import SimpleNamespace
+
+        from splitserve.trial.method import CapacitySpec, TuneSpec
+
+        self.crossings = crossings
+        self.spec = SimpleNamespace(slo=SimpleNamespace(attainment=0.9), seed=0, tune=TuneSpec(base),
+                                    capacity=CapacitySpec(probe_requests=30, precision=0.2, max_probes=max_probes,
+                                                          budget_s=budget_s))
+        self.results, self.rounds, self.tuning, self.renamed = {}, [], None, []
+        self.rng = __import__("numpy").random.default_rng(7)
+
+    def result_for(self, name):
+        from splitserve.trial.runner import ArrangementResult
+
+        return self.results.setdefault(name, ArrangementResult(name))
+
+    def start_multiplier(self):
+        return 1.0
+
+    def _notify(self):
+        pass
+
+    def rename_tuned(self, point, name):
+        self.renamed.append((point, name))
+        self.results[name] = self.results.pop(point)
+        self.crossings[name] = self.crossings[point]
+
+    def _probe(self, ep, name, m, repeat, num, run, fitted=False):
+        import math
+
+        from splitserve.trial.runner import RunResult
+
+        p = 1 / (1 + math.exp(-(math.log(9) - 6 * math.log(m / self.crossings[name]))))
+        good = [bool(self.rng.random() < p) for _ in range(num)]
+        summary = {"offered_rate_rps": m, "wall_s": 10.0, "num_requests": num, "num_good": sum(good),
+                   "outcomes": {"index": list(range(num)), "good": good, "class": ["chat"] * num}}
+        return RunResult(m, summary, [], {}, repeat, "probe")
+
+
+def test_the_tuning_grid_halves_then_the_best_colocated_setting_continues_with_its_probes(monkeypatch):
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    crossings = {"base": 0.5, "1P1D": 0.8, "g-weak": 0.1, "g-strong": 0.7, "g-mid": 0.3}
+    trial = _Curves(dict(crossings), "base")
+    endpoints = {n: SimpleNamespace(pid=None) for n in crossings}
+    searches = sidebyside._rounds(trial, endpoints, [SimpleNamespace(name=n) for n in ("g-weak", "g-strong", "g-mid")],
+                                  0, None)
+    orders = [r["order"] for r in trial.rounds]
+    assert sorted(orders[0]) == sorted(crossings)                 # round 0: everyone, one rate
+    assert sorted(orders[1]) == ["1P1D", "base", "g-strong"]      # the weaker half of the colocated ones stopped
+    assert orders[1] == [n for n in sidebyside._rotated(list(crossings), 1) if n in orders[1]]  # rotated by one
+    assert trial.renamed == [("g-strong", "colocated-best")] and trial.tuning["best"] == "g-strong"
+    later = {n for order in orders[2:] for n in order}
+    assert later <= {"base", "1P1D", "colocated-best"}
+    best = searches["colocated-best"]
+    assert len(best.probes) >= 3 and best.probes[0].round == 0    # it kept its tuning probes
+    assert best.found.kind == "point" and 0.7 / 1.3 < best.found.estimate < 0.7 * 1.3
+
+
+def test_the_budget_ends_the_rounds_after_the_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    trial = _Curves({"base": 0.5, "1P1D": 0.8}, "base", budget_s=35.0)
+    sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in ("base", "1P1D")}, [], 0, 35.0)
+    # each probe takes 10 s: round 0 (20 s) fits, round 1 would end at 40 s, past the 35 s budget
+    assert len(trial.rounds) == 1
