@@ -132,13 +132,12 @@ def run_repeat(trial, repeat: int) -> None:
             endpoints, searches = {}, {}
             rel = spec.arrivals.relative_rate
             order = sorted(_rotated(named, repeat), key=lambda a: not (rel and a.name == rel.reference))
-            for i, arr in enumerate(order):
+            for arr in order:
                 with contextlib.ExitStack() as alone:
                     ep = _launch(trial, alone, arr, repeat)
                     if ep is None:
                         continue
-                    left = (None if budget_s is None else
-                            max(budget_s - (time.monotonic() - started), 0.0) / (len(order) - i))
+                    left = None if budget_s is None else budget_s / len(order)   # the same search time each
                     searches.update(_rounds(trial, {arr.name: ep}, [], repeat, left))
                     _record(trial, {arr.name: searches[arr.name]}, repeat)
                     if trial.set_main_multiplier() is not None:
