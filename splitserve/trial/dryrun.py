@@ -57,7 +57,9 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     rel = spec.arrivals.relative_rate
     if rel:
         laid_out = ("the phases' own rates" if spec.arrivals.pattern == "phases" else f"{rel.nominal:g} req/s")
-        lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, measured first "
+        when = ("measured side by side with the others" if (capacity or spec.capacity is not None)
+                and (spec.capacity or CapacitySpec()).method == "fitted" else "measured first")
+        lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, {when} "
                      f"(arrivals laid out at {laid_out}, then scaled together)")
         if spec.capacity is None and (rel.probe_requests or rel.probe_seconds):
             cal = search_settings(spec)
