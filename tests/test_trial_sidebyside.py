@@ -177,3 +177,21 @@ def test_the_budget_ends_the_rounds_after_the_first(monkeypatch):
     sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in ("base", "1P1D")}, [], 0, 35.0)
     # each probe takes 10 s: round 0 (20 s) fits, round 1 would end at 40 s, past the 35 s budget
     assert len(trial.rounds) == 1
+
+
+def test_a_tuning_point_halved_out_never_wins_on_the_upper_bound_of_its_one_failed_probe(monkeypatch):
+    # round 0 at x1 fails everywhere (crossings far below): every point reads "at most x1"; the
+    # survivors then fail lower too, so their bound is lower than the halved points' untested one
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    crossings = {"base": 0.04, "1P1D": 0.05, "g-a": 0.03, "g-b": 0.02, "g-c": 0.035}
+    trial = _Curves(dict(crossings), "base")
+    sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in crossings},
+                       [SimpleNamespace(name=n) for n in ("g-a", "g-b", "g-c")], 0, None)
+    survivors = set(trial.rounds[1]["order"])
+    best = trial.tuning["best"]
+    assert best in survivors

@@ -60,6 +60,7 @@ class Search:
     probes: list = dataclasses.field(default_factory=list)
     found: curve.Capacity | None = None
     done: bool = False
+    halved: bool = False       # a tuning point stopped by successive halving: out of the running
     rps_per_multiplier: float | None = None
 
     def add(self, run, round_index: int, target: float, precision: float, grow: float, rng) -> None:
@@ -304,14 +305,17 @@ def _halve_grid(trial, searches, grid_names, k):
     ranked = sorted(pool, key=lambda n: searches[n].rank(), reverse=True)
     for n in ranked[(len(ranked) + 1) // 2:]:
         if n in grid_names:      # the base is a named arrangement: it is always searched
-            searches[n].done = True
+            searches[n].done = searches[n].halved = True
 
 
 def _pick_tuned(trial, searches, endpoints, grid_names):
     """After the tuning rounds: the best colocated setting continues, the other grid points stop."""
     base = trial.spec.tune.base
     pool = [base, *grid_names]
-    best = max((n for n in pool if n in searches), key=lambda n: searches[n].rank(), default=None)
+    # only the settings that reached the last tuning round: one halved out after failing at a high
+    # rate has an upper bound there ("at most 0.95"), which says less, not more, than a lower rate tried
+    best = max((n for n in pool if n in searches and not searches[n].halved), key=lambda n: searches[n].rank(),
+               default=None)
     for n in grid_names:
         if n != best and n in searches:
             searches[n].done = True
