@@ -47,6 +47,10 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
                         xytext=(cap["estimate_rps"], target), arrowprops={"arrowstyle": "->", "color": color})
     ax.axhline(target, color="k", ls="--", lw=1)
     ax.set_xscale("log")
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())   # log-scale minor labels overlap on a narrow range
     ax.set_ylim(-0.03, 1.03)
     ax.set_title("all requests" if klass is None else f"class {klass}", fontsize=9)
     ax.grid(alpha=0.3)
