@@ -47,8 +47,9 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
                         xytext=(cap["estimate_rps"], target), arrowprops={"arrowstyle": "->", "color": color})
     ax.axhline(target, color="k", ls="--", lw=1)
     ax.set_xscale("log")
-    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
     ax.xaxis.set_minor_formatter(NullFormatter())   # log-scale minor labels overlap on a narrow range
     ax.set_ylim(-0.03, 1.03)
