@@ -28,7 +28,7 @@ from splitserve.engine.process import add_engine_arguments, engine_config_from_a
 from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.frontend.limits import add_limit_arguments, check_limit_args
 from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
-                                          engine_link_from_args)
+                                          engine_link_from_args, own_engine_secrets)
 from splitserve.frontend.api_hub import stop_processes
 from splitserve.frontend.tool_parsers import TOOL_PARSERS
 from splitserve.frontend.topology import hand_start_command, load_topology
@@ -83,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_http_guard_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
+    p.set_defaults(generated_secrets=False)  # run() sets it (own_engine_secrets)
     add_adaptive_arguments(p)
     add_ray_arguments(p)
 
@@ -173,16 +174,14 @@ def engine_command(args: argparse.Namespace, address: str, cpus: str | None) -> 
            "--config-stdin"]
     if cpus:
         cmd += ["--cpus", cpus]
-    if args.engine_secret_file is not None:
-        cmd += ["--engine-secret-file", str(args.engine_secret_file)]
-    return cmd
+    return cmd  # the engine link's secret, like the KV one, is in the EngineConfig
 
 
 def start_engine_process(args: argparse.Namespace, config: EngineConfig, address: str, cpus: str | None,
                  env: dict[str, str]) -> subprocess.Popen:
     proc = subprocess.Popen(engine_command(args, address, cpus), env=env, stdin=subprocess.PIPE)
     try:
-        proc.stdin.write(encode_engine_config(config))  # also keeps a --kv-secret-file's secret out of `ps`
+        proc.stdin.write(encode_engine_config(config))  # keeps the link and KV secrets out of `ps`
         proc.stdin.close()
     except BrokenPipeError:
         pass  # it died at once; wait_ready reports its exit code
@@ -286,6 +285,10 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{args.port}/v1 "
                   f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}{api}; "
                   f"engines join at {client.address}", flush=True)
+            if args.generated_secrets:
+                print("splitserve: the engine link and KV sockets use secrets generated for these engines; "
+                      "to add engines by hand, start serve with --engine-secret-file and --kv-secret-file",
+                      flush=True)
 
         announcer = asyncio.create_task(announce())
         if mix is not None:
@@ -315,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
         # an unreadable key file or a bad key fails here, before any engine starts
         http_guard_from_args(args, api_keys_from_args(args))
         engine_link_from_args(args, args.engine_address, "--engine-address")
+        spec = args.topology_spec
+        args.generated_secrets = own_engine_secrets(args, hand_started=bool(spec and spec.remote and args.ray is None))
         kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
