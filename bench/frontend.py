@@ -46,7 +46,7 @@ def two_k_chat(seed: int, target_tokens: int, renderer) -> list[dict]:
 
 
 def bench_render(model: str | None, seconds: float) -> dict:
-    from splitserve.frontend.render import Renderer
+    from splitserve.api.render import Renderer
     from splitserve.models.loader import load_tokenizer
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core

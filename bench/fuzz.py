@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import httpx  # noqa: E402
 
-from splitserve.frontend.openai_schema import (ChatCompletionRequest, CompletionRequest,  # noqa: E402
+from splitserve.api.openai_schema import (ChatCompletionRequest, CompletionRequest,  # noqa: E402
                                                numeric_bounds)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/chat/completions/render")

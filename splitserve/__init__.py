@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # Lazy, so that `splitserve trial` and the frontend never pay for importing torch.
     if name == "LLM":
-        from splitserve.engine.llm import LLM
+        from splitserve.entrypoints.llm import LLM
         return LLM
     if name == "SamplingParams":
         from splitserve.sampling import SamplingParams

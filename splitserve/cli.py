@@ -10,8 +10,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "generate": ("splitserve.engine.generate_cli", "generate text offline with the engine, streamed"),
-    "serve": ("splitserve.frontend.launch", "start the OpenAI-compatible server and its engines"),
+    "generate": ("splitserve.entrypoints.generate", "generate text offline with the engine, streamed"),
+    "serve": ("splitserve.entrypoints.launch", "start the OpenAI-compatible server and its engines"),
     "engine": ("splitserve.engine.process", "start one engine instance by hand (--role, --connect)"),
     "trial": ("splitserve.trial.cli", "replay a workload against arrangements and count good requests"),
     "workload": ("splitserve.trial.analyze", "analyze a request trace: lengths, long-input share, burstiness"),

@@ -15,10 +15,10 @@ from pathlib import Path
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.process import EngineProcess
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.launch import load_renderer
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.router import Router
+from splitserve.api.engine_client import EngineClient
+from splitserve.entrypoints.launch import load_renderer
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.router import Router
 from splitserve.kv_transfer import KVTransferConfig
 from splitserve.kv_transfer.shm_pool import SEGMENT_PREFIX, SHM_DIR
 from splitserve.models.loader import load_model

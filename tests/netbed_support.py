@@ -16,7 +16,7 @@ import pytest
 from cluster_support import Cluster
 from splitserve.engine.core import EngineCore
 from splitserve.engine.process import EngineProcess
-from splitserve.frontend.security import EngineLinkSecurity
+from splitserve.link_security import EngineLinkSecurity
 from splitserve.testbed.netbed import NetBed, unavailable_reason
 
 REASON = unavailable_reason()

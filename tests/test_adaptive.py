@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from cluster_support import Cluster, prompt_of
-from splitserve.frontend import launch
-from splitserve.frontend.adaptive import AdaptiveMix, adaptive_from_args, check_adaptive_args, mix_views
-from splitserve.frontend.api_server import build_app
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.request_state import STEP_WINDOW, Instance
-from splitserve.frontend.role_change import InstanceLoadView, RoleChangeRefused
+from splitserve.entrypoints import launch
+from splitserve.coordinator.adaptive import AdaptiveMix, adaptive_from_args, check_adaptive_args, mix_views
+from splitserve.api.api_server import build_app
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.request_state import STEP_WINDOW, Instance
+from splitserve.coordinator.role_change import InstanceLoadView, RoleChangeRefused
 from splitserve.protocol import EngineHello, EngineStats, StepSample
 from splitserve.sampling import SamplingParams
 from splitserve.control.mix import MixController, MixTargets, FALLBACK_STEP_MODEL

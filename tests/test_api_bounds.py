@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
-from splitserve.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, numeric_bounds
+from splitserve.api.openai_schema import ChatCompletionRequest, CompletionRequest, numeric_bounds
 from splitserve.protocol import Codec, GenerateRequest, WireSamplingParams
 from splitserve.sampling import SamplingParams
 

@@ -186,7 +186,7 @@ def test_api_processes_leave_when_the_coordinator_is_killed_outright(model, tmp_
     server = ServerProcess(str(model), *ENGINE_FLAGS, "--api-server-count", "2",
                            log_path=tmp_path / "server.log").wait_ready()
     pids = children(server.proc.pid)
-    api_pids = [p for p in pids if "splitserve.frontend.api_worker" in command_line(p)]
+    api_pids = [p for p in pids if "splitserve.api.api_worker" in command_line(p)]
     assert len(api_pids) == 1 and len(pids) == 2  # the second API process and the engine
     os.kill(server.proc.pid, signal.SIGKILL)
     server.stop()

@@ -15,12 +15,12 @@ import zmq
 
 from cluster_support import Cluster, prompt_of
 from engine_support import make_engine, run_to_end
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.launch import load_renderer
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
-from splitserve.frontend.serving import OpenAIServing
+from splitserve.api.engine_client import EngineClient
+from splitserve.entrypoints.launch import load_renderer
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.api.openai_schema import ApiError
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.api.serving import OpenAIServing
 from splitserve.protocol import Codec, EngineHello, Heartbeat, Shutdown, socket_identity
 from splitserve.sampling import SamplingParams
 from tiny_models import write_tiny_checkpoint

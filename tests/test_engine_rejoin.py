@@ -10,10 +10,10 @@ import asyncio
 import pytest
 
 from cluster_support import Cluster, prompt_of
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.launch import load_renderer
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.router import Router
+from splitserve.api.engine_client import EngineClient
+from splitserve.entrypoints.launch import load_renderer
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.router import Router
 from splitserve.sampling import SamplingParams
 from tiny_models import write_tiny_checkpoint
 

@@ -90,7 +90,7 @@ def test_the_same_process_saying_hello_twice_is_registered_once_without_an_error
         client = await started_client(heartbeat_timeout_s=5.0)
         engine = FakeEngine(client.address, "e0")
         try:
-            with caplog.at_level(logging.DEBUG, logger="splitserve.frontend.engine_link"):
+            with caplog.at_level(logging.DEBUG, logger="splitserve.coordinator.engine_link"):
                 engine.hello(pid=7070)
                 await client.wait_ready(["e0"], 5)
                 engine.hello(pid=7070)
@@ -114,7 +114,7 @@ def test_stats_that_overtake_a_starting_engines_hello_do_not_make_it_look_restar
         client = await started_client(heartbeat_timeout_s=5.0)
         engine = FakeEngine(client.address, "e0")
         try:
-            with caplog.at_level(logging.INFO, logger="splitserve.frontend.engine_link"):
+            with caplog.at_level(logging.INFO, logger="splitserve.coordinator.engine_link"):
                 engine.heartbeat()
                 # the heartbeat has arrived, unknown, before the hello leaves: the overtaking for sure
                 assert await eventually(lambda: "e0" in client.link._last_heard)

@@ -15,12 +15,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from serve_support import free_port
-from splitserve.frontend.api_server import build_server_app
-from splitserve.frontend.http_guard import HttpGuard, add_http_guard_arguments, uvicorn_limits
-from splitserve.frontend.instance_budget import InstanceBudget
-from splitserve.frontend.limits import add_limit_arguments
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.security import add_api_key_arguments
+from splitserve.api.api_server import build_server_app
+from splitserve.api.http_guard import HttpGuard, add_http_guard_arguments, uvicorn_limits
+from splitserve.api.instance_budget import InstanceBudget
+from splitserve.api.limits import add_limit_arguments
+from splitserve.api.openai_schema import ApiError
+from splitserve.link_security import add_api_key_arguments
 
 API_KEY, ADMIN_KEY = "api-key-0123456789", "admin-key-0123456789abcdef"
 
@@ -117,7 +117,7 @@ def test_an_engine_that_would_not_fit_in_memory_is_not_started():
         budget("decode")  # a second 3 GiB, while the first is still starting: does not
     assert info.value.status == 503 and info.value.code == "insufficient_memory"
     assert "MiB" in info.value.message and spawned == ["decode"]
-    from splitserve.frontend.instance_budget import rss_bytes
+    from splitserve.api.instance_budget import rss_bytes
     assert rss_bytes(1) is None  # not a splitserve engine: a remote engine's pid must not count here
 
 
@@ -182,7 +182,7 @@ def test_connections_past_the_cap_are_closed_and_requests_still_served(guarded_s
 def test_a_body_that_stalls_is_refused_with_408_and_a_finished_body_never_times_out():
     from fastapi import HTTPException
 
-    from splitserve.frontend.limits import RequestLimitsMiddleware
+    from splitserve.api.limits import RequestLimitsMiddleware
 
     async def run(chunks: list[dict]) -> list:
         seen = []
@@ -214,8 +214,8 @@ def test_a_body_that_stalls_is_refused_with_408_and_a_finished_body_never_times_
 
 
 def test_large_prompts_wait_in_a_bounded_render_queue_and_small_ones_skip_it():
-    from splitserve.frontend import serving as serving_module
-    from splitserve.frontend.serving import OpenAIServing
+    from splitserve.api import serving as serving_module
+    from splitserve.api.serving import OpenAIServing
 
     release = threading.Event()
 

@@ -25,7 +25,7 @@ import zmq
 
 from serve_disagg_support import DisaggServer
 from serve_support import wait_until
-from splitserve.frontend.security import EngineLinkSecurity
+from splitserve.link_security import EngineLinkSecurity
 from splitserve.kv_transfer.messages import Begin, Challenge, Hello, Reply
 from splitserve.kv_transfer.transport import PeerClosed, TransferError
 from splitserve.kv_transfer.wire import Connection

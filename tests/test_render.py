@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.frontend.render import Renderer, RenderError, StopStringMatcher
+from splitserve.api.render import Renderer, RenderError, StopStringMatcher
 
 MULTIBYTE_TEXT = "héllo 中文字符 😀🎉 naïve — ünïcödé ☃ world, the end"
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from cluster_support import Cluster, mapped_segments, prompt_of, shm_segments
-from splitserve.frontend.api_server import build_app
-from splitserve.frontend.role_change import RoleChangeRefused
+from splitserve.api.api_server import build_app
+from splitserve.coordinator.role_change import RoleChangeRefused
 from tiny_models import write_tiny_checkpoint
 
 PD = {"prefill-0": "prefill", "decode-0": "decode"}

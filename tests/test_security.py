@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from serve_support import REPO, ServerProcess, free_port, wait_until
-from splitserve.frontend.security import EngineLinkSecurity, engine_address_is_local
+from splitserve.link_security import EngineLinkSecurity, engine_address_is_local
 from splitserve.protocol import Codec, EngineHello
 from tiny_models import write_tiny_checkpoint
 

@@ -55,10 +55,10 @@ def requests(seed: int, n: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy answers of the offline engine, by prompt."""
-    from splitserve.engine.llm import LLM
+    from splitserve.entrypoints.llm import LLM
     from splitserve.sampling import SamplingParams
 
-    from splitserve.frontend.render import Renderer
+    from splitserve.api.render import Renderer
     from splitserve.models.loader import load_tokenizer
 
     llm = LLM(model, num_threads=1)

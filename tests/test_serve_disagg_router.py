@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.frontend.request_state import trial_report
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.coordinator.request_state import trial_report
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.kv_transfer import SourceInfo, TransferDescriptor
 from splitserve.protocol import (Codec, EngineStats, GenerateRequest, KVStats, KVTransferReport, StepOutputs,
                                  TokenOutput, WireSamplingParams)
@@ -102,7 +102,7 @@ def test_descriptor_first_token_and_report_cross_the_wire_intact():
 def serve_args(*argv: str):
     import argparse
 
-    from splitserve.frontend import launch
+    from splitserve.entrypoints import launch
 
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)
@@ -146,7 +146,7 @@ def test_serve_builds_each_engine_config_once_and_sends_it_whole():
 
 
 def test_prefix_affinity_sends_a_shared_prefix_back_to_its_prefill_instance():
-    from splitserve.frontend.router import AFFINITY_SLACK_TOKENS, prefix_key
+    from splitserve.coordinator.router import AFFINITY_SLACK_TOKENS, prefix_key
 
     shared = list(range(100, 164))
     key = prefix_key(shared + [1, 2, 3])
@@ -171,7 +171,7 @@ def test_prefix_affinity_sends_a_shared_prefix_back_to_its_prefill_instance():
 
 
 def test_topology_file_names_local_and_remote_instances(tmp_path):
-    from splitserve.frontend.topology import hand_start_command, parse_topology
+    from splitserve.entrypoints.topology import hand_start_command, parse_topology
 
     path = tmp_path / "topo.yaml"
     path.write_text("instances:\n  - {id: p0, role: prefill}\n  - {id: d0, role: decode}\n"
@@ -196,7 +196,7 @@ def test_topology_file_names_local_and_remote_instances(tmp_path):
     ({"instances": [{"id": "a", "role": "colocated"}], "engine_adress": "x"}, "unknown field"),
 ])
 def test_topology_mistakes_are_named(data, message):
-    from splitserve.frontend.topology import parse_topology
+    from splitserve.entrypoints.topology import parse_topology
 
     with pytest.raises(ValueError, match=message):
         parse_topology(data)

@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from splitserve.engine.process import parse_cpus
-from splitserve.frontend.launch import core_sets
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, Router
+from splitserve.entrypoints.launch import core_sets
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, EngineStats, GenerateRequest, Heartbeat,
                                  Shutdown, StepOutputs, StepSample, TokenOutput, WireSamplingParams)
 
@@ -101,7 +101,7 @@ def test_cpu_budget_arguments():
 def test_engines_sleep_between_parallel_regions_when_their_threads_fill_the_cores(monkeypatch):
     import argparse
 
-    from splitserve.frontend.launch import engine_env
+    from splitserve.entrypoints.launch import engine_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cores = len(os.sched_getaffinity(0))
@@ -123,7 +123,7 @@ def test_kernels_off_reaches_the_engines_and_makes_them_load_no_kernels(monkeypa
     import argparse
 
     from splitserve import kernels
-    from splitserve.frontend.launch import engine_env
+    from splitserve.entrypoints.launch import engine_env
 
     monkeypatch.delenv("SPLITSERVE_KERNELS", raising=False)
     args = argparse.Namespace(omp_wait_policy="auto", threads_per_instance=1, kernels="off")

@@ -88,7 +88,7 @@ def test_tokens_that_break_the_grammar_or_a_bad_schema_are_refused(checkpoint):
 
 
 def test_a_forced_tool_call_grammar_is_continued_by_the_decode_instance(checkpoint):
-    from splitserve.frontend.tool_parsers import HermesToolParser
+    from splitserve.api.tool_parsers import HermesToolParser
 
     function = {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},

@@ -8,11 +8,11 @@ import json
 import pytest
 import xgrammar as xgr
 
-from splitserve.frontend.answer import tool_deltas
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.render import Renderer, RenderError
-from splitserve.frontend.tool_parsers import HermesToolParser, ToolCallDelta
-from splitserve.frontend.tools import plan_tools
+from splitserve.api.answer import tool_deltas
+from splitserve.api.openai_schema import ApiError
+from splitserve.api.render import Renderer, RenderError
+from splitserve.api.tool_parsers import HermesToolParser, ToolCallDelta
+from splitserve.api.tools import plan_tools
 from splitserve.grammars import MAX_DIGITS, grammar_from_wire, json_schema_grammar
 from tiny_models import QWEN_TOOLS_TEMPLATE, tiny_tokenizer
 

@@ -1,1 +1,1 @@
-"""Placement: where engine processes run and who restarts them (local processes: frontend/launch.py; Ray: here)."""
+"""Placement: where engine processes run and who restarts them (local processes: entrypoints/launch.py; Ray: here)."""

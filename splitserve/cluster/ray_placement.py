@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from splitserve.config import ROLES, EngineConfig
-from splitserve.frontend.security import endpoint_host, engine_address_is_local
+from splitserve.link_security import endpoint_host, engine_address_is_local
 from splitserve.protocol import encode_engine_config
 
 log = logging.getLogger("splitserve.ray")

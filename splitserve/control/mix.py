@@ -14,7 +14,7 @@ change one instance per interval: a mix two changes away (two colocated instance
 prefill and one decode) goes through the better of its two halfway mixes, and its second
 change follows at the next interval, if it still beats the mix of the moment by the margin.
 After a change nothing else moves for `cooldown` intervals. The halfway mixes matter: beside a
-colocated instance, a prefill or decode instance gets no new work (frontend/router.py), so
+colocated instance, a prefill or decode instance gets no new work (coordinator/router.py), so
 a single change from two colocated instances only ever helps as the first of two.
 
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:

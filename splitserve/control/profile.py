@@ -65,7 +65,7 @@ def parse_threads(text: str) -> list[int]:
 
 def set_omp_wait_policy(policy: str) -> str:
     """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: set it before that, as `serve` does for
-    its engines (frontend/launch.py). Returns the policy the runtime reads ("default" when unset).
+    its engines (entrypoints/launch.py). Returns the policy the runtime reads ("default" when unset).
     A 2-thread step with sleeping threads pays a wake-up per parallel region: on the AVX2 VM a
     one-request decode step took 32 ms instead of 17 ms (docs/benchmarks.md, "Planner")."""
     if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:

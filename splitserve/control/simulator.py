@@ -5,7 +5,7 @@ transfer); nothing sleeps. Each instance (control/sim_instance.py) mirrors engin
 A step lasts what the step model (control/stepmodel.py) says for what it holds; its sampled
 tokens reach the client at its end. A prefill-role instance hands a finished prompt to the
 decode instance chosen at arrival; the KV lands after the profiled transfer time and the
-request joins that instance's batch at its next step. The router is frontend/router.py's:
+request joins that instance's batch at its next step. The router is coordinator/router.py's:
 least outstanding tokens for colocated instances (prompt + answer), least queued prompt
 tokens for prefill, least outstanding answer tokens for decode.
 Left out: the frontend's own latency, prefix-cache hits, admission limits (429s), failures.

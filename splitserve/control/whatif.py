@@ -8,7 +8,7 @@ tokens per second over a window, and how long the prompts are) and finds each in
 steady state under the new work the router would send it, then adds what each instance holds
 now, which stays where it is (a role change moves no queued prompt and no running stream):
 
-  router    new requests go to the colocated instances whenever one serves (frontend/router.py);
+  router    new requests go to the colocated instances whenever one serves (coordinator/router.py);
             only an arrangement without one splits them over prefill and decode instances.
             A prefill or decode instance beside a colocated one gets no new work.
   colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill

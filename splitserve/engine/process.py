@@ -30,7 +30,7 @@ import zmq
 
 from splitserve.config import (PREFILL_POLICIES, ROLES, SCHEDULING_POLICIES, WEIGHT_FORMATS, CacheConfig,
                                EngineConfig, SchedulerConfig)
-from splitserve.frontend.security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
+from splitserve.link_security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
                                  ResendHello, RoleChanged, SetRole, Shutdown, StepOutputs, TokenOutput,

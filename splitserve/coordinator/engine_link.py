@@ -43,8 +43,8 @@ import msgspec
 import zmq
 
 from splitserve.config import ROLES
-from splitserve.frontend.request_state import Instance
-from splitserve.frontend.security import EngineLinkSecurity
+from splitserve.coordinator.request_state import Instance
+from splitserve.link_security import EngineLinkSecurity
 from splitserve.protocol import (PROTOCOL_VERSION, AbortRequests, Codec, EngineHello, Heartbeat, ResendHello,
                                  Shutdown, ToEngine, socket_identity)
 

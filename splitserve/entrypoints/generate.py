@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve.frontend.render import Renderer
-    from splitserve.engine.llm import LLM
+    from splitserve.api.render import Renderer
+    from splitserve.entrypoints.llm import LLM
     from splitserve.sampling import SamplingParams
 
     try:

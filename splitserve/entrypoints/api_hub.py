@@ -31,10 +31,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.request_state import GenerationEvent, RequestStream
-from splitserve.frontend.router import NoInstanceAvailable
-from splitserve.frontend.serving import submit_error
+from splitserve.api.engine_client import EngineClient
+from splitserve.coordinator.request_state import GenerationEvent, RequestStream
+from splitserve.coordinator.router import NoInstanceAvailable
+from splitserve.api.serving import submit_error
 from splitserve.protocol import (ApiAbort, ApiEvent, ApiEvents, ApiForward, ApiForwardReply, ApiHello, ApiInstance,
                                  ApiInstances, ApiProcessConfig, ApiSubmit, ApiSubmitted, ToCoordinator)
 from splitserve.sampling import SamplingParams
@@ -129,7 +129,7 @@ class ApiHub:
         settings = plain_settings(args)
         for index in range(1, count):
             config = ApiProcessConfig(index, self.address, os.getpid(), port, settings)
-            proc = subprocess.Popen([sys.executable, "-m", "splitserve.frontend.api_worker"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "splitserve.api.api_worker"], stdin=subprocess.PIPE)
             try:
                 proc.stdin.write(msgspec.msgpack.encode(config))
                 proc.stdin.close()

@@ -30,9 +30,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
 from splitserve.config import ROLES
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.role_change import RoleChangeRefused
+from splitserve.api.engine_client import EngineClient
+from splitserve.api.openai_schema import ApiError
+from splitserve.coordinator.role_change import RoleChangeRefused
 from splitserve.protocol import STEP_SAMPLE_FIELDS
 
 SpawnEngine = Callable[[str], str]  # role -> the new engine's id

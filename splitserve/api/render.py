@@ -26,7 +26,7 @@ import jinja2.meta
 import jinja2.sandbox
 from tokenizers.decoders import DecodeStream
 
-from splitserve.frontend.tool_parsers import HermesToolParser, ToolParser
+from splitserve.api.tool_parsers import HermesToolParser, ToolParser
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -18,19 +18,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.frontend.adaptive import AdaptiveMix, add_mix_routes
-from splitserve.frontend.admin import SpawnEngine, add_admin_routes
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.http_guard import (ADMIN_PREFIX, HttpGuardMiddleware, http_guard_from_args,
+from splitserve.coordinator.adaptive import AdaptiveMix, add_mix_routes
+from splitserve.api.admin import SpawnEngine, add_admin_routes
+from splitserve.api.engine_client import EngineClient
+from splitserve.api.http_guard import (ADMIN_PREFIX, HttpGuardMiddleware, http_guard_from_args,
                                             uvicorn_limits)
-from splitserve.frontend.instance_budget import InstanceBudget
-from splitserve.frontend.limits import RequestLimitsMiddleware
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
+from splitserve.api.instance_budget import InstanceBudget
+from splitserve.api.limits import RequestLimitsMiddleware
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.api.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
-from splitserve.frontend.render import Renderer, RenderError
-from splitserve.frontend.security import ApiKeyMiddleware, api_keys_from_args
-from splitserve.frontend.serving import OpenAIServing
+from splitserve.api.render import Renderer, RenderError
+from splitserve.link_security import ApiKeyMiddleware, api_keys_from_args
+from splitserve.api.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

@@ -15,8 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.tool_parsers import ToolParser
+from splitserve.api.openai_schema import ApiError
+from splitserve.api.tool_parsers import ToolParser
 from splitserve.grammars import json_schema_grammar
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -23,14 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from splitserve.frontend.answer import Answer, Echo, error_for
-from splitserve.frontend.engine_client import EngineClient
-from splitserve.frontend.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
-from splitserve.frontend.render import Renderer, RenderError
-from splitserve.frontend.request_state import RequestStream
-from splitserve.frontend.response_format import json_schema_for
-from splitserve.frontend.router import NoInstanceAvailable
-from splitserve.frontend.tools import ToolPlan, plan_tools
+from splitserve.api.answer import Answer, Echo, error_for
+from splitserve.api.engine_client import EngineClient
+from splitserve.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from splitserve.api.render import Renderer, RenderError
+from splitserve.coordinator.request_state import RequestStream
+from splitserve.api.response_format import json_schema_for
+from splitserve.coordinator.router import NoInstanceAvailable
+from splitserve.api.tools import ToolPlan, plan_tools
 from splitserve.sampling import SamplingParams
 
 INLINE_RENDER_CHARS = 16_384  # below this, rendering + tokenizing take well under a millisecond

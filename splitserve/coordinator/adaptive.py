@@ -31,9 +31,9 @@ from splitserve.control.whatif import Demand
 if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
     from fastapi import FastAPI
 
-    from splitserve.frontend.engine_client import EngineClient
-    from splitserve.frontend.metrics import FrontendMetrics
-    from splitserve.frontend.role_change import InstanceLoadView
+    from splitserve.api.engine_client import EngineClient
+    from splitserve.coordinator.metrics import FrontendMetrics
+    from splitserve.coordinator.role_change import InstanceLoadView
 
 log = logging.getLogger(__name__)
 ACTIONS = ("none", "change", "refused")
@@ -195,7 +195,7 @@ def adaptive_from_args(args: argparse.Namespace, client: EngineClient, metrics: 
 
 
 def add_mix_routes(app: FastAPI, mix: AdaptiveMix | None) -> None:
-    from splitserve.frontend.openai_schema import ApiError
+    from splitserve.api.openai_schema import ApiError
 
     @app.get("/admin/mix")
     async def mix_log():

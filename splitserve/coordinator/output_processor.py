@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.render import OutputText, Renderer
-from splitserve.frontend.request_state import GenerationEvent, RequestState, trial_report
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.api.render import OutputText, Renderer
+from splitserve.coordinator.request_state import GenerationEvent, RequestState, trial_report
 from splitserve.protocol import TokenOutput
 
 

@@ -1,6 +1,6 @@
 """An API process of `serve --api-server-count N` (N > 1): HTTP, render and derender, no engines.
 
-    python -m splitserve.frontend.api_worker  (started by api_hub.ApiHub; ApiProcessConfig on stdin)
+    python -m splitserve.api.api_worker  (started by api_hub.ApiHub; ApiProcessConfig on stdin)
       ├─ bind the shared port (SO_REUSEPORT), load the tokenizer, connect to the coordinator
       ├─ ApiHello --> the coordinator answers with ApiInstances (and again a few times a second)
       └─ uvicorn: the same OpenAI routes as the coordinator (api_server.build_openai_app) over a
@@ -27,12 +27,12 @@ import zmq.asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from splitserve.frontend.api_hub import identity, listening_socket
-from splitserve.frontend.dispatcher import wire_params
-from splitserve.frontend.engine_client import ServedInstances
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.render import OutputText, Renderer
-from splitserve.frontend.request_state import GenerationEvent, Instance
+from splitserve.entrypoints.api_hub import identity, listening_socket
+from splitserve.coordinator.dispatcher import wire_params
+from splitserve.api.engine_client import ServedInstances
+from splitserve.api.openai_schema import ApiError
+from splitserve.api.render import OutputText, Renderer
+from splitserve.coordinator.request_state import GenerationEvent, Instance
 from splitserve.protocol import (ApiAbort, ApiEvent, ApiEvents, ApiForward, ApiForwardReply, ApiHello,
                                  ApiInstances, ApiProcessConfig, ApiSubmit, ApiSubmitted, FromCoordinator)
 from splitserve.sampling import SamplingParams
@@ -179,7 +179,7 @@ class RemoteEngineClient(ServedInstances):
 
 
 def build_worker_app(client: RemoteEngineClient, args: argparse.Namespace) -> tuple[object, dict]:
-    from splitserve.frontend.api_server import ApiServerHeader, build_openai_app, guarded
+    from splitserve.api.api_server import ApiServerHeader, build_openai_app, guarded
 
     app = build_openai_app(client, client.renderer)
 
@@ -198,7 +198,7 @@ def build_worker_app(client: RemoteEngineClient, args: argparse.Namespace) -> tu
 async def serve_api(config: ApiProcessConfig, args: argparse.Namespace) -> None:
     import uvicorn
 
-    from splitserve.frontend.launch import load_renderer
+    from splitserve.entrypoints.launch import load_renderer
 
     sock = listening_socket(args.host, config.port)
     renderer = await asyncio.to_thread(load_renderer, args.model, args.tool_call_parser)

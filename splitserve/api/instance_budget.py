@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from splitserve.frontend.openai_schema import ApiError
+from splitserve.api.openai_schema import ApiError
 
 SpawnEngine = Callable[[str], str]  # role -> the new engine's id
 MEMINFO = Path("/proc/meminfo")

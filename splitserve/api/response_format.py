@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from splitserve.frontend.openai_schema import ApiError
+from splitserve.api.openai_schema import ApiError
 from splitserve.grammars import json_schema_grammar, xgrammar
 
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object

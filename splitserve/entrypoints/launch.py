@@ -23,15 +23,15 @@ import sys
 
 from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, check_ray_args
 from splitserve.config import EngineConfig
-from splitserve.frontend.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
+from splitserve.coordinator.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
-from splitserve.frontend.http_guard import add_http_guard_arguments, http_guard_from_args
-from splitserve.frontend.limits import add_limit_arguments, check_limit_args
-from splitserve.frontend.security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
-                                          engine_link_from_args, own_engine_secrets)
-from splitserve.frontend.api_hub import stop_processes
-from splitserve.frontend.tool_parsers import TOOL_PARSERS
-from splitserve.frontend.topology import hand_start_command, load_topology
+from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
+from splitserve.api.limits import add_limit_arguments, check_limit_args
+from splitserve.link_security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
+                                      engine_link_from_args, own_engine_secrets)
+from splitserve.entrypoints.api_hub import stop_processes
+from splitserve.api.tool_parsers import TOOL_PARSERS
+from splitserve.entrypoints.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
 from splitserve.protocol import encode_engine_config
 
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=0, help="prefill engine processes (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode engine processes (disaggregated; needs --prefill)")
     p.add_argument("--topology", default=None,
-                   help="YAML file naming the instances (id, role, host); see splitserve/frontend/topology.py")
+                   help="YAML file naming the instances (id, role, host); see splitserve/entrypoints/topology.py")
     p.add_argument("--prefix-affinity", action="store_true",
                    help="send prompts sharing their first 64 tokens to the instance that prefilled them before")
     p.add_argument("--max-queued-requests", type=int, default=256,
@@ -189,7 +189,7 @@ def start_engine_process(args: argparse.Namespace, config: EngineConfig, address
 
 
 def load_renderer(model: str | None, tool_call_parser: str = "hermes"):
-    from splitserve.frontend.render import Renderer
+    from splitserve.api.render import Renderer
     from splitserve.models.loader import load_tokenizer
 
     tokenizer, chat_template = load_tokenizer(model)
@@ -203,11 +203,11 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splitserve.frontend.api_hub import ApiHub, listening_socket
-    from splitserve.frontend.api_server import ApiServerHeader, build_server_app
-    from splitserve.frontend.engine_client import EngineClient
-    from splitserve.frontend.metrics import FrontendMetrics
-    from splitserve.frontend.router import Router
+    from splitserve.entrypoints.api_hub import ApiHub, listening_socket
+    from splitserve.api.api_server import ApiServerHeader, build_server_app
+    from splitserve.api.engine_client import EngineClient
+    from splitserve.coordinator.metrics import FrontendMetrics
+    from splitserve.coordinator.router import Router
 
     roles = engine_roles(args)
     spec = args.topology_spec

@@ -25,12 +25,12 @@ import time
 
 import msgspec
 
-from splitserve.frontend.engine_link import EngineLink
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.output_processor import OutputProcessor
-from splitserve.frontend.render import NoText
-from splitserve.frontend.request_state import EventSink, RequestState, RequestStream
-from splitserve.frontend.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
+from splitserve.coordinator.engine_link import EngineLink
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.output_processor import OutputProcessor
+from splitserve.api.render import NoText
+from splitserve.coordinator.request_state import EventSink, RequestState, RequestStream
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
 from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, RoleChanged, StepOutputs,
                                  WireSamplingParams)
 from splitserve.sampling import SamplingParams

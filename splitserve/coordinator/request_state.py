@@ -13,11 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from splitserve.frontend.render import NoText, OutputText
+from splitserve.api.render import NoText, OutputText
 from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, StepSample, WireSamplingParams
 
 if TYPE_CHECKING:
-    from splitserve.frontend.dispatcher import Dispatcher
+    from splitserve.coordinator.dispatcher import Dispatcher
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from splitserve.config import ROLES
-from splitserve.frontend.router import DECODE_CAPABLE, PREFILL_CAPABLE
+from splitserve.coordinator.router import DECODE_CAPABLE, PREFILL_CAPABLE
 from splitserve.protocol import RoleChanged, SetRole, StepSample
 
 log = logging.getLogger(__name__)

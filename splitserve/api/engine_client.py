@@ -14,15 +14,15 @@ import subprocess
 import time
 from collections import deque
 
-from splitserve.frontend.dispatcher import Dispatcher
-from splitserve.frontend.engine_link import EngineLink
-from splitserve.frontend.metrics import FrontendMetrics
-from splitserve.frontend.output_processor import OutputProcessor
-from splitserve.frontend.render import Renderer
-from splitserve.frontend.request_state import EventSink, Instance, RequestStream
-from splitserve.frontend.role_change import InstanceLoadView, RoleChanger
-from splitserve.frontend.router import Router
-from splitserve.frontend.security import EngineLinkSecurity
+from splitserve.coordinator.dispatcher import Dispatcher
+from splitserve.coordinator.engine_link import EngineLink
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.output_processor import OutputProcessor
+from splitserve.api.render import Renderer
+from splitserve.coordinator.request_state import EventSink, Instance, RequestStream
+from splitserve.coordinator.role_change import InstanceLoadView, RoleChanger
+from splitserve.coordinator.router import Router
+from splitserve.link_security import EngineLinkSecurity
 from splitserve.sampling import SamplingParams
 
 
@@ -64,7 +64,7 @@ class EngineClient(ServedInstances):
         self.roles = RoleChanger(self.dispatcher)
         self.address = self.link.address
         # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an
-        # adaptive mix (frontend/adaptive.py) plans for; bounded, read-only to others
+        # adaptive mix (coordinator/adaptive.py) plans for; bounded, read-only to others
         self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
     @property

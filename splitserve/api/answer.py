@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from splitserve.frontend.logprobs import CompletionLogprobs, TokenText, chat_logprobs
-from splitserve.frontend.openai_schema import ApiError
-from splitserve.frontend.request_state import GenerationEvent, RequestStream
-from splitserve.frontend.tool_parsers import Piece, ToolParser
+from splitserve.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from splitserve.api.openai_schema import ApiError
+from splitserve.coordinator.request_state import GenerationEvent, RequestStream
+from splitserve.api.tool_parsers import Piece, ToolParser
 
 _json = msgspec.json.Encoder()
 

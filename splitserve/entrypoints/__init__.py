@@ -1,0 +1,1 @@
+"""Entry points: `serve` and its launch, the API hub, topologies, `generate` and the offline LLM."""
