@@ -88,8 +88,9 @@ async def beat(engine: FakeEngine, seconds: float) -> None:
 
 def test_a_blocked_event_loop_does_not_make_live_engines_look_dead(tiny):
     async def go():
-        async with Cluster(tiny, {"c0": "colocated"}, heartbeat_timeout_s=0.6) as cluster:
-            time.sleep(1.5)  # the loop is stuck (a burst of huge prompts), the engine keeps beating
+        # 1 s: 4 heartbeats; a tighter timeout lost the engine to CPU starvation on a loaded box
+        async with Cluster(tiny, {"c0": "colocated"}, heartbeat_timeout_s=1.0) as cluster:
+            time.sleep(2.5)  # the loop is stuck (a burst of huge prompts), the engine keeps beating
             await asyncio.sleep(0.5)  # the watchdog runs now
             assert cluster.client.instances["c0"].alive
             assert (await cluster.generate(prompt_of(10), 4))["finish"] == "length"

@@ -135,7 +135,8 @@ def outcome_counts(base_url: str) -> dict[str, float]:
     of requests it aborted), from /metrics."""
     counts = {k.split('"')[1]: v for k, v in metric_samples(base_url, "splitserve_requests_total").items()}
     counts["generated"] = metric_samples(base_url, "splitserve_generation_tokens_total")[""]
-    counts["generated_aborted"] = metric_samples(base_url, "splitserve_aborted_tokens_total").get('{kind="generated"}', 0.0)
+    aborted = metric_samples(base_url, "splitserve_aborted_tokens_total")
+    counts["generated_aborted"] = aborted.get('{kind="generated"}', 0.0)
     return counts
 
 

@@ -258,9 +258,10 @@ async def serve(args: argparse.Namespace) -> int:
             await client.wait_ready(engine_ids, args.startup_timeout)
         counters: dict[str, int] = {}
 
-        def spawn_engine(role: str) -> str:  # POST /admin/instances
-            counters[role] = counters.get(role, 0) + 1
-            engine_id = f"{role}-added-{counters[role]}"
+        def spawn_engine(role: str, engine_id: str | None = None) -> str:  # POST /admin/instances, a restart
+            if engine_id is None:
+                counters[role] = counters.get(role, 0) + 1
+                engine_id = f"{role}-added-{counters[role]}"
             place(engine_id, role)
             return engine_id
 
