@@ -3,7 +3,8 @@
     this process = the frontend (asyncio: uvicorn + EngineClient)
       ├─ build each engine's EngineConfig once, spawn engine-0 .. engine-N-1
       │    (`splitserve engine --connect <frontend> --parent-pid <us> --config-stdin`, the config
-      │    msgspec-encoded on its stdin: never turned back into flags)
+      │    msgspec-encoded on its stdin: never turned back into flags; it carries the engine-link
+      │    and KV secrets, generated unless given as files: link_security.own_engine_secrets)
       ├─ load the tokenizer while they load the model
       ├─ wait until every engine said hello, then serve HTTP and print the URL
       │    (--api-server-count N > 1: first start N-1 more HTTP processes on the port; api_hub.py)
