@@ -9,13 +9,15 @@ import re
 from dataclasses import dataclass, field
 
 from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.roles import ROLES
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit integer, lower first
 WEIGHT_FORMATS = ("auto", "fp32", "gguf", "gguf-q8act")  # models/loader.py says what each means
-ROLES = ("colocated", "prefill", "decode")
+# weights, activations and KV (devices.py maps them to torch); bfloat16 is what a GPU serves in
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -139,6 +141,7 @@ class EngineConfig:
     # The engine link's shared secret (CurveZMQ keys derive from it): `serve` hands it over here,
     # on the engine's stdin, never on a command line or in the environment. None: --engine-secret-file.
     link_secret: bytes | None = field(default=None, repr=False)
+    dtype: str = "float32"  # of weights, activations and the KV pool: one of DTYPES
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -147,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.role not in ROLES:
