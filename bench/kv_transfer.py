@@ -4,6 +4,7 @@ same bytes measured in the same run.
 
     .venv/bin/python bench/kv_transfer.py                 # shm and tcp, scattered block ids
     .venv/bin/python bench/kv_transfer.py --layout contiguous --repeats 9 --json out.json
+    .venv/bin/python bench/kv_transfer.py --secret --skip-prefill --skip-engine   # + HMAC-tagged runs
 
 A transfer's time is what the decode side's connector records: connect + handshake +
 Begin + copy + Confirm, i.e. everything between "blocks allocated" and "blocks usable".
@@ -22,6 +23,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def block_ids(layout: str, num_blocks: int, pool_blocks: int, seed: int) -> list
 def serve(args) -> None:
     """The prefill process: hold `--repeats` requests on the same blocks, serve them, exit."""
     torch.set_num_threads(args.threads)
-    config = KVTransferConfig(transport=args.serve, lease_s=600)
+    secret = args.secret_file.read_bytes() if args.secret_file else None
+    config = KVTransferConfig(transport=args.serve, lease_s=600, secret=secret)
     shape = pool_shape(args.pool_blocks)
     if args.serve == "shm":
         kv, handle = allocate_kv_pool(shape, torch.float32, segment_name("bench-prefill"))
@@ -91,15 +94,17 @@ class Memcpy:
 class RemotePrefill:
     """A prefill process holding `repeats` requests; `once()` pulls the next one."""
 
-    def __init__(self, transport: str, args):
+    def __init__(self, transport: str, args, secret_file: Path | None = None):
+        secret = ["--secret-file", str(secret_file)] if secret_file else []
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--serve", transport, "--tokens", str(args.tokens),
              "--repeats", str(args.repeats), "--layout", args.layout,
-             "--threads", str(args.threads)], stdout=subprocess.PIPE, text=True)
+             "--threads", str(args.threads), *secret], stdout=subprocess.PIPE, text=True)
         self.descriptors = [msgspec.json.decode(self.process.stdout.readline(),
                                                 type=TransferDescriptor)
                             for _ in range(args.repeats)]
-        config = KVTransferConfig(transport=transport, max_concurrent_transfers=1)
+        config = KVTransferConfig(transport=transport, max_concurrent_transfers=1,
+                                  secret=secret_file.read_bytes() if secret_file else None)
         dst = torch.zeros(pool_shape(args.pool_blocks))
         dst_ids = block_ids(args.layout, args.num_blocks, args.pool_blocks, seed=2)
         self.receiver = KVReceiver(config, dst, make_transport(config),
@@ -161,7 +166,11 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true",
                         help="skip the end-to-end part (three servers, a few minutes)")
     parser.add_argument("--engine-log-dir", default="/tmp", help="server logs of the end-to-end part")
+    parser.add_argument("--secret", action="store_true",
+                        help="also time each transport with a KV secret (handshake + an HMAC tag on every "
+                             "frame and run of KV bytes), as `serve` sets one by default")
     parser.add_argument("--serve", choices=("shm", "tcp"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--secret-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.num_blocks = -(-args.tokens // BLOCK_SIZE)
     args.pool_blocks = 2 * args.num_blocks
@@ -171,9 +180,17 @@ def main() -> None:
 
     num_bytes = args.num_blocks * BLOCK_SIZE * NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4
     methods = {"memcpy": Memcpy(num_bytes)}
+    secret_file = None
     try:
+        if args.secret:
+            fd, name = tempfile.mkstemp(prefix="bench-kv-secret-")  # mode 0600
+            os.write(fd, os.urandom(32).hex().encode())
+            os.close(fd)
+            secret_file = Path(name)
         for transport in args.transports.split(","):
             methods[transport] = RemotePrefill(transport, args)
+            if secret_file is not None:
+                methods[transport + "+hmac"] = RemotePrefill(transport, args, secret_file)
         # Interleaved, so that load from other processes hits every method alike.
         samples = {name: [] for name in methods}
         for _ in range(args.repeats):
@@ -183,12 +200,14 @@ def main() -> None:
         for method in methods.values():
             if isinstance(method, RemotePrefill):
                 method.close()
+        if secret_file is not None:
+            secret_file.unlink()
     rows = {name: ([s for s, _ in runs], runs[0][1]) for name, runs in samples.items()}
     base = num_bytes / statistics.median(rows["memcpy"][0])
     print(f"{args.tokens}-token request, {num_bytes / 1e6:.1f} MB of KV, {args.layout} block ids, "
           f"{args.threads} thread(s), median of {args.repeats}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'method':8} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'vs memcpy':>10}")
+    print(f"{'method':8} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'vs memcpy':>10}")  # +hmac: with a KV secret
     results = {}
     for name, (seconds, nbytes) in rows.items():
         rate = nbytes / statistics.median(seconds)

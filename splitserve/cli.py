@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "trial": ("splitserve.trial.cli", "replay a workload against arrangements and count good requests"),
     "workload": ("splitserve.trial.analyze", "analyze a request trace: lengths, long-input share, burstiness"),
     "profile": ("splitserve.control.profile", "time one engine instance: prefill, decode, KV transfer, startup"),
+    "admin": ("splitserve.entrypoints.admin_cli", "operate a running server: restart its instances one at a time"),
     "plan": ("splitserve.control.plan_cli", "predict every arrangement on a workload from a profile; recommend one"),
 }
 

@@ -138,6 +138,9 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
     weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
+    # The engine link's shared secret (CurveZMQ keys derive from it): `serve` hands it over here,
+    # on the engine's stdin, never on a command line or in the environment. None: --engine-secret-file.
+    link_secret: bytes | None = field(default=None, repr=False)
     dtype: str = "float32"  # of weights, activations and the KV pool: one of DTYPES
 
     def __post_init__(self) -> None:

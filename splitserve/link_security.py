@@ -1,9 +1,10 @@
-"""Who may talk on an engine link: a shared secret on off-host links. Both sides import this
+"""Who may talk on an engine link: a shared secret on engine links. Both sides import this
 (the coordinator's engine link, engine/process.py, cluster/); it sits beside the wire structs
 (protocol.py). API keys on HTTP are the API's: api/api_keys.py.
 
-Engine links (`--engine-secret-file FILE`): the frontend's ROUTER socket becomes a CurveZMQ
-server and engines CurveZMQ clients. Both key pairs are derived from the shared secret, so a
+Engine links (`--engine-secret-file FILE`, or a secret `serve` generates for the engines it
+starts, see own_engine_secrets): the frontend's ROUTER socket becomes a CurveZMQ server and
+engines CurveZMQ clients. Both key pairs are derived from the shared secret, so a
 peer that does not hold it cannot even complete the handshake (it does not know the server's
 public key), and the ZAP handler additionally admits only the secret's client key. An engine
 address reachable from other machines without a secret is refused at startup, on both sides:
@@ -15,6 +16,7 @@ import argparse
 import hashlib
 import hmac
 import logging
+import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -102,14 +104,36 @@ class EngineLinkSecurity:
 
 def engine_link_from_args(args: argparse.Namespace, address: str, flag: str) -> EngineLinkSecurity | None:
     """The link security for `address` (given as `flag`); ValueError when off-host without a secret."""
+    if args.engine_link_secret is not None:  # serve's, generated or read once (own_engine_secrets)
+        return EngineLinkSecurity(args.engine_link_secret)
     if args.engine_secret_file is None:
         if not engine_address_is_local(address):
             raise ValueError(f"{flag} {address} is reachable from other machines: without a shared secret "
                              "anyone there could submit requests, read answers or stop engines; give "
                              "--engine-secret-file FILE (same file on every side) or use a 127.0.0.1 address")
         return None
+    return EngineLinkSecurity(read_link_secret(args.engine_secret_file))
+
+
+def read_link_secret(path: Path) -> bytes:
     try:
-        secret = Path(args.engine_secret_file).read_bytes().strip()
+        return Path(path).read_bytes().strip()
     except OSError as e:
-        raise ValueError(f"--engine-secret-file: cannot read {args.engine_secret_file}: {e.strerror}") from None
-    return EngineLinkSecurity(secret)
+        raise ValueError(f"--engine-secret-file: cannot read {path}: {e.strerror}") from None
+
+
+def own_engine_secrets(args: argparse.Namespace, hand_started: bool) -> bool:
+    """`serve`'s engines are secured on loopback too: otherwise any local user's process could
+    submit work on the engine link, read answers, or read and release KV blocks. A secret not
+    given as a file is generated (random, in memory) and handed to each engine in its
+    EngineConfig on stdin, never on a command line or in the environment. Engines started by
+    hand (a topology's remote instances) could not learn a generated one: they need the files.
+    -> whether a secret was generated."""
+    generated = False
+    if args.engine_secret_file is not None:
+        args.engine_link_secret = read_link_secret(args.engine_secret_file)
+    elif not hand_started:
+        args.engine_link_secret, generated = secrets.token_hex(32).encode(), True
+    if args.kv_secret_file is None and not hand_started:
+        args.kv_secret, generated = secrets.token_hex(32).encode(), True
+    return generated

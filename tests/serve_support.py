@@ -70,6 +70,17 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
             proc.wait()
 
 
+def secret_flags(folder: Path) -> list[str]:
+    """--engine-secret-file and --kv-secret-file for a server that engines started by hand join:
+    without them `serve` secures its links with secrets it generates, which such an engine cannot know."""
+    flags = []
+    for what in ("engine", "kv"):
+        path = folder / f"{what}.secret"
+        path.write_text(os.urandom(32).hex())
+        flags += [f"--{what}-secret-file", str(path)]
+    return flags
+
+
 def metric_samples(base_url: str, name: str) -> dict[str, float]:
     """{label-string: value} of one metric, from the server's /metrics text."""
     out = {}

@@ -102,3 +102,29 @@ def test_the_same_process_saying_hello_twice_is_registered_once_without_an_error
             engine.close()
             await client.shutdown()
     asyncio.run(go())
+
+
+def test_stats_that_overtake_a_starting_engines_hello_do_not_make_it_look_restarted(caplog):
+    """At a normal start the first heartbeat (output socket) can arrive before the hello (input
+    socket). The frontend waits a moment for the hello instead of asking for one, which made the
+    engine drop its requests and log that the frontend had restarted."""
+    import logging
+
+    async def go():
+        client = await started_client(heartbeat_timeout_s=5.0)
+        engine = FakeEngine(client.address, "e0")
+        try:
+            with caplog.at_level(logging.INFO, logger="splitserve.coordinator.engine_link"):
+                engine.heartbeat()
+                # the heartbeat has arrived, unknown, before the hello leaves: the overtaking for sure
+                assert await eventually(lambda: "e0" in client.link._last_heard)
+                engine.hello(pid=7171)
+                await client.wait_ready(["e0"], 5)
+                await beat(engine, 1.5)  # past the grace: a late ResendHello would have gone out by now
+            assert client.instances["e0"].hello.pid == 7171
+            assert not any(isinstance(m, ResendHello) for m in engine.received())
+            assert "without a hello" not in caplog.text, caplog.text
+        finally:
+            engine.close()
+            await client.shutdown()
+    asyncio.run(go())

@@ -52,8 +52,11 @@ def server_args(tmp_path, *argv: str) -> argparse.Namespace:
 
 
 def app_client(tmp_path, *argv: str, spawned: list | None = None, num_alive: int = 1) -> TestClient:
-    spawn = (lambda role: spawned.append(role) or f"{role}-added-{len(spawned)}") if spawned is not None else None
-    app, _ = build_server_app(StubClient(num_alive), SimpleNamespace(), spawn, server_args(tmp_path, *argv))
+    def spawn(role: str, engine_id: str | None = None) -> str:
+        spawned.append(role)
+        return engine_id or f"{role}-added-{len(spawned)}"
+    app, _ = build_server_app(StubClient(num_alive), SimpleNamespace(), spawn if spawned is not None else None,
+                              server_args(tmp_path, *argv))
     return TestClient(app, base_url="http://localhost:8000")
 
 
@@ -110,7 +113,7 @@ def test_post_admin_instances_stops_at_the_cap_counting_engines_still_starting(t
 
 def test_an_engine_that_would_not_fit_in_memory_is_not_started():
     spawned = []
-    budget = InstanceBudget(lambda role: spawned.append(role) or "x", StubClient(1), max_instances=100,
+    budget = InstanceBudget(lambda role, engine_id=None: spawned.append(role) or "x", StubClient(1), max_instances=100,
                             rss=lambda pid: 3 << 30, available=lambda: 4 << 30)
     budget("decode")  # 3 GiB of 4 free: fits
     with pytest.raises(ApiError) as info:

@@ -90,7 +90,9 @@ def test_connections_past_max_peers_are_closed_and_a_real_peer_is_served_after()
     try:
         address = (sender.source_info.host, sender.source_info.port)
         idle = [socket.create_connection(address) for _ in range(2)]
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30  # both accepted (each has its peer thread) before the third
+        while len(server._peers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         with socket.create_connection(address) as third:
             third.settimeout(2)
             assert third.recv(4096) == b""  # closed on accept, no challenge

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from serve_disagg_support import DisaggServer, completion_body, stream_completion
-from serve_support import REPO, all_blocks_free, metric_samples, process_alive, wait_until
+from serve_support import REPO, all_blocks_free, metric_samples, process_alive, secret_flags, wait_until
 from tiny_models import write_tiny_checkpoint
 
 
@@ -27,8 +27,10 @@ from tiny_models import write_tiny_checkpoint
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("admin")
     model = str(write_tiny_checkpoint(root / "tiny", arch="llama"))
-    srv = DisaggServer(model, "--prefill", "1", "--decode", "1", "--kv-transport", "shm",
+    secrets = secret_flags(root)  # an engine started by hand joins it
+    srv = DisaggServer(model, "--prefill", "1", "--decode", "1", "--kv-transport", "shm", *secrets,
                        log_path=root / "server.log").wait_ready()
+    srv.secrets = secrets
     yield srv, model, root
     assert srv.stop() == 0, srv.log()
 
@@ -51,7 +53,7 @@ def test_hand_started_decode_engine_joins_and_drained_one_leaves(setup):
     old_pid = {i["id"]: i["pid"] for i in listing["instances"]}["decode-0"]
     cmd = [sys.executable, "-m", "splitserve.cli", "engine", "--role", "decode", "--connect",
            listing["engine_address"], "--engine-id", "decode-hand", "--model", model, "--threads-per-instance", "1",
-           "--kv-transport", "shm", "--kv-cache-memory", "8MiB"]
+           "--kv-transport", "shm", "--kv-cache-memory", "8MiB", *srv.secrets]
     with open(root / "hand.log", "wb") as log:
         hand = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -4,7 +4,7 @@ Two servers (tiny random-weight model, one thread per engine):
 - `recompute`: shm, 20% of transfers fail on purpose, each delayed 20 ms (so a client can
   leave while its KV is in flight). Every request that is not abandoned completes with the
   same greedy answer as the offline engine; failures show up in the per-request report and
-  in /metrics; ~250 of 300 requests whose clients leave before the first token, right after it
+  in /metrics; the requests of ~250 of 300 clients that leave before the first token, right after it
   (mid-transfer), mid-decode or during a non-streamed answer leave no block in use anywhere.
 - `fail`: tcp, 20% faults, policy fail: the failed requests get a clear error (and a report
   saying so), all others complete correctly, and nothing leaks.
@@ -85,6 +85,10 @@ def kv_counts(base_url: str) -> dict[str, float]:
     return {k.split('"')[1]: v for k, v in metric_samples(base_url, "splitserve_kv_transfers_total").items()}
 
 
+def outcome_counts(base_url: str) -> dict[str, float]:
+    return {k.split('"')[1]: v for k, v in metric_samples(base_url, "splitserve_requests_total").items()}
+
+
 def test_recompute_policy_completes_every_request_and_counts_failures(recompute_server, reference):
     bodies = requests(seed=1, n=40)
     before = kv_counts(recompute_server.base_url)
@@ -138,16 +142,29 @@ def test_clients_leaving_at_every_stage_leave_no_block_in_use(recompute_server, 
         async with httpx.AsyncClient(timeout=120) as client:
             return await run_bounded([one(client, b, p) for b, p in zip(bodies, plans)])
 
-    aborted_before = metric_samples(recompute_server.base_url, "splitserve_requests_total")['{outcome="abort"}']
+    before = outcome_counts(recompute_server.base_url)
     results = asyncio.run(go())
-    aborted = metric_samples(recompute_server.base_url, "splitserve_requests_total")['{outcome="abort"}']
+    # Whether a leaver's request was still in flight when the server noticed (an abort), had
+    # finished first (a full answer), or never reached it (a 5 ms timeout) depends on the box's
+    # speed: count what the server registered instead. Every request that surely reached it (the
+    # stayers, and streams that got a token) ended there exactly once; none ended as an error;
+    # and leaving was noticed. All blocks free again covers the rest.
+    assert wait_until(lambda: all_blocks_free(recompute_server.base_url), timeout_s=60), \
+        httpx.get(recompute_server.base_url + "/metrics").text
+    reached = sum(1 for p, r in zip(plans, results) if p is None or (r is not None and r["chunks"] > 0))
+
+    def counted() -> dict[str, float]:
+        return {k: v - before[k] for k, v in outcome_counts(recompute_server.base_url).items()}
+    wait_until(lambda: sum(counted().values()) >= reached, timeout_s=30)  # the last aborts are counted
+    delta = counted()
     leavers = sum(p is not None for p in plans)
-    assert aborted - aborted_before >= leavers // 2, (aborted - aborted_before, leavers)
+    assert reached <= sum(delta.values()) <= len(bodies), (reached, delta)
+    assert delta["error"] == delta["stop"] == delta["rejected"] == 0, delta
+    assert delta["length"] >= sum(p is None for p in plans), delta
+    assert 1 <= delta["abort"] <= leavers, (delta, leavers)
     stayed = [(b, r) for b, p, r in zip(bodies, plans, results) if p is None]
     for (body, res), want in zip(stayed, reference([b for b, _ in stayed])):
         assert res["done"] and res["text"] == want, res
-    assert wait_until(lambda: all_blocks_free(recompute_server.base_url), timeout_s=30), \
-        httpx.get(recompute_server.base_url + "/metrics").text
     held = metric_samples(recompute_server.base_url, "splitserve_kv_held_blocks")
     assert held and all(v == 0 for v in held.values())
     # ... and the server still answers.

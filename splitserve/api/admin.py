@@ -7,6 +7,9 @@
     DELETE /admin/instances/{id}   drains one: no new requests; once its requests (and, for a
                                    prefill instance, the KV it still holds) are gone it is told
                                    to shut down
+    POST   /admin/instances/{id}/restart  [{"drain_deadline_s": 60}]: a replacement with the same
+                                   role and settings starts, then this one drains and stops
+                                   (rolling_restart.py); 200 once it is replaced
     POST   /admin/instances/{id}/role  {"role": ...}: live role change (role_change.py); 200 once
                                    it serves in the new role, 409 with the reason when refused
                                    (e.g. it would leave no instance able to decode)
@@ -28,16 +31,17 @@ import itertools
 from collections.abc import Callable
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.config import ROLES
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.openai_schema import ApiError
 from splitserve.coordinator.adaptive import AdaptiveMix
 from splitserve.coordinator.role_change import RoleChangeRefused
+from splitserve.coordinator.rolling_restart import RestartRefused, RollingRestart
 from splitserve.protocol import STEP_SAMPLE_FIELDS
 
-SpawnEngine = Callable[[str], str]  # role -> the new engine's id
+SpawnEngine = Callable[[str, str | None], str]  # (role, an id or None: one is made up) -> the new engine's id
 
 
 class AddInstance(BaseModel):
@@ -50,7 +54,14 @@ class ChangeRole(BaseModel):
     role: str
 
 
+class RestartInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    drain_deadline_s: float = Field(60.0, gt=0, le=3600)
+
+
 def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | None) -> None:
+    restarts = RollingRestart(client, spawn) if spawn is not None else None
+
     @app.get("/admin/instances")
     async def list_instances():
         rows = []
@@ -98,6 +109,17 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             raise ApiError(409, f"engine instance {engine_id!r} is not alive", param="engine_id")
         client.drain(engine_id)
         return {"id": engine_id, "status": "draining"}
+
+    @app.post("/admin/instances/{engine_id}/restart")
+    async def restart_instance(engine_id: str, body: RestartInstance | None = None):
+        if restarts is None:
+            raise ApiError(400, "this server cannot start engines itself, so it cannot restart one",
+                           param="engine_id")
+        try:
+            return await restarts.restart(engine_id, (body or RestartInstance()).drain_deadline_s)
+        except RestartRefused as e:
+            raise ApiError(e.status, str(e), "not_found_error" if e.status == 404 else "invalid_request_error",
+                           param="engine_id") from None
 
     @app.post("/admin/instances/{engine_id}/role")
     async def change_role(engine_id: str, body: ChangeRole):

@@ -1,4 +1,4 @@
-"""How many engines `POST /admin/instances` may start: a count cap and the memory they need.
+"""How many engines `POST /admin/instances` (and a restart's replacement) may start: a count cap and the memory they need.
 
 Each engine holds the model weights and its whole KV cache, so one call could otherwise
 start engines until the machine swaps or the OOM killer picks a victim. Before spawning:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from splitserve.api.openai_schema import ApiError
 
-SpawnEngine = Callable[[str], str]  # role -> the new engine's id
+SpawnEngine = Callable[[str, str | None], str]  # (role, an id or None: one is made up) -> the new engine's id
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -83,8 +83,8 @@ class InstanceBudget:
                                 "available; free memory or lower --kv-cache-memory", "server_error",
                            code="insufficient_memory")
 
-    def __call__(self, role: str) -> str:
+    def __call__(self, role: str, engine_id: str | None = None) -> str:
         self.check()
-        engine_id = self._spawn(role)
+        engine_id = self._spawn(role, engine_id)
         self._starting[engine_id] = time.monotonic()
         return engine_id

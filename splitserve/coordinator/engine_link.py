@@ -24,7 +24,9 @@ local process cannot take over an engine's identity or shrink every engine's con
 
 A message from an engine id we never heard a hello from comes from an engine that outlived the
 frontend it joined (we restarted on the same address and ZeroMQ reconnected it): it is asked for
-its hello again (ResendHello, at most every `RESEND_HELLO_INTERVAL_S` per id) and rejoins.
+its hello again (ResendHello, at most every `RESEND_HELLO_INTERVAL_S` per id) and rejoins. At a
+normal start an engine's first stats (output socket) can overtake its hello (input socket): an id
+is asked only once it has stayed unknown `HELLO_GRACE_S`, so a start is not taken for a restart.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ MAX_CONTEXT_TOKENS = 1 << 24  # no model has a 16M-token context; a hello claimi
 MAX_VOCAB = 1 << 24
 WATCHDOG_INTERVAL_S = 0.2
 RESEND_HELLO_INTERVAL_S = 2.0  # an engine whose hello we refuse is asked again this often, no more
+HELLO_GRACE_S = 1.0  # 4 heartbeats: a hello sent at the same time as the first stats has arrived by then
 MAX_HELLO_ASKS = 256  # unknown ids remembered for the rate limit; a flood of made-up ids stays bounded
 
 
@@ -111,6 +114,7 @@ class EngineLink:
         self._watchdog: asyncio.Task | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self._hello_asked: dict[str, float] = {}  # unknown engine id -> when we last sent it ResendHello
+        self._unknown_since: dict[str, float] = {}  # unknown engine id -> when it first spoke without a hello
         self._orphaned: set[str] = set()  # removed because silent, not drained: may come back
         self._rejoined_without_hello: set[str] = set()  # admitted back on a message that was not a hello
 
@@ -221,7 +225,7 @@ class EngineLink:
                 continue
             inst = self.instances.get(engine_id)
             if inst is None:
-                self._ask_hello(engine_id)  # no hello yet: nothing to route
+                self._on_unknown(engine_id)  # no hello yet: nothing to route
                 continue
             if not inst.alive:
                 if self.process_exited(engine_id) is not None:
@@ -239,6 +243,16 @@ class EngineLink:
                 self.listener.on_message(engine_id, message)
             except Exception:  # noqa: BLE001 - one bad message must not lose the rest of the batch
                 log.exception("handling a %s from engine %s failed", type(message).__name__, engine_id)
+
+    def _on_unknown(self, engine_id: str) -> None:
+        """Its hello may be a moment behind (another socket): ask only if it stays unknown."""
+        now = time.monotonic()
+        if len(self._unknown_since) >= MAX_HELLO_ASKS and engine_id not in self._unknown_since:
+            self._unknown_since = {i: t for i, t in self._unknown_since.items() if now - t < HELLO_GRACE_S}
+            if len(self._unknown_since) >= MAX_HELLO_ASKS:
+                return
+        if now - self._unknown_since.setdefault(engine_id, now) >= HELLO_GRACE_S:
+            self._ask_hello(engine_id)
 
     def _ask_hello(self, engine_id: str) -> None:
         now = time.monotonic()
@@ -277,6 +291,7 @@ class EngineLink:
             del self._processes[hello.engine_id]
             process = None
         self._hello_asked.pop(hello.engine_id, None)
+        self._unknown_since.pop(hello.engine_id, None)
         self._orphaned.discard(hello.engine_id)
         self._rejoined_without_hello.discard(hello.engine_id)
         if restarted:  # the router already counts it live; a role other than its predecessor's re-adds it

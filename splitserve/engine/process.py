@@ -90,6 +90,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default="recompute",
                    help="decode role, when a KV transfer fails: prefill the prompt again, or fail the request")
     add_kv_arguments(p)
+    p.set_defaults(engine_link_secret=None)  # bytes `serve` generated or read, for its engines' configs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,7 +112,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
         instance_id=instance_id, role=role, kv_transfer=kv_config_from_args(args),
         kv_failure_policy=args.kv_failure_policy,
         model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
-        weight_format=args.weight_format, dtype=args.dtype,
+        weight_format=args.weight_format, dtype=args.dtype, link_secret=args.engine_link_secret,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -326,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
             engine_id = config.instance_id
         else:
             config = engine_config_from_args(args, args.role, engine_id)
-        link = engine_link_from_args(args, args.connect, "--connect")
+        link = (EngineLinkSecurity(config.link_secret) if config.link_secret is not None
+                else engine_link_from_args(args, args.connect, "--connect"))
         check_device(config.device)
     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("engine %s: %s", engine_id, e)

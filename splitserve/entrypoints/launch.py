@@ -3,7 +3,8 @@
     this process = the frontend (asyncio: uvicorn + EngineClient)
       ├─ build each engine's EngineConfig once, spawn engine-0 .. engine-N-1
       │    (`splitserve engine --connect <frontend> --parent-pid <us> --config-stdin`, the config
-      │    msgspec-encoded on its stdin: never turned back into flags)
+      │    msgspec-encoded on its stdin: never turned back into flags; it carries the engine-link
+      │    and KV secrets, generated unless given as files: link_security.own_engine_secrets)
       ├─ load the tokenizer while they load the model
       ├─ wait until every engine said hello, then serve HTTP and print the URL
       │    (--api-server-count N > 1: first start N-1 more HTTP processes on the port; api_hub.py)
@@ -28,7 +29,7 @@ from splitserve.engine.process import add_engine_arguments, engine_config_from_a
 from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
-from splitserve.link_security import add_engine_link_arguments, engine_link_from_args
+from splitserve.link_security import add_engine_link_arguments, engine_link_from_args, own_engine_secrets
 from splitserve.entrypoints.api_hub import stop_processes
 from splitserve.api.tool_parsers import TOOL_PARSERS
 from splitserve.entrypoints.topology import hand_start_command, load_topology
@@ -83,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_http_guard_arguments(p)
     add_limit_arguments(p)
     add_engine_link_arguments(p)
+    p.set_defaults(generated_secrets=False)  # run() sets it (own_engine_secrets)
     add_adaptive_arguments(p)
     add_ray_arguments(p)
 
@@ -173,16 +175,14 @@ def engine_command(args: argparse.Namespace, address: str, cpus: str | None) -> 
            "--config-stdin"]
     if cpus:
         cmd += ["--cpus", cpus]
-    if args.engine_secret_file is not None:
-        cmd += ["--engine-secret-file", str(args.engine_secret_file)]
-    return cmd
+    return cmd  # the engine link's secret, like the KV one, is in the EngineConfig
 
 
 def start_engine_process(args: argparse.Namespace, config: EngineConfig, address: str, cpus: str | None,
                  env: dict[str, str]) -> subprocess.Popen:
     proc = subprocess.Popen(engine_command(args, address, cpus), env=env, stdin=subprocess.PIPE)
     try:
-        proc.stdin.write(encode_engine_config(config))  # also keeps a --kv-secret-file's secret out of `ps`
+        proc.stdin.write(encode_engine_config(config))  # keeps the link and KV secrets out of `ps`
         proc.stdin.close()
     except BrokenPipeError:
         pass  # it died at once; wait_ready reports its exit code
@@ -253,9 +253,10 @@ async def serve(args: argparse.Namespace) -> int:
             await client.wait_ready(engine_ids, args.startup_timeout)
         counters: dict[str, int] = {}
 
-        def spawn_engine(role: str) -> str:  # POST /admin/instances
-            counters[role] = counters.get(role, 0) + 1
-            engine_id = f"{role}-added-{counters[role]}"
+        def spawn_engine(role: str, engine_id: str | None = None) -> str:  # POST /admin/instances, a restart
+            if engine_id is None:
+                counters[role] = counters.get(role, 0) + 1
+                engine_id = f"{role}-added-{counters[role]}"
             place(engine_id, role)
             return engine_id
 
@@ -280,6 +281,10 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{args.port}/v1 "
                   f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}{api}; "
                   f"engines join at {client.address}", flush=True)
+            if args.generated_secrets:
+                print("splitserve: the engine link and KV sockets use secrets generated for these engines; "
+                      "to add engines by hand, start serve with --engine-secret-file and --kv-secret-file",
+                      flush=True)
 
         announcer = asyncio.create_task(announce())
         if mix is not None:
@@ -309,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         # an unreadable key file or a bad key fails here, before any engine starts
         http_guard_from_args(args, api_keys_from_args(args))
         engine_link_from_args(args, args.engine_address, "--engine-address")
+        spec = args.topology_spec
+        args.generated_secrets = own_engine_secrets(args, hand_started=bool(spec and spec.remote and args.ray is None))
         kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:
         print(f"splitserve serve: {e}", file=sys.stderr)

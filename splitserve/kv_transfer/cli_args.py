@@ -29,11 +29,12 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prefill instance: end = hand the KV over once the prompt is prefilled; "
                             "overlap = hand the request to the decode instance after the first chunk and "
                             "stream the blocks as chunks finish, hiding a slow link behind the prefill (tcp)")
+    parser.set_defaults(kv_secret=None)  # bytes `serve` generated for its own engines (no --kv-secret-file)
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVTransferConfig:
     """Raises ValueError naming the flag when a value cannot work."""
-    secret = None
+    secret = args.kv_secret
     if args.kv_secret_file is not None:
         try:
             secret = Path(args.kv_secret_file).read_bytes().strip()
