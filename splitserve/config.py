@@ -136,8 +136,13 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
     weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
+    # decode role: prompt tokens per step when it prefills a prompt itself (serve --disagg-policy
+    # threshold | auto); None: max_num_batched_tokens alone bounds them
+    local_prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.local_prefill_chunk_tokens is not None and self.local_prefill_chunk_tokens <= 0:
+            raise ValueError(f"local_prefill_chunk_tokens must be positive, got {self.local_prefill_chunk_tokens}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:

@@ -69,6 +69,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilled: deque[Request] = deque()  # KV received from a prefill instance
         self.num_preemptions = 0
+        # Prompt tokens one step may carry besides its decodes (None: only max_num_batched_tokens
+        # bounds them). The connector sets it: a decode instance prefilling a prompt itself keeps
+        # its chunks small, so its running streams' steps stay near their gap target.
+        self.prompt_tokens_per_step: int | None = None
 
     @property
     def by_priority(self) -> bool:
@@ -182,7 +186,10 @@ class Scheduler:
         return True
 
     def _budget(self, batch: ScheduledBatch) -> int:
-        return self.config.max_num_batched_tokens - batch.num_tokens
+        budget = self.config.max_num_batched_tokens - batch.num_tokens
+        if self.prompt_tokens_per_step is not None:
+            budget = min(budget, self.prompt_tokens_per_step - sum(n for _, n in batch.prefills))
+        return budget
 
     def _schedule_chunked(self) -> ScheduledBatch:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
