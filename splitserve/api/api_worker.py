@@ -65,7 +65,8 @@ class RemoteRequestStream:
         self._done = finished
         return GenerationEvent(text, len(e.token_ids), e.num_prompt_tokens, e.num_completion_tokens, finished,
                                reason, e.error, e.rejected, e.kv_transfer, e.num_retries, list(e.token_ids),
-                               e.logprobs, e.prompt_logprobs)
+                               e.logprobs, e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
+                               placement=e.placement)
 
     def close(self) -> None:
         """Safe to call from a cancelled task: it never awaits."""

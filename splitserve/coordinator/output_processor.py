@@ -52,7 +52,7 @@ class OutputProcessor:
         event = GenerationEvent(text, len(out.new_token_ids), state.num_prompt_tokens, state.num_completion_tokens,
                                 finished, reason if finished else None, out.error, out.rejected, kv_report,
                                 state.num_retries + state.num_resumes, list(out.new_token_ids), out.logprobs,
-                                out.prompt_logprobs)
+                                out.prompt_logprobs, **(answer_facts(state) if finished else {}))
         # Ended by the engine for good (not handed over, not an error a prefill instance may hold
         # KV through, not a stop string the engine has not seen): nothing to abort anywhere.
         engine_done = out.finished and out.finish_reason not in ("prefill_done", "error") and reason == out.finish_reason
@@ -61,4 +61,11 @@ class OutputProcessor:
     def finish_event(self, state: RequestState, reason: str, error: str | None = None) -> GenerationEvent:
         """The last event of a request ended by the frontend (abort, a dead engine, no instance)."""
         return GenerationEvent("", 0, state.num_prompt_tokens, state.num_completion_tokens, True, reason, error,
-                               num_retries=state.num_retries + state.num_resumes)
+                               num_retries=state.num_retries + state.num_resumes, **answer_facts(state))
+
+
+def answer_facts(state: RequestState) -> dict:
+    """What every event of a request says about its prompt: the prefix-cache hits, and where it was
+    prefilled (disaggregated serving)."""
+    placement = state.placement.report() if state.placement is not None else None
+    return {"num_cached_tokens": state.num_cached_tokens or 0, "placement": placement}

@@ -37,6 +37,8 @@ class GenerationEvent:
     token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
     prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache of the instance that prefilled it
+    placement: dict | None = None  # disaggregated: where the prompt was prefilled and why (Placement.report)
 
 
 def trial_report(report: KVTransferReport) -> dict:
@@ -80,6 +82,8 @@ class RequestState:
     streamed_to: str | None = None
     held_outputs: list = field(default_factory=list)
     stream_failed: bool = False  # once failed, it is handed over at the end (no resume loop)
+    placement: object | None = None  # disagg_policy.Placement of the current dispatch (disaggregated)
+    num_cached_tokens: int | None = None  # prefix-cache hits where its prompt was first prefilled
 
     @property
     def num_prompt_tokens(self) -> int:

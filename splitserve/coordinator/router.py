@@ -49,6 +49,7 @@ class RoutableRequest:
     num_prompt_tokens: int
     max_tokens: int
     prefix_key: int | None = None  # prefix_key(prompt): for prefix affinity
+    prompt_token_ids: list[int] | None = None  # for a disaggregation policy's prefix-cache estimate
 
 
 @dataclass(slots=True)

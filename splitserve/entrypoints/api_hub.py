@@ -74,7 +74,8 @@ def plain_settings(args) -> dict:
 def api_event(request_id: str, event: GenerationEvent) -> ApiEvent:
     return ApiEvent(request_id, event.token_ids, event.num_prompt_tokens, event.num_completion_tokens,
                     event.finished, event.finish_reason, event.error, event.rejected, event.kv_transfer,
-                    event.num_retries, event.logprobs, event.prompt_logprobs)
+                    event.num_retries, event.logprobs, event.prompt_logprobs, event.num_cached_tokens,
+                    event.placement)
 
 
 async def call_app(app, forward: ApiForward) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
