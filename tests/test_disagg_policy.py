@@ -30,7 +30,7 @@ def request(rid: str, prompt: list[int], max_tokens: int = 8) -> RoutableRequest
 
 
 def place(policy: DisaggPolicy, router: Router, req: RoutableRequest, instances: dict | None = None):
-    plan, placement = policy.place(router.pick(req), req, instances or {}, router.instances)
+    plan, placement = policy.place(router.pick(req), req, instances or {}, router)
     router.on_start(plan, req)
     return plan, placement
 
@@ -129,6 +129,22 @@ def test_local_prompts_count_as_the_decode_instance_queue_until_their_first_toke
     policy.on_prefilled("d", "a")
     _, c = place(policy, router, request("c", list(range(1200, 1400))), instances)
     assert c.ttft_local_s == pytest.approx(b.ttft_local_s)
+
+
+def test_decode_first_prefers_the_decode_instance_holding_the_prefix():
+    policy, router = DisaggPolicy("threshold", local_max_tokens=32), pair()
+    router.add_instance("d2", "decode")
+    doc = list(range(300, 400))
+    plan, _ = place(policy, router, request("doc", doc, max_tokens=4))
+    router.on_finish(plan.instance_id, "doc")
+    router.on_finish("p", "doc")
+    holder = plan.instance_id
+    other = "d2" if holder == "d" else "d"
+    queue = request("busy", [1, 2, 3], max_tokens=100)
+    router.on_start(type(plan)(holder), queue)  # the holder is now the busier one, by 103 tokens
+    assert router.pick(request("probe", doc)).instance_id == other  # the router alone would leave it
+    plan, placement = place(policy, router, request("follow-up", doc + [7, 8]))
+    assert plan.instance_id == holder and (placement.local, placement.reason) == (True, "cached")
 
 
 def test_colocated_plans_are_left_alone():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from splitserve.control.online_stepmodel import OnlineStepModels
 from splitserve.control.online_stepmodel import StepSample as ModelSample
 from splitserve.control.stepmodel import StepModel, StepModels, StepShape
-from splitserve.coordinator.router import RoutableRequest, RoutePlan
+from splitserve.coordinator.router import AFFINITY_SLACK_TOKENS, RoutableRequest, RoutePlan, Router
 from splitserve.stepfeatures import prefill_attn_ktok2
 
 POLICIES = ("always", "threshold", "auto")
@@ -134,17 +134,20 @@ class DisaggPolicy:
     # ---- the decision ------------------------------------------------------------------------
 
     def place(self, plan: RoutePlan, request: RoutableRequest, instances: dict | None = None,
-              loads: dict | None = None) -> tuple[RoutePlan, Placement | None]:
+              router: Router | None = None) -> tuple[RoutePlan, Placement | None]:
         """A disaggregated plan, kept (remote) or with its prefill instance dropped (local).
-        instances: the engine link's (their last stats and step samples); loads: the router's."""
+        instances: the engine link's (their last stats and step samples); router: the one that
+        made the plan (its loads and open decode instances)."""
         if plan.prefill_instance_id is None:
             return plan, None  # colocated: nothing to decide
-        decode, prefill = plan.instance_id, plan.prefill_instance_id
         prompt = request.prompt_token_ids or []
         hashes = self.index.hashes(prompt) if self.policy != "always" else []
+        if router is not None:
+            plan = self._prefer_cached_decode(plan, hashes, router)
+        decode, prefill = plan.instance_id, plan.prefill_instance_id
         cached_d = self.index.cached_tokens(decode, hashes)
         cached_p = self.index.cached_tokens(prefill, hashes)
-        self._loads = loads or {}
+        self._loads = router.instances if router is not None else {}
         placement = self._decide(request, decode, prefill, cached_d, cached_p, instances or {})
         placement.cached_tokens = cached_d if placement.local else cached_p
         self.index.record(decode, hashes)  # D holds the prompt either way (prefilled, or its KV received)
@@ -156,6 +159,20 @@ class DisaggPolicy:
             return RoutePlan(decode), placement
         # `always` is separation as it was: counted, but its answers carry no placement report
         return plan, None if self.policy == "always" else placement
+
+    def _prefer_cached_decode(self, plan: RoutePlan, hashes: list[int], router: Router) -> RoutePlan:
+        """Decode-first: of the open decode instances, the one holding most of this prompt's prefix,
+        unless it is AFFINITY_SLACK_TOKENS busier than the router's pick (the least loaded)."""
+        if not hashes:
+            return plan
+        picked = router.instances.get(plan.instance_id)
+        best, best_cached = plan.instance_id, self.index.cached_tokens(plan.instance_id, hashes)
+        for load in router.open_instances("decode"):
+            cached = self.index.cached_tokens(load.instance_id, hashes)
+            if cached > best_cached and (picked is None or load.outstanding_tokens
+                                         <= picked.outstanding_tokens + AFFINITY_SLACK_TOKENS):
+                best, best_cached = load.instance_id, cached
+        return plan if best == plan.instance_id else RoutePlan(best, plan.prefill_instance_id)
 
     def _decide(self, request: RoutableRequest, decode: str, prefill: str, cached_d: int, cached_p: int,
                 instances: dict) -> Placement:

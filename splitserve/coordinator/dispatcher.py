@@ -94,8 +94,7 @@ class Dispatcher:
         try:
             plan = self.router.pick(routable)
             if self.disagg_policy is not None:
-                plan, state.placement = self.disagg_policy.place(plan, routable, self.link.instances,
-                                                                 self.router.instances)
+                plan, state.placement = self.disagg_policy.place(plan, routable, self.link.instances, self.router)
         except NoInstanceAvailable:
             if self.roles is None or not self.roles.changing():
                 raise

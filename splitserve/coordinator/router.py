@@ -122,6 +122,13 @@ class Router:
             raise NoInstanceAvailable(f"every {role} engine instance's queue is full; retry later")
         return open_
 
+    def open_instances(self, role: str) -> list[InstanceLoad]:
+        """Live instances of `role` that take new requests now ([] when none)."""
+        try:
+            return self._open(role)
+        except NoInstanceAvailable:
+            return []
+
     def mark_dead(self, instance_id: str) -> list[str]:
         """Takes an instance out of rotation; returns the requests it held."""
         load = self.instances[instance_id]
