@@ -28,6 +28,9 @@ def servers(model, tmp_path_factory):
         "colocated": ("--instances", "1"),
         "threshold": ("--prefill", "1", "--decode", "1", "--kv-transport", "shm", "--disagg-policy", "threshold",
                       "--local-prefill-max-tokens", str(LOCAL_MAX), "--local-prefill-chunk-tokens", "16"),
+        # a TTFT target the prefill instance always meets: auto keeps every prompt remote
+        "auto": ("--prefill", "1", "--decode", "1", "--kv-transport", "shm", "--disagg-policy", "auto",
+                 "--slo-ttft-s", "30", "--slo-gap-s", "0.5"),
     }
     started: dict[str, DisaggServer] = {}
 
@@ -133,3 +136,14 @@ def test_client_leaving_a_locally_prefilled_stream_frees_every_block(servers):
     assert left["chunks"] == 2
     assert wait_until(lambda: all_blocks_free(srv.base_url))
     assert metric_samples(srv.base_url, "splitserve_requests_total").get('{outcome="abort"}', 0) >= 1
+
+
+def test_auto_prefers_remote_prefill_when_the_prefill_instance_meets_the_ttft_target(servers):
+    srv = servers("auto")
+    body = completion_body(list(range(700, 720)), 8, stream=False)
+    got = complete(srv.base_url, body)
+    assert got["choices"][0]["text"] == complete(servers("colocated").base_url, body)["choices"][0]["text"]
+    prefill = got["splitserve"]["prefill"]
+    assert (prefill["where"], prefill["reason"]) == ("remote", "remote_meets_slo")
+    assert 0 < prefill["ttft_remote_s"] < 30 and prefill["gap_local_s"] > 0
+    assert got["splitserve"]["kv_transfer"]["outcome"] == "ok"

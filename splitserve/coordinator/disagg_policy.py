@@ -99,7 +99,7 @@ class Placement:
 
 
 @dataclass(slots=True)
-class DecodeLoad:
+class LoadEstimate:
     """What the step model needs of an instance now (from its last stats + what was sent since)."""
 
     queued_prompt_tokens: int = 0
@@ -129,7 +129,6 @@ class DisaggPolicy:
         self.metrics = metrics
         # local prompts sent to an instance whose first token has not come yet: its stats lag them
         self.pending: dict[str, dict[str, int]] = {}
-        self._loads: dict = {}  # the router's, during one place()
 
     # ---- the decision ------------------------------------------------------------------------
 
@@ -147,8 +146,8 @@ class DisaggPolicy:
         decode, prefill = plan.instance_id, plan.prefill_instance_id
         cached_d = self.index.cached_tokens(decode, hashes)
         cached_p = self.index.cached_tokens(prefill, hashes)
-        self._loads = router.instances if router is not None else {}
-        placement = self._decide(request, decode, prefill, cached_d, cached_p, instances or {})
+        loads = router.instances if router is not None else {}
+        placement = self._decide(request, decode, prefill, cached_d, cached_p, instances or {}, loads)
         placement.cached_tokens = cached_d if placement.local else cached_p
         self.index.record(decode, hashes)  # D holds the prompt either way (prefilled, or its KV received)
         if not placement.local:
@@ -175,19 +174,19 @@ class DisaggPolicy:
         return plan if best == plan.instance_id else RoutePlan(best, plan.prefill_instance_id)
 
     def _decide(self, request: RoutableRequest, decode: str, prefill: str, cached_d: int, cached_p: int,
-                instances: dict) -> Placement:
+                instances: dict, loads: dict) -> Placement:
         n = request.num_prompt_tokens
         if self.policy == "always":
             return Placement(False, "always")
         if self.policy == "threshold":
             if n - cached_d <= self.local_max_tokens:
                 return Placement(True, "short" if n <= self.local_max_tokens else "cached")
-            queued = self._load(prefill, instances).queued_prompt_tokens
+            queued = self._load(prefill, instances, loads).queued_prompt_tokens
             if self.prefill_queue_max_tokens is not None and queued > self.prefill_queue_max_tokens:
                 return Placement(True, "prefill_queue_full")
             return Placement(False, "long")
         model = self._model(instances)
-        d, p = self._load(decode, instances), self._load(prefill, instances)
+        d, p = self._load(decode, instances, loads), self._load(prefill, instances, loads)
         ttft_remote = (model.prefill_s(p.queued_prompt_tokens, self.prefill_chunk_tokens)
                        + model.prefill_s(n - cached_p, self.prefill_chunk_tokens))
         ttft_local, gap_local = self._local_cost(model, d, cached_d, n)
@@ -199,7 +198,7 @@ class DisaggPolicy:
         miss_local = max(ttft_local / self.slo_ttft_s, gap_local / self.slo_gap_s)
         return Placement(miss_local < ttft_remote / self.slo_ttft_s, "neither_meets_slo", **estimates)
 
-    def _local_cost(self, model: StepModel, d: DecodeLoad, cached: int, n: int) -> tuple[float, float]:
+    def _local_cost(self, model: StepModel, d: LoadEstimate, cached: int, n: int) -> tuple[float, float]:
         """(TTFT, the longest step) of prefilling n tokens (the first `cached` found) on D, behind what
         it already prefills, in chunks that share every step with its running streams."""
         ttft, gap, c = 0.0, model.decode_step_s(d.num_running, d.kv_tokens), self.chunk_tokens
@@ -210,17 +209,17 @@ class DisaggPolicy:
                 ttft, gap, start = ttft + step, max(gap, step), start + chunk
         return ttft, gap
 
-    def _load(self, instance_id: str, instances: dict) -> DecodeLoad:
+    def _load(self, instance_id: str, instances: dict, loads: dict) -> LoadEstimate:
         inst = instances.get(instance_id)
         stats = inst.stats if inst is not None else None
         pending = sum(self.pending.get(instance_id, {}).values())
-        load = self._loads.get(instance_id)
+        load = loads.get(instance_id)
         if load is not None and load.role == "prefill":
             pending = load.outstanding_tokens  # the router's count of its prompts not yet prefilled: exact
         if stats is None:
-            return DecodeLoad(pending)
+            return LoadEstimate(pending)
         used = (stats.num_blocks_total - stats.num_free_blocks) * stats.block_size
-        return DecodeLoad(max(stats.num_queued_prompt_tokens, pending), stats.num_running, used)
+        return LoadEstimate(max(stats.num_queued_prompt_tokens, pending), stats.num_running, used)
 
     def _model(self, instances: dict) -> StepModel:
         now = time.monotonic()
