@@ -73,9 +73,8 @@ def main() -> None:
         tables = torch.randperm(num_blocks, generator=g).view(b, blocks_per_seq)
         lens = torch.full((b,), ctx, dtype=torch.long)
         q = torch.randn(b, nq, hd, generator=g)
-        pad = torch.arange(blocks_per_seq * bs).unsqueeze(0) >= lens.unsqueeze(1)
-        bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-        want = reference._decode_attention(q, caches[0], tables, bias)
+        visible = torch.arange(blocks_per_seq * bs).unsqueeze(0) < lens.unsqueeze(1)
+        want = reference._decode_attention(q, caches[0], tables, visible)
         for threads in args.threads:
             torch.set_num_threads(threads)
             steps = {}
@@ -84,7 +83,7 @@ def main() -> None:
                 steps[f"kernel {used}"] = (used, lambda: [module.paged_decode_attention(
                     q, c, tables, lens, reference.scale) for c in caches])
             steps["torch (gather + bmm + softmax)"] = (None, lambda: [
-                reference._decode_attention(q, c, tables, bias) for c in caches])
+                reference._decode_attention(q, c, tables, visible) for c in caches])
             for name, (isa, step) in steps.items():
                 if isa is not None:
                     module.set_isa(isa)

@@ -9,13 +9,15 @@ import re
 from dataclasses import dataclass, field
 
 from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.roles import ROLES
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit integer, lower first
 WEIGHT_FORMATS = ("auto", "fp32", "gguf", "gguf-q8act")  # models/loader.py says what each means
-ROLES = ("colocated", "prefill", "decode")
+# weights, activations and KV (devices.py maps them to torch); bfloat16 is what a GPU serves in
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -136,6 +138,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"  # decode role, when a transfer fails: recompute | fail
     weight_format: str = "auto"  # fp32 | gguf (keep Q4_1/Q8_0 blocks) | auto (gguf when it can run)
+    dtype: str = "float32"  # of weights, activations and the KV pool: one of DTYPES
     # decode role: prompt tokens per step when it prefills a prompt itself (serve --disagg-policy
     # threshold | auto); None: max_num_batched_tokens alone bounds them
     local_prefill_chunk_tokens: int | None = None
@@ -149,6 +152,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.role not in ROLES:

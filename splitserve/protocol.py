@@ -293,7 +293,7 @@ class ApiSubmitted(msgspec.Struct, tag="api_submitted", frozen=True):
 
 
 class ApiEvent(msgspec.Struct, frozen=True, array_like=True):
-    """frontend.request_state.GenerationEvent without its text (the API process makes that)."""
+    """coordinator.request_state.TokenEvent on its way to an API process, which makes the text."""
 
     request_id: str
     token_ids: list[int]

@@ -16,7 +16,7 @@ from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.core import EngineCore
 from splitserve.engine.process import EngineProcess
 from splitserve.api.engine_client import EngineClient
-from splitserve.entrypoints.launch import load_renderer
+from splitserve.api.render import load_renderer
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.router import Router
 from splitserve.kv_transfer import KVTransferConfig

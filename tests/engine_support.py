@@ -10,7 +10,7 @@ from splitserve.models.loader import load_model
 
 def make_engine(model_dir, *, policy="chunked", budget=64, kv="2MiB", block_size=16, max_num_seqs=64,
                 prefix=True, role="colocated", kv_transfer=None, failure_policy="recompute",
-                instance_id="engine-0", scheduling_policy="fcfs") -> EngineCore:
+                instance_id="engine-0", scheduling_policy="fcfs", clock=None) -> EngineCore:
     if role != "colocated" and kv_transfer is None:
         from splitserve.kv_transfer import KVTransferConfig
         kv_transfer = KVTransferConfig(transport="tcp")
@@ -20,7 +20,9 @@ def make_engine(model_dir, *, policy="chunked", budget=64, kv="2MiB", block_size
         scheduler=SchedulerConfig(prefill_policy=policy, max_num_batched_tokens=budget,
                                   max_num_seqs=max_num_seqs, scheduling_policy=scheduling_policy),
         role=role, kv_transfer=kv_transfer, kv_failure_policy=failure_policy, instance_id=instance_id)
-    return EngineCore(config, load_model(str(model_dir)))
+    if clock is None:
+        return EngineCore(config, load_model(str(model_dir)))
+    return EngineCore(config, load_model(str(model_dir)), clock=clock)
 
 
 def run_to_end(engine: EngineCore, max_steps: int = 100_000) -> dict[str, list[int]]:

@@ -179,11 +179,26 @@ def test_capacity_searches_over_the_workload_each_rate_replays():
 
 def test_settings_the_simulator_lacks_are_named_and_kept_out_of_the_ranking():
     doc = results_doc()
-    doc["arrangements"][1]["launch"]["serve"] += ["--scheduling-policy", "priority"]
+    doc["arrangements"][1]["launch"]["serve"] += ["--adaptive"]
     out = compare_results(parse_profile(PROFILE), doc)
-    assert "1P1D: simulated without --scheduling-policy priority (not modelled), not ranked" in out["skipped"]
+    assert "1P1D: simulated without --adaptive (not modelled), not ranked" in out["skipped"]
     assert "1P1D" not in out["ranking"]["measured_top_two"]
     assert any(r["arrangement"] == "1P1D" for r in out["rows"])  # still shown beside its measurement
+
+
+def test_the_priority_policy_is_simulated_with_each_class_priority():
+    # the simulator runs the engine's scheduler, priority policy included: nothing is skipped, and
+    # the arrangement is rebuilt with it, its requests carrying their classes' priorities
+    from splitserve.control.predict import arrangement_from_serve_args
+
+    doc = results_doc()
+    doc["arrangements"][1]["launch"]["serve"] += ["--scheduling-policy", "priority"]
+    out = compare_results(parse_profile(PROFILE), doc)
+    assert not any("scheduling-policy" in s for s in out["skipped"])
+    arr = arrangement_from_serve_args("1P1D", doc["arrangements"][1]["launch"]["serve"], 2)
+    assert {i.scheduling for i in arr.instances} == {"priority"}
+    doc["classes"] = {"chat": {"priority": -1}}
+    assert {r.class_name: r.priority for r in requests_from_results(doc)}.get("chat") == -1
 
 
 def test_an_engine_other_than_the_profiled_one_is_named_and_kept_out_of_the_ranking():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -106,15 +105,16 @@ def test_plan_refuses_a_malformed_profile_or_spec_naming_the_field(files, capsys
     assert "splitserve profile" in capsys.readouterr().err
 
 
-def test_ten_thousand_requests_simulate_well_within_the_planners_budget():
-    # The target is 10,000 requests on 20 arrangements in 10 s: 0.5 s each. The bound
-    # here is 4x that, in CPU time, so a shared machine does not make it flaky.
+def test_ten_thousand_requests_past_capacity_are_all_served_when_admission_is_unlimited():
+    # The rate is far past capacity: the admission limit is lifted so that every request queues
+    # and is served (with serve's limit most would be refused with a 429 and never reach the
+    # scheduler). How long this takes is a benchmark, not an assertion: bench/planner_speed.py
+    # (docs/benchmarks.md, "Planner", Speed).
     rng = random.Random(0)
     requests = [SimRequest(i, i * 0.25, rng.choice([48, 64, 1500]), 32) for i in range(10_000)]
     arrangement = Arrangement("2x1t", (InstanceSpec("colocated", 1),) * 2)
-    start = time.process_time()
-    done, _ = simulate(arrangement, parse_profile(PROFILE), requests)
-    assert time.process_time() - start < 2.0
+    done, _ = simulate(arrangement, parse_profile(PROFILE), requests, max_queued_requests=10_000)
+    assert len(done) == 10_000
     assert all(r.outputs == 32 for r in done)
 
 

@@ -100,7 +100,8 @@ def timelines(requests, specs, num_blocks, fast_forward):
     fresh = [SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.answer_tokens) for r in requests]
     sim.run(fresh)
     return ([(r.first_s, r.finished_s, r.gaps) for r in fresh],
-            [(i.num_steps, i.num_preemptions, i.free_blocks, i.outstanding) for i in instances])
+            [(i.num_steps, i.num_preemptions, i.free_blocks, sim.router.instances[i.name].outstanding_tokens)
+             for i in instances])
 
 
 @pytest.mark.parametrize("specs, num_blocks", [

@@ -16,7 +16,7 @@ import zmq
 from cluster_support import Cluster, prompt_of
 from engine_support import make_engine, run_to_end
 from splitserve.api.engine_client import EngineClient
-from splitserve.entrypoints.launch import load_renderer
+from splitserve.api.render import load_renderer
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.api.openai_schema import ApiError
 from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router

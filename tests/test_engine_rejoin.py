@@ -11,7 +11,7 @@ import pytest
 
 from cluster_support import Cluster, prompt_of
 from splitserve.api.engine_client import EngineClient
-from splitserve.entrypoints.launch import load_renderer
+from splitserve.api.render import load_renderer
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.router import Router
 from splitserve.sampling import SamplingParams

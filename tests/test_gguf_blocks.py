@@ -158,9 +158,8 @@ def decode_attention_case(num_heads: int, num_kv_heads: int, head_dim: int, bloc
                                num_kv_heads=num_kv_heads, head_dim=head_dim)
     model.scale, model.block_size = head_dim ** -0.5, block_size
     lens = torch.tensor(lens)
-    pad = torch.arange(max_blocks * block_size).unsqueeze(0) >= lens.unsqueeze(1)
-    bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-    return q, kv_layer, tables, lens, model.scale, model._decode_attention(q, kv_layer, tables, bias)
+    visible = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    return q, kv_layer, tables, lens, model.scale, model._decode_attention(q, kv_layer, tables, visible)
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])

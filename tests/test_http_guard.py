@@ -20,7 +20,7 @@ from splitserve.api.http_guard import HttpGuard, add_http_guard_arguments, uvico
 from splitserve.api.instance_budget import InstanceBudget
 from splitserve.api.limits import add_limit_arguments
 from splitserve.api.openai_schema import ApiError
-from splitserve.link_security import add_api_key_arguments
+from splitserve.api.api_keys import add_api_key_arguments
 
 API_KEY, ADMIN_KEY = "api-key-0123456789", "admin-key-0123456789abcdef"
 

@@ -97,3 +97,29 @@ def test_a_recut_plan_keeps_every_length_and_time_but_not_the_text():
     assert all(r.prompt_token_ids[-len(question):] == question for r in again if r.class_name == "document")
     warmup = recut(base, SPEC, source, content_stream(3, -1))
     assert np.mean([a.prompt_token_ids != b.prompt_token_ids for a, b in zip(warmup, again)]) > 0.9
+
+
+def test_the_planner_simulates_exactly_the_requests_the_trial_plans():
+    # one generator (request_shapes) for both: the same classes, send times, lengths and priorities
+    from splitserve.control.predict import requests_from_spec
+
+    for seed in (1, 7):
+        spec = parse_spec({
+            "seed": seed,
+            "workload": {"classes": {"chat": {"prompt_tokens": {"dist": "uniform", "min": 5, "max": 40},
+                                              "answer_tokens": {"dist": "uniform", "min": 4, "max": 12},
+                                              "priority": -1},
+                                     "document": {"prompt_tokens": {"dist": "lognormal", "median": 1500,
+                                                                    "min": 900, "max": 3000},
+                                                  "answer_tokens": 16, "question": "What is this about?"}},
+                         "mix": {"chat": 3, "document": 1}},
+            "arrivals": {"pattern": "poisson", "rate": 2.0, "num_requests": 200},
+            "slo": {"ttft_s": 1, "gap_s": 0.2, "max_pause_s": 1, "e2e_s": 10},
+            "arrangements": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+        trial = plan(seed, spec)
+        planner = requests_from_spec(spec)
+        assert [(r.index, r.class_name, r.send_at_s, r.num_prompt_tokens, r.max_tokens, r.priority or 0)
+                for r in trial] == [(r.index, r.class_name, r.arrival_s, r.prompt_tokens, r.answer_tokens,
+                                     r.priority) for r in planner]
+        assert {r.class_name for r in trial} == {"chat", "document"}
+        assert {r.priority for r in planner} == {-1, 0}

@@ -10,6 +10,7 @@
     POST   /admin/instances/{id}/role  {"role": ...}: live role change (role_change.py); 200 once
                                    it serves in the new role, 409 with the reason when refused
                                    (e.g. it would leave no instance able to decode)
+    GET    /admin/mix              the adaptive mix controller's decisions and why (coordinator/adaptive.py)
     GET    /admin/steps[?tail=N]   every instance's measured model steps (its last request_state.STEP_LOG):
                                    shape, seconds, the engine loop's turn; `count` numbers them, so a
                                    reader that noted it before a run keeps what came after (a trial
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from splitserve.config import ROLES
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.openai_schema import ApiError
+from splitserve.coordinator.adaptive import AdaptiveMix
 from splitserve.coordinator.role_change import RoleChangeRefused
 from splitserve.protocol import STEP_SAMPLE_FIELDS
 
@@ -105,3 +107,12 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
             raise ApiError(e.status, str(e), "not_found_error" if e.status == 404 else "invalid_request_error",
                            param="role" if e.status == 400 else "engine_id") from None
         return {"id": engine_id, "role": body.role, "status": "serving"}
+
+
+def add_mix_routes(app: FastAPI, mix: AdaptiveMix | None) -> None:
+    @app.get("/admin/mix")
+    async def mix_log():
+        if mix is None:
+            raise ApiError(404, "this server does not adapt its stage mix; start it with `splitserve serve "
+                                "--adaptive`", "not_found_error", code="not_adaptive")
+        return mix.snapshot()

@@ -18,7 +18,7 @@ import msgspec
 
 from splitserve.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from splitserve.api.openai_schema import ApiError
-from splitserve.coordinator.request_state import GenerationEvent, RequestStream
+from splitserve.api.text_stream import GenerationEvent, TextStream
 from splitserve.api.tool_parsers import Piece, ToolParser
 
 _json = msgspec.json.Encoder()
@@ -194,7 +194,7 @@ class Answer:
             chunk = with_report(chunk, last)
         return sse(chunk)
 
-    async def _events(self, stream: RequestStream) -> AsyncIterator[GenerationEvent]:
+    async def _events(self, stream: TextStream) -> AsyncIterator[GenerationEvent]:
         try:
             async for event in stream:
                 yield self.view(event)
@@ -207,7 +207,7 @@ class Answer:
             out.append(sse(with_report({**self._head(obj), "choices": [], "usage": usage(last)}, last)))
         return out + [SSE_DONE]
 
-    async def chat_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
+    async def chat_chunks(self, stream: TextStream) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk"
         yield self._chunk(obj, {"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None})
@@ -229,7 +229,7 @@ class Answer:
                 return
         yield SSE_DONE
 
-    async def text_chunks(self, stream: RequestStream) -> AsyncIterator[bytes]:
+    async def text_chunks(self, stream: TextStream) -> AsyncIterator[bytes]:
         obj = "text_completion"
         echo_pending = bool(self.echo.text)
         if echo_pending and self.echo.prompt_ids is None:

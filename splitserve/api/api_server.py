@@ -18,8 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.coordinator.adaptive import AdaptiveMix, add_mix_routes
-from splitserve.api.admin import SpawnEngine, add_admin_routes
+from splitserve.coordinator.adaptive import AdaptiveMix
+from splitserve.api.admin import SpawnEngine, add_admin_routes, add_mix_routes
+from splitserve.api.api_keys import ApiKeyMiddleware, api_keys_from_args
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.http_guard import (ADMIN_PREFIX, HttpGuardMiddleware, http_guard_from_args,
                                             uvicorn_limits)
@@ -29,7 +30,6 @@ from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.api.openai_schema import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from splitserve.api.render import Renderer, RenderError
-from splitserve.link_security import ApiKeyMiddleware, api_keys_from_args
 from splitserve.api.serving import OpenAIServing
 
 log = logging.getLogger(__name__)

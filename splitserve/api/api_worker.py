@@ -7,9 +7,9 @@
          RemoteEngineClient; /admin/... and /metrics are forwarded to the coordinator
 
 A request is rendered and tokenized here, sent as token ids (ApiSubmit), and its events come
-back as token ids (ApiEvents), which RemoteRequestStream detokenizes, checking stop strings
-as the coordinator would: a stop string ends the request here and tells the coordinator
-(ApiAbort "stop"), which aborts it on the engines. Everything runs on this process's event loop.
+back as token ids (ApiEvents) through a RemoteTokenStream, which text_stream.TextStream
+detokenizes and checks for stop strings, as in the coordinator's process: a stop string ends
+the request here and tells the coordinator (ApiAbort "stop"), which aborts it on the engines. Everything runs on this process's event loop.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ import zmq.asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from splitserve.entrypoints.api_hub import identity, listening_socket
-from splitserve.coordinator.dispatcher import wire_params
-from splitserve.api.engine_client import ServedInstances
+from splitserve.api.listen import identity, listening_socket
 from splitserve.api.openai_schema import ApiError
-from splitserve.api.render import OutputText, Renderer
-from splitserve.coordinator.request_state import GenerationEvent, Instance
+from splitserve.api.render import Renderer
+from splitserve.api.text_stream import TextStream
+from splitserve.coordinator.coordinator import ServedInstances
+from splitserve.coordinator.dispatcher import wire_params
+from splitserve.coordinator.request_state import Instance, TokenEvent
 from splitserve.protocol import (ApiAbort, ApiEvent, ApiEvents, ApiForward, ApiForwardReply, ApiHello,
                                  ApiInstances, ApiProcessConfig, ApiSubmit, ApiSubmitted, FromCoordinator)
 from splitserve.sampling import SamplingParams
@@ -42,37 +43,35 @@ PARENT_CHECK_INTERVAL_S = 0.5
 FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-class RemoteRequestStream:
-    """RequestStream's twin: events from the coordinator, made into text here; close() aborts."""
+class RemoteTokenStream:
+    """The coordinator's TokenStream, seen from an API process: its events come over ZeroMQ;
+    close() tells the coordinator (ApiAbort), which aborts the request on the engines."""
 
-    def __init__(self, client: RemoteEngineClient, request_id: str, output_text: OutputText) -> None:
-        self._client, self._request_id, self._output_text = client, request_id, output_text
+    def __init__(self, client: RemoteEngineClient, request_id: str) -> None:
+        self._client, self._request_id = client, request_id
         self.queue: asyncio.Queue[ApiEvent] = asyncio.Queue()
         self._done = False
 
-    def __aiter__(self) -> RemoteRequestStream:
+    def __aiter__(self) -> RemoteTokenStream:
         return self
 
-    async def __anext__(self) -> GenerationEvent:
+    async def __anext__(self) -> TokenEvent:
         if self._done:
             raise StopAsyncIteration
         e = await self.queue.get()
-        text = self._output_text.add_tokens(e.token_ids, e.finished)
-        finished, reason = e.finished, e.finish_reason
-        if self._output_text.stopped and not finished:
-            finished, reason = True, "stop"
-            self._client.abort(self._request_id, "stop")
-        self._done = finished
-        return GenerationEvent(text, len(e.token_ids), e.num_prompt_tokens, e.num_completion_tokens, finished,
-                               reason, e.error, e.rejected, e.kv_transfer, e.num_retries, list(e.token_ids),
-                               e.logprobs, e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
-                               placement=e.placement)
+        self._done = e.finished
+        return TokenEvent(token_ids=e.token_ids, num_prompt_tokens=e.num_prompt_tokens,
+                          num_completion_tokens=e.num_completion_tokens, finished=e.finished,
+                          finish_reason=e.finish_reason, error=e.error, rejected=e.rejected,
+                          kv_transfer=e.kv_transfer, num_retries=e.num_retries, logprobs=e.logprobs,
+                          prompt_logprobs=e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
+                          placement=e.placement)
 
-    def close(self) -> None:
+    def close(self, reason: str = "abort") -> None:
         """Safe to call from a cancelled task: it never awaits."""
         if not self._done:
             self._done = True
-            self._client.abort(self._request_id, "abort")
+            self._client.abort(self._request_id, reason)
 
 
 class RemoteEngineClient(ServedInstances):
@@ -89,7 +88,7 @@ class RemoteEngineClient(ServedInstances):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCoordinator)
         self._ids = itertools.count()
-        self._streams: dict[str, RemoteRequestStream] = {}
+        self._streams: dict[str, RemoteTokenStream] = {}
         self._submitted: dict[str, asyncio.Future] = {}
         self._forwards: dict[int, asyncio.Future] = {}
         self._has_instances = asyncio.Event()
@@ -108,14 +107,15 @@ class RemoteEngineClient(ServedInstances):
         self.ctx.term()
 
     async def generate(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       stop: list[str], priority: int = 0) -> RemoteRequestStream:
+                       stop: list[str], priority: int = 0) -> TextStream:
         request_id = str(next(self._ids))
         try:
             payload = self._encoder.encode(ApiSubmit(request_id, client_request_id, prompt_token_ids,
                                                      wire_params(params), priority))
         except (OverflowError, msgspec.EncodeError) as e:  # as the dispatcher words it
             raise ValueError(f"a sampling parameter is out of range: {e}") from None
-        stream = RemoteRequestStream(self, request_id, self.renderer.new_output_text(stop))
+        stream = RemoteTokenStream(self, request_id)
+        output_text = self.renderer.new_output_text(stop)
         self._streams[request_id] = stream
         answer = self._submitted[request_id] = asyncio.get_running_loop().create_future()
         try:
@@ -130,7 +130,7 @@ class RemoteEngineClient(ServedInstances):
             self._streams.pop(request_id, None)
             raise ApiError(submitted.status, submitted.message, submitted.error_type, submitted.param, submitted.code,
                            submitted.retry_after_s)
-        return stream
+        return TextStream(stream, output_text)
 
     def abort(self, request_id: str, reason: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -199,7 +199,7 @@ def build_worker_app(client: RemoteEngineClient, args: argparse.Namespace) -> tu
 async def serve_api(config: ApiProcessConfig, args: argparse.Namespace) -> None:
     import uvicorn
 
-    from splitserve.entrypoints.launch import load_renderer
+    from splitserve.api.render import load_renderer
 
     sock = listening_socket(args.host, config.port)
     renderer = await asyncio.to_thread(load_renderer, args.model, args.tool_call_parser)

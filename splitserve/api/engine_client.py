@@ -1,132 +1,36 @@
-"""What the HTTP layer and `serve` hold: the engine link, the dispatcher and the role changer as one.
+"""What the HTTP layer and `serve` hold in the coordinator's process: the coordinator, made text.
 
-    serving.py --submit--> Dispatcher --EngineLink--> engines
-    engines --EngineLink (I/O thread)--> Dispatcher --OutputProcessor--> RequestStream --> serving.py
+    serving.py --generate--> EngineClient.submit --> Coordinator.submit_tokens --> TokenStream
+      --TextStream (detokenize, stop strings)--> serving.py
 
-Each object owns one job (engine_link.py: sockets and liveness; dispatcher.py: routing, handover,
-retries and resumes; output_processor.py: text, stop strings, metrics; role_change.py: live role
-changes and the load view); this class only wires them and answers the questions the API asks.
+An API process of `serve --api-server-count N` holds api_worker.RemoteEngineClient instead,
+whose token streams come over ZeroMQ and are made text by the same TextStream.
 """
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import time
-from collections import deque
-
-from splitserve.coordinator.disagg_policy import DisaggPolicy
-from splitserve.coordinator.dispatcher import Dispatcher
-from splitserve.coordinator.engine_link import EngineLink
-from splitserve.coordinator.metrics import FrontendMetrics
-from splitserve.coordinator.output_processor import OutputProcessor
 from splitserve.api.render import Renderer
-from splitserve.coordinator.request_state import EventSink, Instance, RequestStream
-from splitserve.coordinator.role_change import InstanceLoadView, RoleChanger
+from splitserve.api.text_stream import TextStream
+from splitserve.coordinator.coordinator import Coordinator
+from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.router import Router
-from splitserve.link_security import EngineLinkSecurity
 from splitserve.sampling import SamplingParams
 
 
-class ServedInstances:
-    """What the API asks about the engine instances, answered from `instances` (the engine link's
-    here; in an API process of `serve --api-server-count N`, the coordinator's last snapshot)."""
-
-    instances: dict[str, Instance]
-
-    def live_instances(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.alive]
-
-    @property
-    def model_name(self) -> str:
-        return next(iter(self.instances.values())).hello.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return min(i.hello.max_model_len for i in self._sizing_instances())
-
-    @property
-    def vocab_size(self) -> int:
-        return min(i.hello.vocab_size for i in self._sizing_instances())
-
-    def _sizing_instances(self) -> list[Instance]:
-        return self.live_instances() or list(self.instances.values())
-
-
-class EngineClient(ServedInstances):
-    def __init__(self, renderer: Renderer | None, router: Router, metrics: FrontendMetrics,
-                 bind: str = "tcp://127.0.0.1:0", max_queued_requests: int = 256,
-                 heartbeat_timeout_s: float = 1.5, link: EngineLinkSecurity | None = None,
-                 retry_on_engine_failure: int = 1, orphan_grace_s: float = 10.0,
-                 disagg_policy: DisaggPolicy | None = None) -> None:
-        self.router, self.metrics = router, metrics
-        self.link = EngineLink(bind, link, heartbeat_timeout_s, orphan_grace_s)
-        self.outputs = OutputProcessor(renderer, metrics)
-        self.dispatcher = Dispatcher(self.link, router, self.outputs, metrics, max_queued_requests,
-                                     retry_on_engine_failure, disagg_policy)
-        self.roles = RoleChanger(self.dispatcher)
-        self.address = self.link.address
-        # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an
-        # adaptive mix (coordinator/adaptive.py) plans for; bounded, read-only to others
-        self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=4096)
-
-    @property
-    def renderer(self) -> Renderer | None:
-        return self.outputs.renderer
-
-    @renderer.setter
-    def renderer(self, renderer: Renderer) -> None:  # serve loads the tokenizer while engines load
-        self.outputs.renderer = renderer
-
-    @property
-    def instances(self) -> dict[str, Instance]:
-        return self.link.instances
-
-    # ---- lifecycle ---------------------------------------------------------------------
-
-    def start(self) -> None:
-        self.link.start(self.dispatcher)
-
-    def attach_process(self, engine_id: str, process: subprocess.Popen) -> None:
-        self.link.attach_process(engine_id, process)
-
-    async def wait_ready(self, engine_ids: list[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not all(i in self.instances for i in engine_ids):
-            for engine_id in engine_ids:
-                proc = self.link.process_exited(engine_id)
-                if proc is not None and engine_id not in self.instances:
-                    raise RuntimeError(f"engine {engine_id} exited with code {proc.returncode} during startup")
-            if time.monotonic() > deadline:
-                missing = [i for i in engine_ids if i not in self.instances]
-                raise TimeoutError(f"engines {missing} not ready after {timeout_s:.0f} s")
-            await asyncio.sleep(0.05)
-
-    async def shutdown(self) -> None:
-        await self.link.close()
-
-    # ---- what the API asks ---------------------------------------------------------------
+class EngineClient(Coordinator):
+    def __init__(self, renderer: Renderer | None, router: Router, metrics: FrontendMetrics, **coordinator) -> None:
+        """renderer may come later (serve loads the tokenizer while engines load); the rest is
+        the Coordinator's."""
+        super().__init__(router, metrics, **coordinator)
+        self.renderer = renderer
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str], priority: int = 0, events: EventSink | None = None) -> RequestStream:
-        """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one.
-        events: see Dispatcher.submit (a request of an API process)."""
-        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, stop, priority, events)
-        self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens))
-        return stream
+               stop: list[str], priority: int = 0) -> TextStream:
+        """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one."""
+        output_text = self.renderer.new_output_text(stop)
+        return TextStream(self.submit_tokens(request_id, prompt_token_ids, params, priority), output_text)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       stop: list[str], priority: int = 0) -> RequestStream:
+                       stop: list[str], priority: int = 0) -> TextStream:
         """What the HTTP layer calls: submit() here; a round trip to this process from an API
         process (api_worker.RemoteEngineClient.generate)."""
         return self.submit(request_id, prompt_token_ids, params, stop, priority)
-
-    def drain(self, engine_id: str) -> None:
-        """No new requests for this instance; it is told to stop once it holds nothing."""
-        self.router.drain(engine_id)
-
-    async def change_role(self, instance_id: str, role: str) -> None:
-        """Live role change; raises role_change.RoleChangeRefused (with .status) when it cannot be made."""
-        await self.roles.change_role(instance_id, role)
-
-    def load_view(self) -> list[InstanceLoadView]:
-        return self.roles.load_view()

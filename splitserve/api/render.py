@@ -219,6 +219,14 @@ class Renderer:
         return OutputText(self.backend, stop)
 
 
+def load_renderer(model: str | None, tool_call_parser: str = "hermes"):
+    from splitserve.api.tool_parsers import TOOL_PARSERS
+    from splitserve.models.loader import load_tokenizer
+
+    tokenizer, chat_template = load_tokenizer(model)
+    return Renderer(tokenizer, chat_template, TOOL_PARSERS[tool_call_parser])
+
+
 class StopStringMatcher:
     """Finds the first stop string in a stream of text deltas, across delta boundaries.
 

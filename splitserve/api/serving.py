@@ -1,6 +1,6 @@
 """Chat and text completions: validate, render, submit, and answer in OpenAI's exact format.
 
-    body --checks--> token ids --EngineClient.submit--> RequestStream
+    body --checks--> token ids --EngineClient.submit--> TextStream
          --> one JSON answer, or SSE chunks: `data: {...}\\n\\n` ... `data: [DONE]\\n\\n`
 
 Everything a user can get wrong is caught here, before the request reaches an engine:
@@ -27,7 +27,7 @@ from splitserve.api.answer import Answer, Echo, error_for
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from splitserve.api.render import Renderer, RenderError
-from splitserve.coordinator.request_state import RequestStream
+from splitserve.api.text_stream import TextStream
 from splitserve.api.response_format import json_schema_for
 from splitserve.coordinator.router import NoInstanceAvailable
 from splitserve.api.tools import ToolPlan, plan_tools
@@ -143,7 +143,7 @@ class OpenAIServing:
         return list(prompt)
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
-                     priority: int = 0) -> RequestStream:
+                     priority: int = 0) -> TextStream:
         try:
             return await self.client.generate(request_id, token_ids, params, stop, priority)
         except (NoInstanceAvailable, ValueError) as e:
@@ -192,7 +192,7 @@ class OpenAIServing:
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"})
 
-    async def _full(self, answer: Answer, stream: RequestStream, request_id: str, receive: Receive) -> JSONResponse:
+    async def _full(self, answer: Answer, stream: TextStream, request_id: str, receive: Receive) -> JSONResponse:
         watcher = asyncio.create_task(abort_on_disconnect(receive, stream))
         texts, token_ids, logprobs, prompt_logprobs, last = [], [], [], None, None
         try:
@@ -240,7 +240,7 @@ def requested_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int |
     return body.logprobs
 
 
-async def abort_on_disconnect(receive: Receive, stream: RequestStream) -> None:
+async def abort_on_disconnect(receive: Receive, stream: TextStream) -> None:
     """A non-streaming client that leaves is noticed too: its request is aborted in the engine."""
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -31,8 +31,8 @@ import sys
 
 from types import SimpleNamespace
 
-from splitserve.control.predict import (arrangement_from_serve_args, capacity, offered_rate, predict,
-                                        requests_from_results, tile)
+from splitserve.control.predict import (arrangement_from_serve_args, capacity, class_priorities, offered_rate,
+                                        predict, requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
 from splitserve.control.trial_steps import calibration, refit, step_ratios, trial_samples, with_models
@@ -95,12 +95,14 @@ def _slos(results: dict) -> tuple[SLO, dict[str, SLO]]:
     return slo_of(results["slo"]), classes
 
 
-def run_requests(run: dict) -> list[SimRequest] | None:
-    """What one run replayed (its `requests`, times already at its rate); None for older results."""
+def run_requests(run: dict, priority: dict[str, int] | None = None) -> list[SimRequest] | None:
+    """What one run replayed (its `requests`, times already at its rate; `priority` per class);
+    None for older results."""
     if not run.get("requests"):
         return None
-    return [SimRequest(q["index"], q["scheduled_s"], q["num_prompt_tokens"], q["max_tokens"], q["class_name"])
-            for q in run["requests"]]
+    priority = priority or {}
+    return [SimRequest(q["index"], q["scheduled_s"], q["num_prompt_tokens"], q["max_tokens"], q["class_name"],
+                       priority.get(q["class_name"], 0)) for q in run["requests"]]
 
 
 def probe_workload(plan: list[SimRequest], multiplier: float, min_requests: int,
@@ -110,8 +112,8 @@ def probe_workload(plan: list[SimRequest], multiplier: float, min_requests: int,
     it holds, sent at `multiplier` times the plan's rate."""
     count = probe_length([SimpleNamespace(send_at_s=r.arrival_s) for r in plan], multiplier, min_requests,
                          min_seconds)
-    return [SimRequest(r.index, r.arrival_s / multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
-            for r in tile(plan, count)[:count]]
+    return [SimRequest(r.index, r.arrival_s / multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
+                       r.priority) for r in tile(plan, count)[:count]]
 
 
 def _probe_settings(results: dict, spec_path: str | None) -> tuple[int, float | None] | None:
@@ -136,7 +138,8 @@ def _probe_settings(results: dict, spec_path: str | None) -> tuple[int, float | 
 
 def unmodelled(serve: list[str], profiled_weight_format: str | None = None) -> list[str]:
     """serve settings the simulator does not reproduce: such an arrangement is simulated as the
-    plain one (FCFS, a fixed mix, the profiled engine) and left out of the ranking check."""
+    plain one (a fixed mix, the profiled engine) and left out of the ranking check. The scheduling
+    policy is modelled: the simulator runs the engine's own scheduler."""
     out = []
     if "--kernels" in serve[:-1] and serve[serve.index("--kernels") + 1] == "off":
         out.append("--kernels off")  # the profile timed the engine with its kernels
@@ -144,9 +147,6 @@ def unmodelled(serve: list[str], profiled_weight_format: str | None = None) -> l
         fmt = serve[serve.index("--weight-format") + 1]
         if fmt != "auto" and fmt != profiled_weight_format:
             out.append(f"--weight-format {fmt}")
-    policy = serve[serve.index("--scheduling-policy") + 1] if "--scheduling-policy" in serve[:-1] else "fcfs"
-    if policy != "fcfs":
-        out.append(f"--scheduling-policy {policy}")
     if "--adaptive" in serve:
         out.append("--adaptive")
     return out
@@ -187,7 +187,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
             arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
         by_rate: dict[float, list[tuple[dict, dict]]] = {}
         for run in arr_doc["runs"]:
-            own = run_requests(run)
+            own = run_requests(run, class_priorities(results))
             predicted = (predict(arr, profile, own, slo, 1.0, class_slos) if own is not None else
                          predict(arr, profile, plan, slo, run["rate_multiplier"], class_slos))
             by_rate.setdefault(run["rate_multiplier"], []).append((predicted, run["summary"]))

@@ -34,8 +34,10 @@ from dataclasses import asdict, dataclass, field
 from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
 from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
+from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, Role
 
-ROLES = ("prefill", "decode", "colocated")
+# the order candidate moves are tried in (ties go to the first): config order would change decisions
+MOVE_ORDER = (Role.PREFILL.value, Role.DECODE.value, Role.COLOCATED.value)
 # Without a profile (`serve --adaptive` given none): the bundled model's fits by `splitserve profile`
 # on the AVX2 box (AMD EPYC family 25 model 1, 2 vCPUs),
 # bench/results/profile_bundled_amd-epyc-avx2-2core_2026-12-01.json ('threads' -> '1' / '2' ->
@@ -48,8 +50,6 @@ FALLBACK_STEP_MODEL = StepModels({
                  per_decode_seq_s=0.00559, per_decode_kv_token_s=2.13e-5),
     2: StepModel(overhead_s=0.0110, per_prefill_token_s=0.00205, per_prefill_attn_s=0.000610,
                  per_decode_seq_s=0.00534, per_decode_kv_token_s=1.18e-5)})
-PREFILL_CAPABLE = ("prefill", "colocated")
-DECODE_CAPABLE = ("decode", "colocated")
 
 
 @dataclass(slots=True, frozen=True)
@@ -178,7 +178,7 @@ class MixController:
     def _candidates(self, views: list[InstanceView]) -> list[tuple[Change, ...]]:
         """Every mix one or two role changes away that keeps both stages covered."""
         live = [v for v in views if v.alive]
-        singles = [(v.instance_id, r) for v in live for r in ROLES if r != v.role]
+        singles = [(v.instance_id, r) for v in live for r in MOVE_ORDER if r != v.role]
         # a pair is made one change at a time: one of its halfway mixes must keep both stages covered too
         pairs = [(x, y) for x, y in itertools.combinations(singles, 2)
                  if x[0] != y[0] and (self.covered(views, x) or self.covered(views, y))]

@@ -16,9 +16,9 @@ import numpy as np
 
 from splitserve.config import parse_size
 from splitserve.control.profile_file import Profile
-from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
-from splitserve.trial.arrivals import generate_arrivals
+from splitserve.control.simulator import MAX_QUEUED_REQUESTS, Instance, InstanceSpec, Simulation, SimRequest
 from splitserve.trial.spec import SLO, TrialSpec
+from splitserve.trial.workload import spec_shapes
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # serve's --kv-cache-memory default, per engine
 
@@ -71,41 +71,39 @@ def arrangement_from_serve_args(name: str, args: list[str], cores: int | None) -
     policy = _flag(args, "--prefill-policy", "chunked")
     budget = int(_flag(args, "--max-num-batched-tokens", "256"))
     seqs = int(_flag(args, "--max-num-seqs", "64"))
+    scheduling = _flag(args, "--scheduling-policy", "fcfs")
     num_p, num_d = int(_flag(args, "--prefill", "0")), int(_flag(args, "--decode", "0"))
     roles = ["prefill"] * num_p + ["decode"] * num_d if num_p or num_d else \
         ["colocated"] * int(_flag(args, "--instances", "1"))
     threads = _flag(args, "--threads-per-instance", None)
     per = int(threads) if threads else max((cores or len(roles)) // len(roles), 1)
     kv = _flag(args, "--kv-cache-memory", None)
-    return Arrangement(name, tuple(InstanceSpec(r, per, policy, budget, seqs) for r in roles),
+    return Arrangement(name, tuple(InstanceSpec(r, per, policy, budget, seqs, scheduling) for r in roles),
                        transport=_flag(args, "--kv-transport", "shm"),
                        kv_cache_bytes=parse_size(kv) if kv else DEFAULT_KV_CACHE_BYTES)
 
 
 def requests_from_spec(spec: TrialSpec) -> list[SimRequest]:
-    arrival_seq, content_seq = np.random.SeedSequence(spec.seed).spawn(2)  # as trial/workload.workload_streams
-    arrivals = generate_arrivals(spec.arrivals, np.random.default_rng(arrival_seq))
-    rng = np.random.default_rng(content_seq)
-    names = list(spec.mix)
-    weights = np.asarray([spec.mix[n] for n in names], dtype=float)
-    weights /= weights.sum()
-    out = []
-    for index, a in enumerate(arrivals):
-        name = a.class_name or names[int(rng.choice(len(names), p=weights))]
-        cls = spec.classes.get(name)
-        prompt = a.prompt_tokens if a.prompt_tokens is not None else cls.prompt_tokens.sample(rng)
-        answer = a.answer_tokens if a.answer_tokens is not None else cls.answer_tokens.sample(rng)
-        rng.integers(0, 1 << 20)  # the trial draws a text offset here; keeps the stream in step
-        out.append(SimRequest(index, a.time_s, int(prompt), int(answer), name))
+    """The requests a trial of `spec` plans (trial/workload.spec_shapes: the same draws, so the
+    same classes, send times and lengths as the trial's plan)."""
+    out = [SimRequest(s.index, s.send_at_s, s.num_prompt_tokens, s.max_tokens, s.class_name, s.priority or 0)
+           for s in spec_shapes(spec)]
     if not out:
         raise ValueError("the spec's arrivals produced no requests; lengthen duration_s or raise rate")
     return out
 
 
 def requests_from_results(doc: dict) -> list[SimRequest]:
-    """A trial's exact plan (results.json `plan`): send times, classes and lengths."""
-    return [SimRequest(p["index"], p["send_at_s"], p["num_prompt_tokens"], p["max_tokens"], p["class"])
-            for p in doc["plan"]]
+    """A trial's exact plan (results.json `plan`): send times, classes, lengths and (from each
+    class) priorities."""
+    priority = class_priorities(doc)
+    return [SimRequest(p["index"], p["send_at_s"], p["num_prompt_tokens"], p["max_tokens"], p["class"],
+                       priority.get(p["class"], 0)) for p in doc["plan"]]
+
+
+def class_priorities(doc: dict) -> dict[str, int]:
+    """Each class's priority in a results.json (0 where it sets none, as the server defaults)."""
+    return {name: c.get("priority") or 0 for name, c in (doc.get("classes") or {}).items()}
 
 
 def tile(requests: list[SimRequest], min_requests: int) -> list[SimRequest]:
@@ -117,7 +115,7 @@ def tile(requests: list[SimRequest], min_requests: int) -> list[SimRequest]:
     period = span + span / (len(requests) - 1)  # one mean gap between copies
     copies = -(-min_requests // len(requests))
     return [SimRequest(k * len(requests) + r.index, k * period + r.arrival_s, r.prompt_tokens, r.answer_tokens,
-                       r.class_name) for k in range(copies) for r in requests]
+                       r.class_name, r.priority) for k in range(copies) for r in requests]
 
 
 def offered_rate(requests: list[SimRequest]) -> float:
@@ -126,14 +124,19 @@ def offered_rate(requests: list[SimRequest]) -> float:
 
 
 def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimRequest],
-             rate_multiplier: float = 1.0) -> tuple[list[SimRequest], list[Instance]]:
+             rate_multiplier: float = 1.0, max_queued_requests: int = MAX_QUEUED_REQUESTS,
+             ) -> tuple[list[SimRequest], list[Instance]]:
+    """The arrangement's instances run the requests (their arrival times divided by the
+    multiplier); max_queued_requests: the frontend's admission limit per instance, past
+    max_num_seqs (serve's --max-queued-requests)."""
     num_blocks = arrangement.kv_cache_bytes // (profile.kv_bytes_per_token * profile.block_size)
     instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size)
                  for i, s in enumerate(arrangement.instances)]
-    fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name)
-             for r in requests]
+    fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
+                        r.priority) for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention)
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention,
+                     max_queued_requests)
     return sim.run(fresh), instances
 
 

@@ -1,38 +1,76 @@
-"""A discrete-event model of this project's serving: its scheduler, its router, its KV handover.
+"""A discrete-event model of this project's serving, built from its own policy code.
 
-Time jumps from event to event (an arrival, the end of an engine step, the end of a KV
-transfer); nothing sleeps. Each instance (control/sim_instance.py) mirrors engine/scheduler.py.
-A step lasts what the step model (control/stepmodel.py) says for what it holds; its sampled
-tokens reach the client at its end. A prefill-role instance hands a finished prompt to the
-decode instance chosen at arrival; the KV lands after the profiled transfer time and the
-request joins that instance's batch at its next step. The router is coordinator/router.py's:
-least outstanding tokens for colocated instances (prompt + answer), least queued prompt
-tokens for prefill, least outstanding answer tokens for decode.
-Left out: the frontend's own latency, prefix-cache hits, admission limits (429s), failures.
+Each instance (control/sim_engine.py) is the engine's Scheduler and BlockManager with the role's
+connector decisions; routing is coordinator/router.py's Router itself, told of starts, progress and
+ends as the coordinator's dispatcher tells it. Time is virtual and jumps from event to event (an
+arrival, the end of an engine step, the end of a KV transfer); nothing sleeps. A step lasts what
+the step model (control/stepmodel.py) says for what it holds; its sampled tokens reach the client
+at its end. A prefill instance's first token goes to the client and the request to the decode
+instance the router chose at arrival; that instance takes blocks for the KV at its next step's
+start (the receiver's order and limits), the KV lands the profiled transfer time later and the
+request joins its batch at the step after (so the link sits in each separated answer's first gap,
+as in a trial); the prefill instance's blocks are freed then.
+
+Left out: the frontend's own latency, the engines' stats delay (the router learns a decode
+instance's free blocks at each of its step ends, not every 0.25 s), prefix affinity, stop
+strings, failures. Admission limits are the frontend's (max_num_seqs + 256 queued per instance):
+a request no instance has room for is refused (429), as is one no cache could ever hold (400);
+a refused request never gets a token.
 """
 from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass, field
 
-from splitserve.control.sim_instance import ROLES, Instance, InstanceSpec, SimRequest
-from splitserve.control.stepmodel import PANEL_ROWS
+from splitserve.config import ROLES
+from splitserve.control.sim_engine import SAMPLED_TOKEN, InstanceSpec, SimEngine, sim_request
+from splitserve.engine.request import RequestStatus
+from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router, prefix_key
+from splitserve.stepfeatures import prefill_attn_ktok2
 
 __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
 
+Instance = SimEngine  # an arrangement's instance, as the planner builds it
+MAX_QUEUED_REQUESTS = 256  # serve's --max-queued-requests default: the router's admission limit
+_STEP_END, _TRANSFER_END = 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request of the workload, and what the simulation made of it."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    answer_tokens: int
+    class_name: str = "default"
+    priority: int = 0
+    outputs: int = 0
+    first_s: float | None = None
+    last_s: float = 0.0
+    finished_s: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    refused: bool = False
+    decode_instance: str | None = None  # where the router sends it after its prefill
+
 
 class Simulation:
-    """Runs `requests` (sorted by arrival) on instances; `transfer_s(prompt_tokens)` for P->D moves."""
+    """Runs `requests` on instances; `transfer_s(prompt_tokens)` for P->D moves."""
 
-    fast_forward = True  # batch runs of decode-only steps (tests turn it off to compare timelines)
+    fast_forward = True  # run stretches of decode-only steps at once (tests turn it off to compare)
 
-    def __init__(self, instances: list[Instance], transfer_s=lambda n: 0.0, contention: float = 1.0):
+    def __init__(self, instances: list[SimEngine], transfer_s=lambda n: 0.0, contention: float = 1.0,
+                 max_queued_requests: int = MAX_QUEUED_REQUESTS):
         self.instances = instances
-        self.colocated = [i for i in instances if i.role == "colocated"]
-        self.prefill = [i for i in instances if i.role == "prefill"]
-        self.decode = [i for i in instances if i.role == "decode"]
-        if not self.colocated and not (self.prefill and self.decode):
+        self.by_name = {i.name: i for i in instances}
+        roles = {i.role for i in instances}
+        if "colocated" not in roles and not {"prefill", "decode"} <= roles:
             raise ValueError("an arrangement needs a colocated instance, or a prefill and a decode instance")
+        self.colocated_only = roles == {"colocated"}
+        self.router = Router()
+        for inst in instances:
+            self.router.add_instance(inst.name, inst.role, inst.spec.max_num_seqs + max_queued_requests)
         self.transfer_s = transfer_s
         # a step that starts while another instance on the host is busy runs `contention` times its
         # profiled time (shared memory bandwidth and cache; bench/host_contention.py measures it).
@@ -40,156 +78,171 @@ class Simulation:
         if contention < 1.0:
             raise ValueError(f"host contention must be >= 1 (a busy neighbour never speeds a step up), got {contention}")
         self.contention = contention if len(instances) > 1 else 1.0
-        self._starting: dict[Instance, None] = {}
         self.events: list = []
         self._seq = 0
         self.now = 0.0
-        self._pending: dict[Instance, None] = {}  # instances with new work, started once this instant is done
+        self._pending: dict[SimEngine, None] = {}  # instances with news, started once this instant is done
+        self._starting: dict[SimEngine, None] = {}
         self._next_arrival_s = math.inf
+        self._live: dict[str, SimRequest] = {}
 
     def _push(self, time_s: float, kind: int, obj) -> None:
         self._seq += 1
         heapq.heappush(self.events, (time_s, self._seq, kind, obj))
 
-    def _kick(self, inst: Instance) -> None:
-        """Start inst's next step. A step that ends before anything else can touch the instance is
-        finished here at once instead of going through the event queue (the same timeline, several
-        times faster at low load). With colocated instances only, just an arrival can touch one;
-        with separated stages, any queued event may (a prefill's step end starts a transfer)."""
-        if inst.busy or not inst.has_work():
+    # ---- arrivals: the frontend's dispatch -------------------------------------------------
+
+    def _arrive(self, req: SimRequest, unique: int) -> None:
+        rid = str(unique)
+        request = sim_request(rid, unique, req.prompt_tokens, req.answer_tokens, req.priority, req.arrival_s)
+        routable = RoutableRequest(rid, req.prompt_tokens, req.answer_tokens, prefix_key(request.prompt_token_ids))
+        try:
+            plan = self.router.pick(routable)
+        except NoInstanceAvailable:
+            req.refused = True  # 429: every instance's queue is full
             return
-        now, colocated_only = self.now, not self.prefill
-        contended = self.contention != 1.0
+        target = self.by_name[plan.prefill_instance_id or plan.instance_id]
+        blocks = target.blocks
+        if blocks.blocks_needed(req.prompt_tokens + req.answer_tokens) > blocks.num_blocks:
+            req.refused = True  # 400, as EngineCore.validate: no cache here could ever hold it
+            return
+        self.router.on_start(plan, routable)
+        req.decode_instance = plan.instance_id if plan.prefill_instance_id is not None else None
+        self._live[rid] = req
+        target.add(request)
+        self._pending[target] = None
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def _kick(self, inst: SimEngine) -> None:
+        """Start inst's next step. A colocated step that ends before the next arrival is finished
+        here at once instead of going through the event queue (only an arrival can touch a
+        colocated instance; the same timeline, several times faster at low load)."""
+        if inst.busy:
+            return
+        now, contended = self.now, self.contention != 1.0
         while True:
+            for request, source in inst.begin_step():
+                self._push(now + self.transfer_s(request.num_prompt_tokens), _TRANSFER_END, (inst, request, source))
             horizon = self._next_arrival_s
-            if not colocated_only and self.events:
+            if not self.colocated_only and self.events:
                 horizon = min(horizon, self.events[0][0])
-            if self.fast_forward and not contended and inst.decoding_only():
+            if self.fast_forward and not contended:
                 now = self._fast_forward(inst, now, horizon)
-            decodes, prefills = inst.schedule()
-            if not decodes and not prefills:
+            batch = inst.scheduler.schedule()
+            if not batch:
                 return
-            step = inst.step_seconds(decodes, prefills)
+            step = inst.step_seconds(batch)
             if contended and self._neighbour_busy(inst):
                 step *= self.contention
             end = now + step
-            inst.busy_s += end - now
-            if contended or end >= horizon:
+            inst.busy_s += step
+            if contended or not self.colocated_only or end >= horizon:
                 inst.busy = True
-                self._push(end, 1, (inst, decodes, prefills))
+                self._push(end, _STEP_END, (inst, batch))
                 return
-            self._finish_step(inst, decodes, prefills, end)
+            self._finish_step(inst, batch, end)
             now = end
 
-    def _neighbour_busy(self, inst: Instance) -> bool:
+    def _neighbour_busy(self, inst: SimEngine) -> bool:
         """Another instance has a step in flight, or starts one at this same instant."""
         return any(o is not inst and (o.busy or (o in self._starting and o.has_work())) for o in self.instances)
 
-    def _fast_forward(self, inst: Instance, now: float, horizon: float) -> float:
-        """Run, in one go, the decode-only steps that end before `horizon` and before any request
-        finishes (the batch is fixed, so step k lasts step_s(n, kv0 + k n)). The same floats as
-        step by step: each end is the previous end plus that step's time, each gap an end minus the
-        previous one. Returns the time the last of them ends (`now` when none could run)."""
-        running, model = inst.running, inst.model
-        n = len(running)
-        max_steps = min(r.answer_tokens - r.outputs for r in running) - 1  # the finishing step goes the normal way
-        if max_steps <= 0:
+    def _fast_forward(self, inst: SimEngine, now: float, horizon: float) -> float:
+        """Run, in one go, the steps the scheduler says keep the batch's shape (decodes plus one
+        prompt's chunks, nothing admitted, preempted or finished: Scheduler.steady_steps) and that
+        end before `horizon`. The same floats as one step at a time: each step's time from the
+        same shape, each end the previous end plus that time. Returns the time the last of them
+        ends (`now` when none could run)."""
+        sched, model = inst.scheduler, inst.model
+        limit, prompt, chunk = sched.steady_steps(1 << 30)
+        if limit == 0:
             return now
-        kv = sum(r.computed + 1 for r in running)
-        # model.step_s(0, 0.0, n, kv) evaluates to exactly ((overhead + per_decode_seq * n) + per_kv * kv)
-        # + per_panel_step (the last only past PANEL_ROWS rows)
-        base, per_kv = model.overhead_s + model.per_decode_seq_s * n, model.per_decode_kv_token_s
-        panel = model.per_panel_step_s if n > PANEL_ROWS else None
-        ends, gaps, end = [], [], now  # gaps[j] = ends[j] - ends[j - 1], as one step at a time records it
-        for _ in range(max_steps):
-            step = base + per_kv * kv
-            nxt = end + (step if panel is None else step + panel)
+        decodes = [r for r in sched.running if not r.is_prefilling]
+        n = len(decodes)
+        kv = sum(r.num_computed_tokens + 1 for r in decodes)
+        start = prompt.num_computed_tokens if prompt is not None else 0
+        ends, end, busy = [], now, inst.busy_s
+        for _ in range(limit):
+            if prompt is None:
+                step = model.step_s(0, 0.0, n, kv)
+            else:
+                step = model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv)
+                start += chunk
+            nxt = end + step
             if nxt >= horizon:
                 break
+            busy += step
             ends.append(nxt)
-            gaps.append(nxt - end)
             end = nxt
             kv += n
-        k = inst.decode_steps_with_blocks(len(ends))
+        k = len(ends)
         if k == 0:
             return now
-        tail = gaps[1:k]
-        busy = inst.busy_s
-        for gap in gaps[:k]:
-            busy += gap
-        inst.busy_s = busy
-        first, last, bs = ends[0], ends[k - 1], inst.block_size
-        for r in running:
-            r.gaps.append(first - r.last_s)
-            r.gaps.extend(tail)
-            r.last_s = last
-            r.computed += k
-            r.outputs += k
-            need = -(-r.computed // bs)
-            if need > r.blocks:
-                inst.free_blocks -= need - r.blocks
-                r.blocks = need
-            (r.decode_instance or inst).outstanding -= k
-        inst.num_steps += k
-        return last
+        sched.advance_steady(k, SAMPLED_TOKEN, (prompt, chunk))
+        inst.busy_s, inst.num_steps = busy, inst.num_steps + k
+        if not decodes:
+            return end
+        tail = [b - a for a, b in zip(ends, ends[1:])]
+        for request in decodes:
+            req = self._live[request.request_id]
+            req.gaps.append(ends[0] - req.last_s)
+            req.gaps.extend(tail)
+            req.last_s = end
+            req.outputs += k
+            self.router.on_progress(inst.name, request.request_id, 0, k)
+        return end
 
-    def _route(self, req: SimRequest) -> Instance:
-        if self.colocated:
-            target = min(self.colocated, key=lambda x: (x.outstanding, x.num_requests))
-            target.outstanding += req.prompt_tokens + req.answer_tokens
-        else:
-            target = min(self.prefill, key=lambda x: (x.outstanding, x.num_requests))
-            target.outstanding += req.prompt_tokens
-            req.decode_instance = min(self.decode, key=lambda x: (x.outstanding, -x.free_blocks, x.num_requests))
-            req.decode_instance.outstanding += req.answer_tokens
-            req.decode_instance.num_requests += 1
-        target.num_requests += 1
-        return target
-
-    def _emit(self, inst: Instance, req: SimRequest, now: float) -> None:
-        """A sampled token reaches the client at `now`."""
-        if req.first_s is None:
-            req.first_s = now
-            inst.outstanding -= req.prompt_tokens
-        else:
-            req.gaps.append(now - req.last_s)
-        req.last_s = now
-        req.outputs += 1
-        counted = req.decode_instance or inst
-        counted.outstanding -= 1
-        if req.outputs >= req.answer_tokens:
+    def _finish_step(self, inst: SimEngine, batch, now: float) -> None:
+        sampled, finished = inst.finish(batch)
+        router = self.router
+        for request in sampled:
+            rid = request.request_id
+            req = self._live[rid]
+            first = req.first_s is None
+            if first:
+                req.first_s = now
+            else:
+                req.gaps.append(now - req.last_s)
+            req.last_s = now
+            req.outputs += 1
+            router.on_progress(inst.name, rid, req.prompt_tokens if first else 0, 1)
+            if request not in finished:
+                continue
+            if request.status is RequestStatus.FINISHED_PREFILL_DONE:  # the frontend hands it over
+                router.on_finish(inst.name, rid)
+                decode = self.by_name[req.decode_instance]
+                # a new request there, stamped with its arrival there (the priority policy's tie-break)
+                decode.add(sim_request(rid, int(rid), req.prompt_tokens, req.answer_tokens, req.priority,
+                                       now, first_token=True), source=inst.name)
+                self._pending[decode] = None
+                continue
             req.finished_s = now
-            inst.release(req)
-            inst.num_requests -= 1
-            if req.decode_instance is not None and req.decode_instance is not inst:
-                req.decode_instance.num_requests -= 1
-        elif inst.role == "prefill":
-            inst.running.remove(req)  # blocks stay leased until the decode instance has pulled them
-            inst.num_requests -= 1
-            self._push(now + self.transfer_s(req.prompt_tokens), 2, (inst, req))
+            del self._live[rid]
+            router.on_finish(inst.name, rid)
+            if req.decode_instance is not None:
+                router.on_finish(req.decode_instance, rid)
+        router.set_free_blocks(inst.name, inst.free_blocks)
 
-    def _finish_step(self, inst: Instance, decodes, prefills, now: float) -> None:
-        inst.num_steps += 1
-        for req in decodes:
-            req.computed += 1
-            self._emit(inst, req, now)
-        for req, chunk in prefills:
-            req.computed += chunk
-            if req.computed >= req.num_tokens:
-                self._emit(inst, req, now)
-
-    def _step_end(self, inst: Instance, decodes, prefills) -> None:
+    def _step_end(self, inst: SimEngine, batch) -> None:
         inst.busy = False
-        self._finish_step(inst, decodes, prefills, self.now)
+        self._finish_step(inst, batch, self.now)
         self._pending[inst] = None
 
-    def _transfer_end(self, source: Instance, req: SimRequest) -> None:
-        source.free_blocks += req.blocks
-        req.blocks = 0
-        self._pending[source] = None
-        target = req.decode_instance
-        target.prefilled.append(req)
-        self._pending[target] = None
+    def _transfer_end(self, inst: SimEngine, request, source: str) -> None:
+        inst.connector.land(request)
+        self.by_name[source].connector.release(request.request_id)
+        self._pending[inst] = None
+        self._pending[self.by_name[source]] = None
+
+    def _kick_pending(self) -> None:
+        # prefill and colocated instances first: a decode instance's fast-forward must see the
+        # step ends (handovers) they schedule at this instant
+        pending, self._pending = self._pending, {}
+        self._starting = pending
+        for inst in sorted(pending, key=lambda i: i.role == "decode"):
+            self._kick(inst)
+        self._starting = {}
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         arrivals = sorted(requests, key=lambda r: r.arrival_s)
@@ -202,25 +255,19 @@ class Simulation:
             if self._pending and next_s > self.now:
                 # everything due at this instant has landed: now idle instances start a step, so
                 # requests arriving together are scheduled together, as an engine's intake does
-                pending, self._pending = self._pending, {}
-                self._starting = pending
-                for inst in pending:
-                    self._kick(inst)
-                self._starting = {}
+                self._kick_pending()
                 continue
             if next_s == math.inf:
                 return requests
             if self._next_arrival_s <= next_event_s:  # an arrival goes before a step ending at the same time
                 req = arrivals[i]
-                i += 1
                 self.now = req.arrival_s
+                self._arrive(req, i)
+                i += 1
                 self._next_arrival_s = arrivals[i].arrival_s if arrivals[i] else math.inf
-                inst = self._route(req)
-                inst.add(req)
-                self._pending[inst] = None
                 continue
             self.now, _, kind, obj = heapq.heappop(self.events)
-            if kind == 1:
+            if kind == _STEP_END:
                 self._step_end(*obj)
             else:
                 self._transfer_end(*obj)

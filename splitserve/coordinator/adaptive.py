@@ -1,8 +1,8 @@
 """`serve --adaptive`: the mix controller (control/mix.py) wired to a running frontend.
 
-    every --mix-interval-s:  EngineClient.load_view() --mix_views--> [InstanceView]
-                             EngineClient.arrivals (last DEMAND_WINDOW_S) --> Demand
-        --MixController.decide--> Decision --(a change)--> EngineClient.change_role(id, role)
+    every --mix-interval-s:  Coordinator.load_view() --mix_views--> [InstanceView]
+                             Coordinator.arrivals (last DEMAND_WINDOW_S) --> Demand
+        --MixController.decide--> Decision --(a change)--> Coordinator.change_role(id, role)
     every decision, change or not, with its reason -> the bounded log behind GET /admin/mix,
     splitserve_mix_decisions_total{action} and the per-instance role gauge on /metrics.
 
@@ -29,9 +29,7 @@ from splitserve.control.stepmodel import StepShape
 from splitserve.control.whatif import Demand
 
 if TYPE_CHECKING:  # `serve`'s flags are read before the web stack is imported
-    from fastapi import FastAPI
-
-    from splitserve.api.engine_client import EngineClient
+    from splitserve.coordinator.coordinator import Coordinator
     from splitserve.coordinator.metrics import FrontendMetrics
     from splitserve.coordinator.role_change import InstanceLoadView
 
@@ -116,7 +114,7 @@ def mix_views(loads: list[InstanceLoadView], threads: dict[str, int], default_th
 class AdaptiveMix:
     """The loop, its log and its metrics for one frontend."""
 
-    def __init__(self, client: EngineClient, metrics: FrontendMetrics, controller: MixController,
+    def __init__(self, client: Coordinator, metrics: FrontendMetrics, controller: MixController,
                  interval_s: float, threads: dict[str, int] | None = None, default_threads: int = 1) -> None:
         self.client, self.metrics = client, metrics
         self.threads, self.default_threads = threads or {}, default_threads
@@ -186,7 +184,7 @@ class AdaptiveMix:
                 "decisions": list(self.loop.decisions), "changes": self.loop.changes()}
 
 
-def adaptive_from_args(args: argparse.Namespace, client: EngineClient, metrics: FrontendMetrics,
+def adaptive_from_args(args: argparse.Namespace, client: Coordinator, metrics: FrontendMetrics,
                        num_instances: int) -> AdaptiveMix | None:
     if not args.adaptive:
         return None
@@ -201,14 +199,3 @@ def adaptive_from_args(args: argparse.Namespace, client: EngineClient, metrics: 
     controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s),
                                chunk_budget=args.max_num_batched_tokens)
     return AdaptiveMix(client, metrics, controller, args.mix_interval_s, default_threads=args.threads_per_instance or 1)
-
-
-def add_mix_routes(app: FastAPI, mix: AdaptiveMix | None) -> None:
-    from splitserve.api.openai_schema import ApiError
-
-    @app.get("/admin/mix")
-    async def mix_log():
-        if mix is None:
-            raise ApiError(404, "this server does not adapt its stage mix; start it with `splitserve serve "
-                                "--adaptive`", "not_found_error", code="not_adaptive")
-        return mix.snapshot()

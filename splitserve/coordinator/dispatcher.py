@@ -29,8 +29,8 @@ from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.coordinator.engine_link import EngineLink
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.output_processor import OutputProcessor
-from splitserve.api.render import NoText
-from splitserve.coordinator.request_state import EventSink, RequestState, RequestStream
+from splitserve.coordinator.request_state import EventSink, RequestState, TokenStream
+from splitserve.coordinator.role_change import RoleChanger
 from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
 from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, RoleChanged, StepOutputs,
                                  WireSamplingParams)
@@ -57,24 +57,22 @@ class Dispatcher:
         self.retry_on_engine_failure = retry_on_engine_failure
         self.requests: dict[str, RequestState] = {}  # by internal request id
         self.parked: list[RequestState] = []  # no instance could take them while roles were changing
-        self.roles = None  # RoleChanger (role_change.py), which sets itself here
+        self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked)
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str], priority: int = 0, events: EventSink | None = None) -> RequestStream:
+               priority: int = 0, events: EventSink | None = None) -> TokenStream:
         """Routes and sends one request. NoInstanceAvailable when no instance can take it;
         ValueError when a parameter cannot be sent. Either way nothing stays registered.
-        `events`: a request of an API process (api_hub.py), which makes the text itself: its events
-        carry token ids only and go to events.put_nowait instead of the returned stream."""
-        output_text = self.outputs.new_output_text(stop) if events is None else NoText()
-        state = RequestState("", client_request_id, output_text, list(prompt_token_ids), wire_params(params),
-                             priority=priority)
+        `events`: a request of an API process (entrypoints/api_hub.py): its events go to
+        events.put_nowait instead of the returned stream's queue."""
+        state = RequestState("", client_request_id, list(prompt_token_ids), wire_params(params), priority=priority)
         if events is not None:
             state.queue = events
         self._dispatch(state)
-        return RequestStream(self, state)
+        return TokenStream(state, self.abort)
 
     def _dispatch(self, state: RequestState) -> None:
         """Sends the request (prompt + any tokens it already produced) to the instance(s) the
@@ -94,9 +92,10 @@ class Dispatcher:
         try:
             plan = self.router.pick(routable)
             if self.disagg_policy is not None:
-                plan, state.placement = self.disagg_policy.place(plan, routable, self.link.instances, self.router)
+                plan, placement = self.disagg_policy.place(plan, routable, self.link.instances, self.router)
+                state.placement = placement.report() if placement is not None else None
         except NoInstanceAvailable:
-            if self.roles is None or not self.roles.changing():
+            if not self.roles.changing():
                 raise
             state.request_id, state.instance_id = request_id, None
             state.prefill_instance_id = state.decode_instance_id = None
@@ -127,7 +126,7 @@ class Dispatcher:
                 self._end(state, "error", f"no engine instance could take this request: {e}")
 
     def abort(self, state: RequestState, reason: str = "abort") -> None:
-        """reason "stop": an API process found a stop string (counted as a stop, not an abort)."""
+        """reason "stop": the API found a stop string in the text (counted as a stop, not an abort)."""
         if state in self.parked:
             self.parked.remove(state)
         elif self.requests.pop(state.request_id, None) is None:
@@ -219,7 +218,7 @@ class Dispatcher:
             self.link.instances[engine_id].observe_stats(message)
             self.metrics.observe_stats(message)
             self.router.set_free_blocks(engine_id, message.num_free_blocks)
-        elif isinstance(message, RoleChanged) and self.roles is not None:
+        elif isinstance(message, RoleChanged):
             self.roles.on_role_changed(engine_id, message)
 
     def _on_outputs(self, engine_id: str, message: StepOutputs) -> None:
@@ -253,8 +252,8 @@ class Dispatcher:
                                     len(out.new_token_ids))
             if event.finished:
                 self.requests.pop(state.request_id, None)
-                # An engine that ended the request itself holds nothing; otherwise (a stop string,
-                # even on a prefill instance's first token; an error) every holder is told to drop it.
+                # An engine that ended the request itself holds nothing; otherwise (an error) every
+                # holder is told to drop it.
                 self._release(state, abort=not processed.engine_done)
                 self._count_finished(state, "rejected" if out.rejected else event.finish_reason or "error")
             elif processed.handed_over:
@@ -285,8 +284,7 @@ class Dispatcher:
         self.metrics.set_alive(engine_id, inst.hello.role, False)
         lost = self.router.mark_dead(engine_id)
         inst.lost_request_ids.update(lost)
-        if self.roles is not None:
-            self.roles.on_dead(engine_id)  # a survivor may take over a role no one plays now
+        self.roles.on_dead(engine_id)  # a survivor may take over a role no one plays now
         for request_id in lost:
             state = self.requests.get(request_id)
             if state is None or state.instance_id != engine_id:

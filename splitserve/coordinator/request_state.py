@@ -1,7 +1,8 @@
-"""What the frontend keeps per request and per engine instance, and what a consumer reads.
+"""What the coordinator keeps per request and per engine instance, and what a consumer reads.
 
 The dispatcher (dispatcher.py) owns request states, the engine link (engine_link.py) the
-instances; `RequestStream` is the handle the HTTP layer iterates. `trial_report` puts an
+instances; `TokenStream` is the handle a consumer iterates: token ids only (the API wraps it in
+api/text_stream.TextStream, in this process or in an API process). `trial_report` puts an
 engine's KV-transfer report in the shape the trial reads (docs/internals.md, "Trial <-> server").
 """
 from __future__ import annotations
@@ -11,21 +12,17 @@ import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Callable, Protocol
 
-from splitserve.api.render import NoText, OutputText
 from splitserve.protocol import EngineHello, EngineStats, KVTransferReport, StepSample, WireSamplingParams
 
-if TYPE_CHECKING:
-    from splitserve.coordinator.dispatcher import Dispatcher
 
+@dataclass(slots=True, kw_only=True)
+class TokenEvent:
+    """What a request's consumer gets from the coordinator: new token ids, and at the end the
+    reason and counts. Built by keyword; the API adds the text (api/text_stream.py)."""
 
-@dataclass(slots=True)
-class GenerationEvent:
-    """What a request's consumer sees: new text, and at the end the reason and counts."""
-
-    text: str
-    num_new_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # the new tokens
     num_prompt_tokens: int
     num_completion_tokens: int
     finished: bool = False
@@ -34,11 +31,14 @@ class GenerationEvent:
     rejected: bool = False  # the engine refused it at admission: the user's request was bad
     kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
     num_retries: int = 0  # times the request was sent again after its engine died
-    token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
     prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache of the instance that prefilled it
     placement: dict | None = None  # disaggregated: where the prompt was prefilled and why (Placement.report)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def trial_report(report: KVTransferReport) -> dict:
@@ -53,16 +53,15 @@ def trial_report(report: KVTransferReport) -> dict:
 
 
 class EventSink(Protocol):
-    """Where a request's events go: its RequestStream's queue, or an API process's outbox."""
+    """Where a request's events go: its TokenStream's queue, or an API process's outbox."""
 
-    def put_nowait(self, event: GenerationEvent) -> None: ...
+    def put_nowait(self, event: TokenEvent) -> None: ...
 
 
 @dataclass(slots=True)
 class RequestState:
     request_id: str  # inside the system: unique, and new at every dispatch (the client's id may repeat)
     client_request_id: str  # X-Request-Id, echoed to the client
-    output_text: OutputText | NoText
     prompt_token_ids: list[int]
     wire_params: WireSamplingParams
     instance_id: str | None = None  # where it runs now; disaggregated: P until the handover, then D
@@ -82,7 +81,7 @@ class RequestState:
     streamed_to: str | None = None
     held_outputs: list = field(default_factory=list)
     stream_failed: bool = False  # once failed, it is handed over at the end (no resume loop)
-    placement: object | None = None  # disagg_policy.Placement of the current dispatch (disaggregated)
+    placement: dict | None = None  # disaggregated: Placement.report() of the current dispatch
     num_cached_tokens: int | None = None  # prefix-cache hits where its prompt was first prefilled
 
     @property
@@ -127,18 +126,21 @@ class Instance:
         self.num_step_samples += len(stats.step_samples)
 
 
-class RequestStream:
-    """Async iterator of one request's events; closing it early aborts the request."""
+class TokenStream:
+    """Async iterator of one request's token events; closing it early aborts the request.
 
-    def __init__(self, dispatcher: Dispatcher, state: RequestState) -> None:
-        self._dispatcher, self._state, self._done = dispatcher, state, False
+    `on_close(state, reason)` is the dispatcher's abort: reason "abort" (the client left) or
+    "stop" (the API found a stop string in the text, counted as a stop)."""
+
+    def __init__(self, state: RequestState, on_close: Callable[[RequestState, str], None]) -> None:
+        self._state, self._on_close, self._done = state, on_close, False
         self.request_id = state.client_request_id
         self.num_prompt_tokens = state.num_prompt_tokens
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> TokenStream:
         return self
 
-    async def __anext__(self) -> GenerationEvent:
+    async def __anext__(self) -> TokenEvent:
         if self._done:
             raise StopAsyncIteration
         event = await self._state.queue.get()
@@ -149,4 +151,4 @@ class RequestStream:
         """Safe to call from a cancelled task: it never awaits."""
         if not self._done:
             self._done = True
-            self._dispatcher.abort(self._state, reason)
+            self._on_close(self._state, reason)

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
-from splitserve.config import ROLES
-from splitserve.coordinator.router import DECODE_CAPABLE, PREFILL_CAPABLE
+from splitserve.coordinator.engine_link import EngineLink
+from splitserve.coordinator.metrics import FrontendMetrics
+from splitserve.coordinator.router import Router
 from splitserve.protocol import RoleChanged, SetRole, StepSample
+from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,15 @@ def check_coverage(roles: dict[str, str]) -> str | None:
 
 
 class RoleChanger:
-    def __init__(self, dispatcher, timeout_s: float = ROLE_CHANGE_TIMEOUT_S) -> None:
-        self.dispatcher, self.link, self.router = dispatcher, dispatcher.link, dispatcher.router
-        self.metrics, self.timeout_s = dispatcher.metrics, timeout_s
+    """Owned by the dispatcher, which tells it of role answers and deaths; `settled` is called
+    after each change ends (done or refused), so requests parked meanwhile go out."""
+
+    def __init__(self, link: EngineLink, router: Router, metrics: FrontendMetrics, settled: Callable[[], None],
+                 timeout_s: float = ROLE_CHANGE_TIMEOUT_S) -> None:
+        self.link, self.router, self.metrics, self.settled = link, router, metrics, settled
+        self.timeout_s = timeout_s
         self._pending: dict[str, asyncio.Future] = {}
         self._takeovers: set[asyncio.Task] = set()
-        dispatcher.roles = self
 
     def changing(self) -> bool:
         return bool(self._pending)
@@ -124,7 +130,7 @@ class RoleChanger:
             self._pending.pop(instance_id, None)
             if instance_id in self.router.instances:
                 self.router.set_changing_role(instance_id, False)
-            self.dispatcher.dispatch_parked()
+            self.settled()
 
     def on_role_changed(self, engine_id: str, message: RoleChanged) -> None:
         future = self._pending.get(engine_id)

@@ -31,10 +31,6 @@ def prefix_key(prompt_token_ids: list[int]) -> int | None:
     return hash(tuple(prompt_token_ids[:AFFINITY_TOKENS]))
 
 
-PREFILL_CAPABLE = ("prefill", "colocated")
-DECODE_CAPABLE = ("decode", "colocated")
-
-
 class NoInstanceAvailable(RuntimeError):
     """Every live instance is at its admission limit (429), or none able to serve is alive (503)."""
 

@@ -25,8 +25,12 @@ def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> 
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 block_hash=chain_hash):
+        """block_hash(parent, token_ids): chain_hash; the planner's simulator, whose token ids are
+        its own, passes a cheaper one (nothing there comes from a client)."""
         self.num_blocks = num_blocks
+        self._hash = block_hash
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -54,7 +58,7 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) // self.block_size
         blocks, hashes, parent = [], [], None
         for i in range(max_blocks):
-            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = self._hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -87,14 +91,16 @@ class BlockManager:
         self._grow(request, self.blocks_needed(num_tokens) - len(cached))
 
     def _grow(self, request: Request, count: int) -> None:
+        free, block_hash, hash_to_block, table = self.free_blocks, self.block_hash, self.hash_to_block, request.block_table
         for _ in range(count):
-            block, _ = self.free_blocks.popitem(last=False)
-            old = self.block_hash[block]
-            if old is not None and self.hash_to_block.get(old) == block:
-                del self.hash_to_block[old]  # evict: its content is about to be overwritten
-            self.block_hash[block] = None
+            block, _ = free.popitem(last=False)
+            old = block_hash[block]
+            if old is not None:
+                if hash_to_block.get(old) == block:
+                    del hash_to_block[old]  # evict: its content is about to be overwritten
+                block_hash[block] = None
             self.ref_counts[block] = 1
-            request.block_table.append(block)
+            table.append(block)
 
     def can_append(self, request: Request, num_new_tokens: int = 1) -> bool:
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
@@ -105,24 +111,29 @@ class BlockManager:
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
         if need > self.num_free_blocks:
             raise RuntimeError("append_slots() called without can_append()")
-        self._grow(request, max(need, 0))
+        if need > 0:
+            self._grow(request, need)
 
     def publish_computed(self, request: Request) -> None:
         """Register the hashes of the request's blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        tokens = None
-        while len(request.block_hashes) < full:
-            i = len(request.block_hashes)
-            tokens = tokens or request.all_token_ids
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            h = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
-            request.block_hashes.append(h)
+        bs, hashes = self.block_size, request.block_hashes
+        if request.num_computed_tokens // bs <= len(hashes):
+            return  # no block filled since the last call: the common case, once per decoded token
+        full = min(request.num_computed_tokens, request.num_tokens) // bs
+        if len(hashes) >= full:
+            return
+        # the prompt alone when the new blocks lie in it (no copy of prompt + output each time)
+        tokens = request.prompt_token_ids if full * bs <= request.num_prompt_tokens else request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), full):
+            parent = self._hash(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
             block = request.block_table[i]
             if self.block_hash[block] is None:
-                self.block_hash[block] = h
-                self.hash_to_block.setdefault(h, block)
+                self.block_hash[block] = parent
+                self.hash_to_block.setdefault(parent, block)
 
     def free(self, request: Request) -> None:
         # Tail blocks first, so a prefix's head blocks stay cached longest.

@@ -191,6 +191,27 @@ class PrefillConnector(ColocatedConnector):
         self.server.close()
 
 
+def take_blocks_for_kv(blocks: BlockManager, make_room: MakeRoom, request: Request, streamed: bool) -> bool:
+    """The decode side's say on a pending transfer (also the planner's simulator's): blocks for
+    the prompt + first token, so the first decode step has room too (streamed: the token comes
+    last); False to wait (full for now); ValueError if they can never fit."""
+    need = request.num_tokens + (1 if streamed else 0)
+    if blocks.blocks_needed(need) > blocks.num_blocks:
+        raise ValueError(f"request needs {blocks.blocks_needed(need)} KV blocks; this decode "
+                         f"instance has {blocks.num_blocks} in all")
+    if not make_room(request, need):
+        return False
+    blocks.allocate(request, need)
+    return True
+
+
+def kv_landed(blocks: BlockManager, request: Request) -> None:
+    """A transfer is done: the prompt's KV is computed here and joins the prefix cache."""
+    request.kv_outcome = "ok"
+    request.num_computed_tokens = request.num_prompt_tokens
+    blocks.publish_computed(request)
+
+
 class DecodeConnector(ColocatedConnector):
     role = "decode"
 
@@ -230,14 +251,8 @@ class DecodeConnector(ColocatedConnector):
 
     def _allocate(self, request_id: str, num_blocks: int) -> DestinationBlocks | None:
         request = self.waiting[request_id]
-        # prompt + first token: room for the first decode step too (streamed: the token comes last)
-        need = request.num_tokens + (1 if request_id in self.streamed else 0)
-        if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
-            raise ValueError(f"request needs {self.blocks.blocks_needed(need)} KV blocks; this decode "
-                             f"instance has {self.blocks.num_blocks} in all")
-        if not self.make_room(request, need):
+        if not take_blocks_for_kv(self.blocks, self.make_room, request, request_id in self.streamed):
             return None
-        self.blocks.allocate(request, need)
         return DestinationBlocks(request.block_table[:num_blocks],
                                  num_cached=request.num_cached_tokens // self.blocks.block_size)
 
@@ -262,9 +277,7 @@ class DecodeConnector(ColocatedConnector):
                     record.error = "the stream ended without the first token"
                 request.output_token_ids = list(record.first_token_ids)
             if record.outcome is TransferOutcome.DONE:
-                request.kv_outcome = "ok"
-                request.num_computed_tokens = request.num_prompt_tokens
-                self.blocks.publish_computed(request)
+                kv_landed(self.blocks, request)
                 arrivals.decode.append(request)
             elif self.failure_policy == "recompute" and request.output_token_ids:  # a streamed one may lack it
                 request.kv_outcome = "recomputed"

@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
+from splitserve.devices import check_device, torch_dtype
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.connectors import allocate_kv_cache, make_connector
 from splitserve.engine.model_runner import ModelRunner
@@ -22,7 +23,7 @@ from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.engine.structured import GrammarBackend
 from splitserve.protocol import EngineStats, StepSample
-from splitserve.stepfeatures import prefill_attn_ktok2
+from splitserve.stepfeatures import step_shape
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -34,13 +35,18 @@ MAX_STEP_SAMPLES = 64
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None, kv_network=None):
+    def __init__(self, config: EngineConfig, loaded=None, kv_network=None, clock=time.monotonic):
+        """clock: what stamps a request's arrival (the priority policy's tie-break); a test that
+        steps the engine on virtual time passes its own."""
         self.config = config
+        self._clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        check_device(config.device)  # before any weight is read: one clear line if there is no such device
+        dtype = torch_dtype(config.dtype)
         if loaded is None:
             from splitserve.models.loader import load_model
-            loaded = load_model(config.model, device=config.device, weight_format=config.weight_format)
+            loaded = load_model(config.model, device=config.device, dtype=dtype, weight_format=config.weight_format)
         # Keep the tokenizer, not `loaded`: the runner holds its own fused copies of the
         # weights, and the caller's dict can be freed once it lets go of it.
         self.tokenizer = loaded.tokenizer
@@ -52,7 +58,7 @@ class EngineCore:
             pool, self._pool_handle = allocate_kv_cache(config, shape, dtype)
             return pool
 
-        self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device,
+        self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device, dtype=dtype,
                                   allocate_pool=allocate)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
@@ -150,7 +156,7 @@ class EngineCore:
                 PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
             raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
                              f"got {priority!r}")
-        request = Request(request_id, prompt_token_ids, params, arrival_time=time.monotonic(), priority=priority,
+        request = Request(request_id, prompt_token_ids, params, arrival_time=self._clock(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
         if params.seed is not None:
@@ -212,6 +218,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             sampled = self.runner.execute(batch, self.generator)
+            self.runner.synchronize()  # a prompt chunk that samples nothing leaves its kernels queued
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine lives on
             requests = batch.decodes + [r for r, _ in batch.prefills]
             return outputs + [self._fail(r, f"{type(e).__name__}: {e}") for r in requests]
@@ -302,11 +309,3 @@ class EngineCore:
             num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
             num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
             num_role_changes=self.num_role_changes, step_samples=samples)
-
-
-def step_shape(batch: ScheduledBatch) -> tuple[int, float, int, int]:
-    """(prefill tokens, prefill attention ktok2, decode sequences, decode KV tokens) of a step, as
-    control/stepmodel.py models it; a decode at position p attends to p + 1 tokens."""
-    prefill_tokens = sum(n for _, n in batch.prefills)
-    attn = sum(prefill_attn_ktok2(r.num_computed_tokens, n) for r, n in batch.prefills)
-    return prefill_tokens, attn, len(batch.decodes), sum(r.num_computed_tokens + 1 for r in batch.decodes)

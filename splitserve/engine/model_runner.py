@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.config import CacheConfig, ModelConfig
+from splitserve.devices import synchronize
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import prompt_token_logprobs, sample, token_logprobs
 from splitserve.engine.scheduler import ScheduledBatch
@@ -46,6 +47,13 @@ def prompt_score_rows(batch: ScheduledBatch) -> list[tuple[int, Request, int]]:
                 rows.append((index + pos - start, request, pos + 1))
         index += num_new
     return rows
+
+
+def prefill_slots(block_ids: list[int], start_pos: int, end_pos: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots (block_id * block_size + offset) of positions start_pos..end_pos - 1, as a
+    host tensor: an 8k-token prompt must not cost 8k turns of a Python loop."""
+    pos = torch.arange(start_pos, end_pos)
+    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
 class ModelRunner:
@@ -92,25 +100,30 @@ class ModelRunner:
                 block_tables=self._tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width]))
                                            for r in members])))
         chunks = []
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]  # host tensors, one device copy below
         for request, num_new in batch.prefills:
             start_pos = request.num_computed_tokens
             end_pos = start_pos + num_new
             tokens = request.all_token_ids[start_pos:end_pos]
+            blocks = request.block_table[:-(-end_pos // bs)]
             chunks.append(PrefillChunk(
                 start=len(input_ids), num_tokens=num_new, num_context_tokens=end_pos,
-                block_ids=self._tensor(request.block_table[:-(-end_pos // bs)])))
+                block_ids=self._tensor(blocks)))
             input_ids.extend(tokens)
             positions.extend(range(start_pos, end_pos))
-            table = request.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start_pos, end_pos))
+            slot_parts.append(prefill_slots(blocks, start_pos, end_pos, bs))
             if end_pos == request.num_tokens:
                 sample_indices.append(len(input_ids) - 1)
                 samplers.append(request)
         forward_batch = ForwardBatch(
             input_ids=self._tensor(input_ids), positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots), num_decode_tokens=len(decodes), decode_groups=decode_groups,
-            prefills=chunks, sample_indices=self._tensor(sample_indices))
+            slot_mapping=torch.cat(slot_parts).to(self.device), num_decode_tokens=len(decodes),
+            decode_groups=decode_groups, prefills=chunks, sample_indices=self._tensor(sample_indices))
         return forward_batch, samplers
+
+    def synchronize(self) -> None:
+        """Wait until the device has run what this step queued (step timing reads a clock next)."""
+        synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, default_generator: torch.Generator) -> dict[Request, int]:

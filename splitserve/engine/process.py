@@ -28,8 +28,9 @@ import time
 import msgspec
 import zmq
 
-from splitserve.config import (PREFILL_POLICIES, ROLES, SCHEDULING_POLICIES, WEIGHT_FORMATS, CacheConfig,
+from splitserve.config import (DTYPES, PREFILL_POLICIES, ROLES, SCHEDULING_POLICIES, WEIGHT_FORMATS, CacheConfig,
                                EngineConfig, SchedulerConfig)
+from splitserve.devices import check_device
 from splitserve.link_security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
@@ -56,15 +57,20 @@ def transfer_report(record, outcome: str | None) -> KVTransferReport | None:
 
 def to_wire(o) -> TokenOutput:
     """An engine RequestOutput as the frontend gets it."""
-    return TokenOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
-                       o.num_cached_tokens, o.error, False, o.kv_descriptor,
-                       transfer_report(o.kv_transfer, o.kv_outcome), o.logprobs, o.prompt_logprobs)
+    return TokenOutput(request_id=o.request_id, new_token_ids=o.new_token_ids, finished=o.finished,
+                       finish_reason=o.finish_reason, num_prompt_tokens=o.num_prompt_tokens,
+                       num_cached_tokens=o.num_cached_tokens, error=o.error, kv_descriptor=o.kv_descriptor,
+                       kv_transfer=transfer_report(o.kv_transfer, o.kv_outcome), logprobs=o.logprobs,
+                       prompt_logprobs=o.prompt_logprobs)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments an engine needs; `serve` shares them and builds each engine's EngineConfig from them."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="of weights, activations and the KV pool (bfloat16: what a GPU serves in; the C++ CPU "
+                        "kernels are fp32 only, so on the CPU bfloat16 runs the slower torch path)")
     p.add_argument("--threads-per-instance", type=int, default=None, help="torch threads per engine (serve's default: its cores / engines)")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="chunked")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -105,7 +111,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
         instance_id=instance_id, role=role, kv_transfer=kv_config_from_args(args),
         kv_failure_policy=args.kv_failure_policy,
         model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
-        weight_format=args.weight_format,
+        weight_format=args.weight_format, dtype=args.dtype,
         local_prefill_chunk_tokens=getattr(args, "local_prefill_chunk_tokens", None),  # serve's policy sets it
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -322,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             config = engine_config_from_args(args, args.role, engine_id)
         link = engine_link_from_args(args, args.connect, "--connect")
+        check_device(config.device)
     except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
         log.error("engine %s: %s", engine_id, e)
         return 2

@@ -32,6 +32,7 @@ A request's path:
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -73,6 +74,11 @@ class Scheduler:
         # bounds them). The connector sets it: a decode instance prefilling a prompt itself keeps
         # its chunks small, so its running streams' steps stay near their gap target.
         self.prompt_tokens_per_step: int | None = None
+        # the waiting requests short enough to jump the queue (step (2)), in queue order, and a
+        # lower bound on their sizes: a step scans them alone, and stops once its short budget is
+        # below every one, instead of walking a long queue of documents to find them
+        self._short_waiting: deque[Request] = deque()
+        self._shortest_waiting = _NO_SHORT
 
     @property
     def by_priority(self) -> bool:
@@ -86,8 +92,26 @@ class Scheduler:
         key = _priority_key(request)
         queue.insert(next((i for i, r in enumerate(queue) if _priority_key(r) > key), len(queue)), request)
 
+    def _is_short(self, request: Request) -> bool:
+        """At most half the step's budget left: the prompts step (2) may prefill ahead of others
+        (a waiting request's size does not change while it waits)."""
+        return request.num_tokens - request.num_computed_tokens <= self.config.max_num_batched_tokens // 2
+
+    def _to_waiting(self, request: Request, front: bool = False) -> None:
+        self._enqueue(self.waiting, request, front)
+        if self._is_short(request):
+            self._enqueue(self._short_waiting, request, front)  # the same order as in `waiting`
+            self._shortest_waiting = min(self._shortest_waiting, request.num_tokens - request.num_computed_tokens)
+
+    def _from_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+        if self._is_short(request):
+            self._short_waiting.remove(request)
+            if not self._short_waiting:
+                self._shortest_waiting = _NO_SHORT
+
     def add(self, request: Request) -> None:
-        self._enqueue(self.waiting, request)
+        self._to_waiting(request)
 
     def add_prefilled(self, request: Request) -> None:
         """A request whose prompt KV already sits in its blocks: it joins as a decode."""
@@ -101,7 +125,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self._from_waiting(request)
         elif request in self.prefilled:
             self.prefilled.remove(request)
         self.blocks.free(request)
@@ -123,7 +147,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(self.waiting, request, front=True)
+        self._to_waiting(request, front=True)
 
     def _in_order(self, requests: list[Request]) -> list[Request]:
         return sorted(requests, key=_priority_key) if self.by_priority else list(requests)
@@ -161,14 +185,15 @@ class Scheduler:
     def _reserve_decodes(self) -> list[Request]:
         """Blocks for one more token for every running decode, preempting (newest, or lowest
         priority) if short."""
-        decodes = []
+        decodes, preempted = [], set()
         # in priority order the victim (the last in that order) is never one already given its slot
         for request in self._in_order(self.running):
-            if request not in self.running or request.is_prefilling:
+            if request in preempted or request.is_prefilling:
                 continue
             while not self.blocks.can_append(request):
                 victim = self._victim()
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is request:
                     break
             else:
@@ -179,7 +204,7 @@ class Scheduler:
     def _admit(self, request: Request, batch: ScheduledBatch) -> bool:
         if not self._make_room(request, request.num_tokens, batch):
             return False
-        self.waiting.remove(request)
+        self._from_waiting(request)
         self.blocks.allocate(request, request.num_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -195,23 +220,25 @@ class Scheduler:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
         step = _StepPlan(short_budget=min(self._budget(batch), self.config.max_num_batched_tokens // 2))
         if not self.by_priority:
-            self._plan_prompts(batch, step, list(self.waiting), self.running)
+            self._plan_prompts(batch, step, None, list(self._short_waiting), self.running)
             return batch
         levels = sorted({r.priority for r in self.waiting} | {r.priority for r in self.running if r.is_prefilling})
         for level in levels:
             if self._budget(batch) <= 0:
                 break
             self._plan_prompts(batch, step, [r for r in self.waiting if r.priority == level],
+                               [r for r in self._short_waiting if r.priority == level],
                                [r for r in self._in_order(self.running) if r.priority == level])
         return batch
 
-    def _plan_prompts(self, batch: ScheduledBatch, step: _StepPlan, waiting: list[Request],
-                      running: list[Request]) -> None:
+    def _plan_prompts(self, batch: ScheduledBatch, step: _StepPlan, waiting: list[Request] | None,
+                      short: list[Request], running: list[Request]) -> None:
         """Steps (2)-(4) of the chunked policy over one priority level's requests (all, under fcfs);
-        `waiting` and `running` are in scheduling order."""
+        `waiting` (None: the whole queue), its short requests `short` and `running` are in
+        scheduling order."""
         jumped, short_refused = set(), False
-        for request in waiting:
-            if step.short_budget <= 0 or not step.admitting:
+        for request in short:
+            if step.short_budget < self._shortest_waiting or not step.admitting:
                 break
             if request.num_tokens - request.num_computed_tokens > step.short_budget:
                 continue
@@ -228,6 +255,10 @@ class Scheduler:
                 break
             if request in self.running and request.is_prefilling and request.request_id not in jumped:
                 batch.prefills.append((request, min(request.num_tokens - request.num_computed_tokens, budget)))
+        if waiting is None:
+            # step (4) passes at most one request per budget token besides those that jumped: a
+            # copy of that much of the queue, not of all of it
+            waiting = list(itertools.islice(self.waiting, max(self._budget(batch), 0) + len(jumped)))
         for request in waiting:
             if self._budget(batch) <= 0 or not step.admitting:
                 break
@@ -280,6 +311,69 @@ class Scheduler:
             self.running.remove(request)
         return finished
 
+    def steady_steps(self, limit: int) -> tuple[int, Request | None, int]:
+        """How many of the next steps (at most `limit`) are steady, and what prefills in them: each
+        decodes every running decode and gives the rest of its token budget to one running prompt
+        (the first in scheduling order), with nothing admitted, preempted or finished and no prompt
+        completed (so the batch keeps its shape): nothing waits, the free blocks hold that many
+        more tokens for every decode, and every request stays short of its length limit.
+        Returns (steps, the prompt taking the chunks or None, its chunk per step); 0 steps when the
+        next one is anything else. A stop token can end a request earlier, so only a caller that
+        knows its tokens (the planner's simulator) may run them at once (advance_steady)."""
+        if self.waiting or self.prefilled or not self.running or limit <= 0:
+            return 0, None, 0
+        steps, decodes, prompt = limit, 0, None
+        for request in self._in_order(self.running):
+            if request.remote_decode:
+                return 0, None, 0  # its first token ends it here
+            if request.is_prefilling:
+                prompt = prompt or request
+                continue
+            decodes += 1
+            # the step that reaches max_tokens (or the context limit) finishes it: not steady
+            left = min(request.params.max_tokens - request.num_output_tokens,
+                       request.max_model_len - request.num_tokens)
+            steps = min(steps, left - 1)
+        chunk = self.config.max_num_batched_tokens - decodes
+        if self.prompt_tokens_per_step is not None:
+            chunk = min(chunk, self.prompt_tokens_per_step)  # as _budget caps a step's prompt tokens
+        if prompt is not None:
+            if self.config.prefill_policy == "whole":
+                return 0, None, 0
+            if chunk > 0:  # it takes the whole rest of every step until the one that completes it
+                steps = min(steps, -(-(prompt.num_tokens - prompt.num_computed_tokens) // chunk) - 1)
+            else:
+                prompt = None
+        if steps <= 0:
+            return 0, None, 0
+
+        def blocks_for(k: int) -> int:  # new blocks k more decode steps take, all decodes together
+            return sum(max(0, self.blocks.blocks_needed(r.num_computed_tokens + k) - len(r.block_table))
+                       for r in self.running if not r.is_prefilling)  # a prompt holds its blocks already
+        free = self.blocks.num_free_blocks
+        if blocks_for(steps) > free:
+            lo, hi = 0, steps  # blocks_for(lo) fits, blocks_for(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if blocks_for(mid) <= free else (lo, mid)
+            steps = lo
+        return (steps, prompt, chunk if prompt is not None else 0) if steps > 0 else (0, None, 0)
+
+    def advance_steady(self, steps: int, token_id: int, plan: tuple[Request | None, int] | None = None) -> None:
+        """The state `steps` steady steps (steady_steps said they are) leave, each decode sampling
+        `token_id`, without planning each step; `plan`: the (prompt, chunk) steady_steps gave, when
+        nothing changed since. The blocks taken are the set a step at a time takes (the front of
+        the free queue)."""
+        prompt, chunk = plan if plan is not None else self.steady_steps(steps)[1:]
+        for request in self.running:
+            if request is prompt:
+                request.num_computed_tokens += steps * chunk
+            elif not request.is_prefilling:
+                self.blocks.append_slots(request, steps)
+                request.num_computed_tokens += steps
+                request.output_token_ids.extend([token_id] * steps)
+            self.blocks.publish_computed(request)
+
     @staticmethod
     def _stop_status(request: Request, token: int) -> RequestStatus | None:
         params = request.params
@@ -294,6 +388,9 @@ class Scheduler:
         if request.remote_decode:
             return RequestStatus.FINISHED_PREFILL_DONE
         return None
+
+
+_NO_SHORT = 1 << 62  # _shortest_waiting while no short request waits
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

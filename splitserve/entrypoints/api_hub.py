@@ -2,7 +2,7 @@
 
     coordinator (the `serve` process): engines, router, dispatcher, /admin, /metrics, API process 0
     API process 1..N-1 (api_worker.py): HTTP, render, tokenize, detokenize, tool-call/JSON parsing
-      --ApiSubmit(token ids)--> ApiHub --EngineClient.submit(detokenize=False)--> the dispatcher
+      --ApiSubmit(token ids)--> ApiHub --Coordinator.submit_tokens--> the dispatcher
       <--ApiEvents(token ids)-- the dispatcher's events (Outbound); a loop turn's leave in one frame
       --ApiAbort--> the request's stream closes: the engines abort it and free its blocks
       --ApiForward(/admin/..., /metrics)--> the coordinator's own app --> ApiForwardReply
@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,33 +31,16 @@ import zmq
 import zmq.asyncio
 
 from splitserve.api.engine_client import EngineClient
-from splitserve.coordinator.request_state import GenerationEvent, RequestStream
-from splitserve.coordinator.router import NoInstanceAvailable
+from splitserve.api.listen import identity
 from splitserve.api.serving import submit_error
+from splitserve.coordinator.request_state import TokenEvent, TokenStream
+from splitserve.coordinator.router import NoInstanceAvailable
 from splitserve.protocol import (ApiAbort, ApiEvent, ApiEvents, ApiForward, ApiForwardReply, ApiHello, ApiInstance,
                                  ApiInstances, ApiProcessConfig, ApiSubmit, ApiSubmitted, ToCoordinator)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 SNAPSHOT_INTERVAL_S = 0.25  # API processes see instances come, go and die this late at most
-
-
-def listening_socket(host: str, port: int, first: bool = False) -> socket.socket:
-    """A listening TCP socket that other processes of this user may bind to the same port.
-    first: the coordinator's; it refuses a port another server already listens on, which
-    SO_REUSEPORT alone would let it share (Linux lets only the same user's sockets share one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if first and port != 0:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))  # OSError "Address already in use" when someone listens there
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
 
 
 def plain_settings(args) -> dict:
@@ -71,11 +53,13 @@ def plain_settings(args) -> dict:
     return settings
 
 
-def api_event(request_id: str, event: GenerationEvent) -> ApiEvent:
-    return ApiEvent(request_id, event.token_ids, event.num_prompt_tokens, event.num_completion_tokens,
-                    event.finished, event.finish_reason, event.error, event.rejected, event.kv_transfer,
-                    event.num_retries, event.logprobs, event.prompt_logprobs, event.num_cached_tokens,
-                    event.placement)
+def api_event(request_id: str, event: TokenEvent) -> ApiEvent:
+    return ApiEvent(request_id=request_id, token_ids=event.token_ids, num_prompt_tokens=event.num_prompt_tokens,
+                    num_completion_tokens=event.num_completion_tokens, finished=event.finished,
+                    finish_reason=event.finish_reason, error=event.error, rejected=event.rejected,
+                    kv_transfer=event.kv_transfer, num_retries=event.num_retries, logprobs=event.logprobs,
+                    prompt_logprobs=event.prompt_logprobs, num_cached_tokens=event.num_cached_tokens,
+                    placement=event.placement)
 
 
 async def call_app(app, forward: ApiForward) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -118,7 +102,7 @@ class ApiHub:
         self._decoder = msgspec.msgpack.Decoder(ToCoordinator)
         self.processes: dict[bytes, subprocess.Popen] = {}  # by the API process's socket identity
         self.ready: set[bytes] = set()
-        self._streams: dict[tuple[bytes, str], RequestStream] = {}
+        self._streams: dict[tuple[bytes, str], TokenStream] = {}
         self._outbox: dict[bytes, list[ApiEvent]] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -201,8 +185,8 @@ class ApiHub:
         key = (ident, message.request_id)
         try:
             params = SamplingParams(**msgspec.structs.asdict(message.params))
-            stream = self.client.submit(message.client_request_id, message.prompt_token_ids, params, [],
-                                        message.priority, events=Outbound(self, key))
+            stream = self.client.submit_tokens(message.client_request_id, message.prompt_token_ids, params,
+                                               message.priority, events=Outbound(self, key))
         except (NoInstanceAvailable, ValueError) as e:
             error = submit_error(e)
             self._send(ident, ApiSubmitted(message.request_id, error.status, error.message, error.type, error.param,
@@ -227,7 +211,7 @@ class ApiHub:
 
     # ---- messages out --------------------------------------------------------------------
 
-    def on_event(self, key: tuple[bytes, str], event: GenerationEvent) -> None:
+    def on_event(self, key: tuple[bytes, str], event: TokenEvent) -> None:
         """The dispatcher's event for a request of an API process; the loop turn's events leave together."""
         if key not in self._streams:
             return  # aborted by its API process: the abort's own event goes nowhere
@@ -277,12 +261,8 @@ class Outbound:
     def __init__(self, hub: ApiHub, key: tuple[bytes, str]) -> None:
         self.hub, self.key = hub, key
 
-    def put_nowait(self, event: GenerationEvent) -> None:
+    def put_nowait(self, event: TokenEvent) -> None:
         self.hub.on_event(self.key, event)
-
-
-def identity(index: int) -> bytes:
-    return f"api-{index}".encode()
 
 
 def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0, what: str = "API process") -> None:

@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from splitserve.config import DTYPES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the user message")
@@ -13,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="of weights, activations and the KV cache")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -30,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         t0 = time.perf_counter()
-        llm = LLM(args.model, device=args.device, num_threads=args.threads,
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                   kv_cache_memory=args.kv_cache_memory)
         load_s = time.perf_counter() - t0
         if args.raw:

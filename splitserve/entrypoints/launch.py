@@ -28,8 +28,8 @@ from splitserve.coordinator.disagg_policy import add_disagg_arguments, check_dis
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
 from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.api.limits import add_limit_arguments, check_limit_args
-from splitserve.link_security import (add_api_key_arguments, add_engine_link_arguments, api_keys_from_args,
-                                          engine_link_from_args)
+from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
+from splitserve.link_security import add_engine_link_arguments, engine_link_from_args
 from splitserve.entrypoints.api_hub import stop_processes
 from splitserve.api.tool_parsers import TOOL_PARSERS
 from splitserve.entrypoints.topology import hand_start_command, load_topology
@@ -191,14 +191,6 @@ def start_engine_process(args: argparse.Namespace, config: EngineConfig, address
     return proc
 
 
-def load_renderer(model: str | None, tool_call_parser: str = "hermes"):
-    from splitserve.api.render import Renderer
-    from splitserve.models.loader import load_tokenizer
-
-    tokenizer, chat_template = load_tokenizer(model)
-    return Renderer(tokenizer, chat_template, TOOL_PARSERS[tool_call_parser])
-
-
 def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     stop_processes(processes, grace_s, what="engine")
 
@@ -206,11 +198,13 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splitserve.entrypoints.api_hub import ApiHub, listening_socket
     from splitserve.api.api_server import ApiServerHeader, build_server_app
     from splitserve.api.engine_client import EngineClient
+    from splitserve.api.listen import listening_socket
+    from splitserve.api.render import load_renderer
     from splitserve.coordinator.metrics import FrontendMetrics
     from splitserve.coordinator.router import Router
+    from splitserve.entrypoints.api_hub import ApiHub
 
     roles = engine_roles(args)
     spec = args.topology_spec

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.devices import check_device, torch_dtype
 from splitserve.engine.core import EngineCore
 from splitserve.sampling import SamplingParams
 
@@ -22,9 +23,9 @@ class LLM:
                  kv_cache_memory: str | int = "1GiB", block_size: int = 16,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, prefill_policy: str = "chunked", seed: int = 0,
-                 weight_format: str = "auto"):
+                 weight_format: str = "auto", dtype: str = "float32"):
         config = EngineConfig(
-            model=model, device=device, num_threads=num_threads, seed=seed, weight_format=weight_format,
+            model=model, device=device, num_threads=num_threads, seed=seed, weight_format=weight_format, dtype=dtype,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -32,7 +33,8 @@ class LLM:
                                       prefill_policy=prefill_policy))
         from splitserve.models.loader import load_model
 
-        loaded = load_model(model, device=device, weight_format=weight_format)
+        check_device(device)  # one clear line, before any weight is read
+        loaded = load_model(model, device=device, dtype=torch_dtype(dtype), weight_format=weight_format)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.engine = EngineCore(config, loaded)

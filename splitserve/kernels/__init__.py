@@ -13,6 +13,8 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 NAME = "splitserve_gguf_kernels"
@@ -64,8 +66,6 @@ def _load():
         log.warning("GGUF kernels at %s are older than their sources; using the pure-torch "
                     "fallback until `make setup` rebuilds them", path)
         return None
-    import torch  # noqa: F401  (the library links against libtorch, which must be loaded first)
-
     spec = importlib.util.spec_from_file_location(NAME, path,
                                                   loader=importlib.machinery.ExtensionFileLoader(NAME, str(path)))
     module = importlib.util.module_from_spec(spec)
@@ -74,3 +74,14 @@ def _load():
 
 
 load.cache_clear = _LOADED.clear  # after a build, the next load() looks again
+
+
+def applies_to(device: torch.device | str, dtype) -> bool:
+    """Whether the C++ kernels may read tensors of this device and dtype: they are CPU code on
+    fp32 memory, and a CUDA (or meta) tensor handed to them would be read as a host pointer."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def for_tensor(x):
+    """The kernels module for an op on `x`, or None: the torch path (any device, any dtype)."""
+    return load() if applies_to(x.device, x.dtype) else None

@@ -80,6 +80,10 @@ class KVSender:
     def __init__(self, config: KVTransferConfig, kv: torch.Tensor, instance_id: str,
                  shm_name: str = "", clock: Callable[[], float] = time.monotonic):
         """kv: this instance's pool [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
+        if config.transport == "shm" and kv.device.type != "cpu":
+            raise ValueError(f"kv transport 'shm' hands over a pool in host shared memory, and this one is on "
+                             f"{kv.device}; use --kv-transport tcp (a device pool is staged through pinned "
+                             "host buffers)")
         if config.transport == "shm" and not shm_name:
             raise ValueError("kv transport 'shm' needs the pool in shared memory: allocate it "
                              "with allocate_kv_pool and pass its name as shm_name")

@@ -26,9 +26,8 @@ import logging
 import socket
 import threading
 
-import torch
-
 from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
+from splitserve.kv_transfer.host_staging import byte_view, staging_buffer
 from splitserve.kv_transfer.messages import (Abort, Begin, BlockRange, Confirm, Fetch, LayerHeader, Reply,
                                              StreamEnd)
 from splitserve.kv_transfer.sender import KVSender
@@ -191,8 +190,9 @@ class KVServer:
                 conn.send_views(views)
             return
         index = block_index(block_ids, kv.device)
-        for layer in range(kv.shape[0]):  # a GPU pool: stage each layer on the host
-            chunk = kv[layer].index_select(2, index).cpu()  # [2, kv_heads, n, block_size, head_dim]
-            raw = chunk.view(-1).view(torch.uint8).numpy()
+        staging = staging_buffer(kv, len(block_ids))  # [2, kv_heads, n, block_size, head_dim], pinned for CUDA
+        raw = byte_view(staging)
+        for layer in range(kv.shape[0]):  # a GPU pool: gather each layer on the device, stage it on the host
+            staging.copy_(kv[layer].index_select(2, index))  # returns once the bytes are on the host
             conn.send(LayerHeader(layer=layer, num_bytes=raw.nbytes))
-            conn.send_raw(memoryview(raw))
+            conn.send_raw(raw)

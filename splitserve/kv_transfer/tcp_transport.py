@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import socket
 
-import torch
-
 from splitserve.kv_transfer import layout
 from splitserve.kv_transfer.block_bytes import has_byte_views, id_runs, layer_views, pool_bytes
 from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.kv_transfer.host_staging import byte_view, staging_buffer
 from splitserve.kv_transfer.messages import (BlockRange, Confirm, Fetch, LayerHeader, Reply, StreamEnd,
                                              TransferDescriptor)
 from splitserve.kv_transfer.shm_transport import control_call, open_control, release_over_control
@@ -82,11 +81,9 @@ class TcpTransport(KVTransport):
                 layer_views(raw, tuple(dst_kv.shape), dst_kv.element_size(), layer, runs))
         else:  # a GPU pool: stage each layer on the host, then one copy to the device
             dst_index = block_index(dst_block_ids, dst_kv.device)
-            # staging: [2, kv_heads, n, block_size, head_dim], reused for every layer
-            num_heads, per_block = dst_kv.shape[2], tuple(dst_kv.shape[4:])
-            staging = torch.empty((2, num_heads, len(dst_block_ids)) + per_block,
-                                  dtype=dst_kv.dtype, pin_memory=torch.cuda.is_available())
-            staging_raw = memoryview(staging.view(-1).view(torch.uint8).numpy())
+            # staging: [2, kv_heads, n, block_size, head_dim], pinned for CUDA, reused for every layer
+            staging = staging_buffer(dst_kv, len(dst_block_ids))
+            staging_raw = byte_view(staging)
 
             def receive(layer: int) -> None:
                 conn.recv_raw_into(staging_raw)

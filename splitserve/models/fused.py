@@ -15,13 +15,9 @@ import torch.nn.functional as F
 from splitserve import kernels
 
 
-def _kernels_for(x: torch.Tensor):
-    return kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-
-
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [n, hidden] residual stream, updated in place by delta (if given); returns the normed rows."""
-    module = _kernels_for(x)
+    module = kernels.for_tensor(x)
     if module is not None and x.is_contiguous() and (delta is None or delta.is_contiguous()):
         return module.add_rms_norm(x, x.new_empty(0) if delta is None else delta, weight, eps)
     return add_rms_norm_torch(x, delta, weight, eps)
@@ -37,7 +33,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
                   kv_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
     """qkv: [n, (num_heads + 2 num_kv_heads) * head_dim], q and k rotated in place; cos/sin:
     [max_positions, head_dim / 2]; kv_layer: [2, num_kv_heads, num_blocks, block_size, head_dim]."""
-    module = _kernels_for(qkv)
+    module = kernels.for_tensor(qkv)
     if module is not None and qkv.is_contiguous():
         module.rope_kv_write(qkv, cos, sin, positions, kv_layer, slot_mapping, num_heads, num_kv_heads)
     else:
@@ -59,7 +55,7 @@ def rope_kv_write_torch(qkv, cos, sin, positions, kv_layer, slot_mapping, num_he
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [n, 2 * intermediate] -> [n, intermediate]."""
-    module = _kernels_for(gate_up)
+    module = kernels.for_tensor(gate_up)
     if module is not None and gate_up.is_contiguous():
         return module.silu_mul(gate_up)
     return silu_mul_torch(gate_up)

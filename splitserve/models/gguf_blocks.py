@@ -80,7 +80,7 @@ class GGUFBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], equal bit for bit to gguf-py's dequantize of the same blocks."""
-        module = kernels.load()
+        module = kernels.load() if self.qs.device.type == "cpu" else None
         if module is not None:
             return module.dequantize(self.qs, self.d, self._m(), FORMATS[self.fmt][0])
         return dequantize_torch(self)
@@ -110,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | GGUFBlocks, bias: torch.Tenso
     """F.linear for fp32 or block-format weights. x: [M, K] -> [M, N]."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    module = kernels.load()
+    module = kernels.for_tensor(x)
     if x.shape[0] <= weight.int8_rows and x.dtype == torch.float32:
         out = (linear_q8_torch(x, weight) if module is None else
                module.linear_q8(x, weight.qs, weight.d, weight._m(), FORMATS[weight.fmt][0]))

@@ -142,15 +142,13 @@ class LlamaModel:
         n = batch.input_ids.shape[0]
         x = self.embed.rows(batch.input_ids).dequantize() if isinstance(self.embed, GGUFBlocks) \
             else self.embed[batch.input_ids]  # [n, hidden]
-        # The C++ kernels read each sequence's own blocks in place; the torch path gathers them and
-        # masks the padding with a per-group bias: 0 where a decode may look, -inf past its context.
-        paged = kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        decode_biases = []
+        # The C++ kernels (fp32 CPU tensors only) read each sequence's own blocks in place; the torch
+        # path (any device) gathers them and masks the padding: True where a decode may look.
+        paged = kernels.for_tensor(x)
+        decode_masks = []
         for group in ([] if paged else batch.decode_groups):
             width = group.block_tables.shape[1] * self.block_size
-            pad = torch.arange(width, device=x.device).unsqueeze(0) >= group.context_lens.unsqueeze(1)
-            decode_biases.append(torch.zeros(pad.shape, dtype=x.dtype, device=x.device)
-                                 .masked_fill_(pad, float("-inf")))
+            decode_masks.append(torch.arange(width, device=x.device).unsqueeze(0) < group.context_lens.unsqueeze(1))
         eps = c.rms_norm_eps
         delta = None  # the previous layer's MLP output, added to x by the next norm
         for li, layer in enumerate(self.layers):
@@ -173,7 +171,7 @@ class LlamaModel:
                 s = slice(group.start, group.start + group.count)
                 attn[s] = paged.paged_decode_attention(q[s], kv_layer, group.block_tables, group.context_lens,
                                                        self.scale) if paged else \
-                    self._decode_attention(q[s], kv_layer, group.block_tables, decode_biases[gi])
+                    self._decode_attention(q[s], kv_layer, group.block_tables, decode_masks[gi])
             for chunk in batch.prefills:  # the chunk's own K/V are in the cache already (rope_kv_write)
                 s = slice(chunk.start, chunk.start + chunk.num_tokens)
                 attn[s] = paged.paged_prefill_attention(q[s], kv_layer, chunk.block_ids, chunk.num_context_tokens,
@@ -202,23 +200,43 @@ class LlamaModel:
             qpos = torch.arange(ctx - t, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [t, ctx]
             causal = False
-        # 4-D inputs take torch's fused (flash) CPU kernel; 3-D ones fall back to the slow math path.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-            is_causal=causal, scale=self.scale, enable_gqa=True)[0]  # [nq, t, hd]
-        return out.transpose(0, 1)
+        return grouped_attention(q.transpose(0, 1), keys, values, mask, causal, self.scale).transpose(0, 1)
 
-    def _decode_attention(self, q, kv_layer, block_tables, bias) -> torch.Tensor:
-        # q: [b, nq, hd]; one query per sequence over its own cached context; bias: [b, max_ctx]
+    def _decode_attention(self, q, kv_layer, block_tables, mask) -> torch.Tensor:
+        # q: [b, nq, hd]; one query per sequence over its own cached context; mask: [b, max_ctx] (True: look)
         b = q.shape[0]
         nkv, hd = self.config.num_kv_heads, self.config.head_dim
         group = self.config.num_heads // nkv
         gathered = self._gather(kv_layer, block_tables)  # [2, nkv, b * max_ctx, hd]
-        keys = gathered[0].view(nkv * b, -1, hd)  # [nkv*b, max_ctx, hd]
-        values = gathered[1].view(nkv * b, -1, hd)
-        max_ctx = keys.shape[1]
-        qg = q.view(b, nkv, group, hd).transpose(0, 1).reshape(nkv * b, group, hd)
-        scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(self.scale)  # [nkv*b, group, max_ctx]
-        scores.view(nkv, b, group, max_ctx).add_(bias[None, :, None, :])
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [nkv*b, group, hd]
-        return out.view(nkv, b, group, hd).transpose(0, 1).reshape(b, nkv * group, hd)
+        kv = gathered.view(2, nkv, b, -1, hd).transpose(1, 2)  # [2, b, nkv, max_ctx, hd]
+        # A kv head's `group` query heads ride as that head's query rows, so plain (non-GQA) fused
+        # attention serves every layout on every backend, with one mask row per sequence.
+        qg = q.view(b, nkv, group, hd)
+        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask[:, None, None, :],
+                                             scale=self.scale)  # [b, nkv, group, hd]
+        return out.reshape(b, nkv * group, hd)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      causal: bool, scale: float, repeat_heads: bool | None = None) -> torch.Tensor:
+    """Fused attention of q [nq, t, hd] over keys/values [nkv, ctx, hd] (nq a multiple of nkv),
+    mask [t, ctx] (True: look) or causal; returns [nq, t, hd].
+
+    On the CPU, torch's flash kernel reads the shared kv heads itself (enable_gqa, 4-D inputs: 3-D
+    ones fall back to the slow math path). Elsewhere (repeat_heads, by default off the CPU) each kv
+    head is repeated for its query heads first: CUDA's flash and memory-efficient kernels do not all
+    take enable_gqa, and one that does not sends the call to the math kernel, whose [nq, t, ctx]
+    scores an 8k-token prompt cannot afford.
+    """
+    if repeat_heads is None:
+        repeat_heads = q.device.type != "cpu"
+    if repeat_heads:
+        keys, values = repeat_kv_heads(keys, q.shape[0]), repeat_kv_heads(values, q.shape[0])
+    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                                          is_causal=causal, scale=scale, enable_gqa=not repeat_heads)[0]
+
+
+def repeat_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[nkv, ctx, hd] -> [num_heads, ctx, hd], kv head j serving query heads j*g .. j*g + g - 1."""
+    nkv = x.shape[0]
+    return x.unsqueeze(1).expand(nkv, num_heads // nkv, *x.shape[1:]).reshape(num_heads, *x.shape[1:])

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from splitserve.trial.arrivals import Arrival
+from splitserve.trial.arrivals import Arrival, generate_arrivals
 from splitserve.trial.classes import Patience
 from splitserve.trial.spec import SpecError, TrialSpec
 
@@ -73,13 +73,28 @@ class PromptSource:
         return stream[positions].tolist() + tail
 
 
-def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource,
-                  rng: np.random.Generator) -> list[PlannedRequest]:
-    """Give each arrival a class (from the arrival or the mix), lengths and prompt tokens."""
+@dataclass(slots=True, frozen=True)
+class RequestShape:
+    """What a planned request asks, without its text: what the trial sends and the planner simulates."""
+
+    index: int
+    class_name: str
+    send_at_s: float
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int | None = None
+    patience: Patience | None = None
+    question: str | None = None
+
+
+def request_shapes(spec: TrialSpec, arrivals: list[Arrival], rng: np.random.Generator) -> list[RequestShape]:
+    """Give each arrival a class (from the arrival or the mix) and lengths. The one place these
+    draws are made: the trial (plan_requests) and the planner (spec_shapes) both call it, so a
+    seed gives them the same requests by construction."""
     names = list(spec.mix)
     weights = np.asarray([spec.mix[n] for n in names], dtype=float)
     weights /= weights.sum()
-    planned = []
+    shapes = []
     for index, arrival in enumerate(arrivals):
         class_name = arrival.class_name or names[int(rng.choice(len(names), p=weights))]
         cls = spec.classes.get(class_name)
@@ -90,12 +105,27 @@ def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource
         else:
             raise SpecError(f"arrivals: class {class_name!r} has no lengths; define it under workload.classes")
         num_answer = arrival.answer_tokens if arrival.answer_tokens is not None else cls.answer_tokens.sample(rng)
-        question = cls.question if cls is not None else None
-        planned.append(PlannedRequest(index, class_name, arrival.time_s,
-                                      source.prompt(num_prompt, rng, question), num_answer,
-                                      cls.priority if cls is not None else None,
-                                      cls.patience if cls is not None else None))
-    return planned
+        shapes.append(RequestShape(index, class_name, arrival.time_s, int(num_prompt), int(num_answer),
+                                   cls.priority if cls is not None else None,
+                                   cls.patience if cls is not None else None,
+                                   cls.question if cls is not None else None))
+    return shapes
+
+
+def spec_shapes(spec: TrialSpec) -> list[RequestShape]:
+    """The requests a trial of `spec` plans (before any text is cut): its seed's arrival stream,
+    then its content stream's classes and lengths."""
+    arrival_rng, content_rng = workload_streams(spec.seed)
+    return request_shapes(spec, generate_arrivals(spec.arrivals, arrival_rng), content_rng)
+
+
+def plan_requests(spec: TrialSpec, arrivals: list[Arrival], source: PromptSource,
+                  rng: np.random.Generator) -> list[PlannedRequest]:
+    """Each arrival's class and lengths (request_shapes), then its prompt tokens: every text
+    offset is drawn after every length, so the text never moves the lengths."""
+    return [PlannedRequest(s.index, s.class_name, s.send_at_s, source.prompt(s.num_prompt_tokens, rng, s.question),
+                           s.max_tokens, s.priority, s.patience)
+            for s in request_shapes(spec, arrivals, rng)]
 
 
 def recut(plan: list[PlannedRequest], spec: TrialSpec, source: PromptSource,
