@@ -147,3 +147,15 @@ def test_auto_prefers_remote_prefill_when_the_prefill_instance_meets_the_ttft_ta
     assert (prefill["where"], prefill["reason"]) == ("remote", "remote_meets_slo")
     assert 0 < prefill["ttft_remote_s"] < 30 and prefill["gap_local_s"] > 0
     assert got["splitserve"]["kv_transfer"]["outcome"] == "ok"
+
+
+def test_an_answer_ended_by_a_stop_string_still_reports_its_prefill_and_cached_tokens(servers):
+    srv = servers("threshold")
+    body = completion_body(list(range(410, 434)), 40, stream=False)
+    full = complete(srv.base_url, body)["choices"][0]["text"]
+    stop = full[10:13]
+    assert stop and stop not in full[:10]
+    cut = complete(srv.base_url, {**body, "stop": [stop]})
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["splitserve"]["prefill"] == {"where": "local", "reason": "short"}
+    assert cut["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}  # the first answer's prompt blocks
