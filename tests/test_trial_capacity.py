@@ -84,7 +84,7 @@ def fake_spec(**extra):
                                                          "nominal": 4.0}, "num_requests": 12}
     raw["workload"]["classes"]["document"]["prompt_tokens"] = 60
     raw["slo"] = {"ttft_s": 0.5, "gap_s": 0.5, "max_pause_s": 1.0, "e2e_s": 3.0}
-    raw["capacity"] = {"probe_requests": 8, "max_probes": 3, "precision": 0.5}
+    raw["capacity"] = {"probe_requests": 8, "max_probes": 3, "precision": 0.5, "method": "bisect"}
     raw.update(extra)
     return raw
 
@@ -174,7 +174,7 @@ def test_a_reference_that_holds_no_rate_hands_the_calibration_to_the_next_arrang
     raw["arrangements"] = [{"name": "fast", "command": fake()},
                            {"name": "frozen", "command": fake("--pause-every", "1", "--pause-s", "5")}]
     raw["arrivals"]["rate"]["reference"] = "frozen"
-    raw["capacity"] = {"probe_requests": 6, "max_probes": 3, "min_multiplier": 0.5, "precision": 0.5}
+    raw["capacity"] = {"probe_requests": 6, "max_probes": 3, "min_multiplier": 0.5, "precision": 0.5, "method": "bisect"}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert main(["trial", str(path), "--out", str(tmp_path / "out")]) == 0
@@ -216,7 +216,7 @@ def test_a_probe_at_a_high_rate_replays_the_plan_more_than_once(tmp_path):
     from splitserve.trial.arrangements import launched
 
     raw = spec_dict([{"name": "fast", "command": fake()}])
-    raw["capacity"] = {"probe_requests": 4, "probe_seconds": 1.0}
+    raw["capacity"] = {"probe_requests": 4, "probe_seconds": 1.0, "method": "bisect"}
     spec = parse_spec(raw)
     trial = Trial(spec, tmp_path)
     with launched(spec.arrangements[0], None, tmp_path / "logs") as endpoint:
@@ -280,7 +280,7 @@ def test_the_tuning_grid_probes_where_the_reference_failed_and_the_winner_starts
     raw = spec_dict([{"name": "colocated", "serve": ["--instances", "1", "--threads-per-instance", "2"],
                       "cores": 2}])
     raw["arrivals"]["rate"] = {"fraction_of_capacity": 0.5, "reference": "colocated", "nominal": 1.0}
-    raw["capacity"] = {"probe_requests": 8}
+    raw["capacity"] = {"probe_requests": 8, "method": "bisect"}
     raw["tune"] = {"base": "colocated", "instances_x_threads": ["1x2", "2x1"]}
     spec = parse_spec(raw)
     trial = Trial(spec, tmp_path)

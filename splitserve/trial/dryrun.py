@@ -57,7 +57,9 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     rel = spec.arrivals.relative_rate
     if rel:
         laid_out = ("the phases' own rates" if spec.arrivals.pattern == "phases" else f"{rel.nominal:g} req/s")
-        lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, measured first "
+        when = ("measured side by side with the others" if (capacity or spec.capacity is not None)
+                and (spec.capacity or CapacitySpec()).method == "fitted" else "measured first")
+        lines.append(f"rate: {rel.fraction_of_capacity:g} x the capacity of {rel.reference}, {when} "
                      f"(arrivals laid out at {laid_out}, then scaled together)")
         if spec.capacity is None and (rel.probe_requests or rel.probe_seconds):
             cal = search_settings(spec)
@@ -81,16 +83,28 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     if spec.tune:
         base = next(a for a in spec.arrangements if a.name == spec.tune.base)
         points = grid_arrangements(spec.tune, base, spec.cores)
-        lines.append(f"tune: {len(points)} colocated settings, one probe each at the lowest rate the reference fails (the "
-                     f"base's own setting reuses its probe); the best joins as colocated-best unless it is the "
-                     f"base: {', '.join(p.name for p in points)}")
+        fitted = (capacity or spec.capacity is not None) and (spec.capacity or CapacitySpec()).method == "fitted"
+        how = ("searched side by side with the others for 2 rounds (the weaker half stops after the first); the "
+               "best continues as colocated-best, its probes kept, unless it is the base" if fitted else
+               "one probe each at the lowest rate the reference fails (the base's own setting reuses its probe); "
+               "the best joins as colocated-best unless it is the base")
+        lines.append(f"tune: {len(points)} colocated settings, {how}: {', '.join(p.name for p in points)}")
         arrangements.insert(1, replace(base, name="colocated-best"))
     search = capacity or spec.capacity is not None
     if search:
         cap = spec.capacity or CapacitySpec()
-        lines.append(f"capacity search per arrangement and repeat: probes of the plan's first {cap.probe_requests} "
-                     f"requests" + (f" or more, spanning at least {cap.probe_seconds:g} s at the probed rate (the plan "
-                                    f"repeated if need be)" if cap.probe_seconds else "")
+        probes = (f"probes of the plan's first {cap.probe_requests} requests"
+                  + (f" or more, spanning at least {cap.probe_seconds:g} s at the probed rate (the plan repeated if "
+                     f"need be)" if cap.probe_seconds else ""))
+        if cap.method == "fitted":
+            lines.append(f"capacity (fitted, side by side): every server launched at once per repeat; rounds of "
+                         f"{probes}, one per arrangement in rotating order on identical requests; one curve fitted "
+                         f"to every probed request per arrangement, probed until its 90% interval is narrower than "
+                         f"{cap.precision:.0%}, at most {cap.max_probes} probes"
+                         + (f"; {cap.budget_s:.0f} s of replay per repeat, 80% the searches, 20% the fixed-rate "
+                            f"runs" if cap.budget_s else ""))
+    if search and cap.method != "fitted":
+        lines.append(f"capacity search per arrangement and repeat: {probes}"
                      + f", grow x{cap.grow:g} then bisect to {cap.precision:.0%}, at most {cap.max_probes} probes"
                      + (f"; {cap.budget_s:.0f} s of replay per repeat shared by every launch, the fixed-rate "
                         f"run cut to what fits at the calibrated rate" if cap.budget_s else ""))

@@ -7,6 +7,8 @@ the colocated tuning grid. Read from the spec like the rest (errors name the fie
       precision: 0.1          # stop bisecting when the passing and failing rates are within 10%
       max_probes: 8           # per arrangement and repeat
       budget_s: 480           # all searches together; the probes per search follow from it
+      method: fitted          # fitted (sidebyside.py, curve.py) or bisect (capacity.py)
+      phase: 2                # a phased plan: probe this phase (default: the whole plan, never its first requests)
     arrivals:
       rate: {fraction_of_capacity: 0.7, reference: colocated-chunked, nominal: 0.5,
              probe_seconds: 40}   # calibration probes (without a capacity: section): >= 40 s of arrivals
@@ -47,6 +49,8 @@ class CapacitySpec:
     grow: float = 2.0
     budget_s: float | None = None
     min_multiplier: float = 0.1            # the lowest rate searched, as a share of the nominal rate
+    phase: int | None = None               # a phased plan's probes replay this phase (1-based), else all of it
+    method: str = "fitted"                 # fitted: one curve from every request (sidebyside.py); bisect: capacity.py
 
 
 @dataclass(slots=True)
@@ -91,8 +95,13 @@ def read_capacity(sec: Section) -> CapacitySpec | None:
                        max_probes=sec.int("max_probes", default=8, minimum=2),
                        grow=sec.float("grow", default=2.0, positive=True),
                        budget_s=sec.float("budget_s", default=None, positive=True),
-                       min_multiplier=sec.float("min_multiplier", default=0.1, positive=True))
+                       min_multiplier=sec.float("min_multiplier", default=0.1, positive=True),
+                       method=sec.str("method", default="fitted"),
+                       phase=sec.int("phase", default=None, minimum=1))
     sec.finish()
+    if cap.method not in ("fitted", "bisect"):
+        raise SpecError(f"capacity.method: fitted (a curve fitted to every probe's requests, the arrangements "
+                        f"side by side) or bisect (grow-then-bisect, one arrangement after another), got {cap.method!r}")
     if cap.grow <= 1.0:
         raise SpecError(f"capacity.grow: the factor the rate grows by while probes pass, > 1, got {cap.grow}")
     return cap

@@ -72,6 +72,8 @@ def fault_cell(faults: list[dict] | None) -> str:
 
 
 PLOT_TITLES = {
+    "capacity": "Attainment against offered rate: every probe (90% binomial intervals), the fitted curves, "
+                "the target and each capacity's 90% interval; per class below",
     "ttft_cdf": "Time to first token (CDF)",
     "gap_cdf": "Inter-token gaps (CDF)",
     "pauses": "Each stream's pauses against long-prompt arrivals",
@@ -84,7 +86,13 @@ def rows(doc: dict) -> list[tuple[str, list[str]]]:
     """(label, one cell per arrangement): the table, in the terminal and in the HTML report."""
     arrs, reps, m = doc["arrangements"], doc.get("repeat", 1), equal_rate(doc)
     out = []
-    if any(a.get("capacity_rps") for a in arrs):
+    q = doc.get("quote")
+    if q:
+        from splitserve.trial.verdict import _iv
+
+        out.append((f"capacity (>= {q['target']:.0%} good, {q['level']:.0%} interval)",
+                    [_iv(q["arrangements"][a["name"]]) if a["name"] in q["arrangements"] else "-" for a in arrs]))
+    elif any(a.get("capacity_rps") for a in arrs):
         out.append((f"capacity (req/s, >= {doc['slo'].get('attainment', 0.9):.0%} good)",
                     [fmt_capacity(a, reps) for a in arrs]))
     stats = [stats_at(a, m) if m is not None else None for a in arrs]
@@ -244,13 +252,15 @@ def _method_html(doc: dict) -> str:
                      f"capacity (x{cal.get('rate_multiplier') or 0:.3g} of the nominal rate). "
                      f"{html.escape(cal.get('note', ''))}</p>")
     tuning = doc.get("tuning")
-    if tuning:
+    if tuning and tuning.get("method") != "fitted":  # the fitted grid is in the verdict and the probe table
         cells = ", ".join(f"{html.escape(p['name'])}: {p['attainment']:.0%}" if p["attainment"] is not None
                           else f"{html.escape(p['name'])}: failed" for p in tuning["points"])
         parts.append(f"<p>Colocated grid at x{tuning['rate_multiplier']:.3g}: {cells}; best: "
                      f"{html.escape(str(tuning['best']))}.</p>")
     for a in doc["arrangements"]:
         for c in a.get("capacity", []):
+            if c.get("method") == "fitted":
+                continue  # shown in the headline figure and the per-probe table
             probes = ", ".join(f"{p['offered_rate_rps'] or 0:.3f} req/s {p['attainment']:.0%} ({p['seconds']:.0f} s)"
                                for p in c["probes"])
             parts.append(f"<p>{html.escape(a['name'])} capacity search (repeat {c['repeat'] + 1}, stopped by "
@@ -260,6 +270,14 @@ def _method_html(doc: dict) -> str:
 
 def write_html(doc: dict, path: pathlib.Path) -> None:
     images = plots(doc)
+    headline = ""
+    if doc.get("quote"):
+        from splitserve.trial.figure import capacity_figure, probes_html
+
+        png = capacity_figure(doc)
+        (path.parent / "capacity.png").write_bytes(png)
+        headline = (f'<h3>{PLOT_TITLES["capacity"]}</h3><img alt="capacity" '
+                    f'src="data:image/png;base64,{base64.b64encode(png).decode()}">{probes_html(doc)}')
     body = "".join(f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
                    + "</tr>" for label, cells in rows(doc))
     head = "".join(f"<th>{html.escape(a['name'])}</th>" for a in doc["arrangements"])
@@ -277,6 +295,7 @@ th:first-child{{text-align:left}}table{{border-collapse:collapse}}tr:nth-child(e
 inter-token gap &le; {slo['gap_s']} s, longest pause &le; {slo['max_pause_s']} s, end-to-end &le; {slo['e2e_s']} s;
 pause threshold {doc['pause_threshold_s']} s.</p>
 <h2>Verdict</h2><p class="verdict">{html.escape(doc['verdict'])}</p>{errors}
+{headline}
 <h2>Side by side</h2><table><tr><th>metric</th>{head}</tr>{body}</table>
 {classes_html(doc)}
 {_method_html(doc)}

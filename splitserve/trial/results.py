@@ -50,6 +50,8 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
         "order": trial.order if trial else [[r.name for r in results]],
         "calibration": trial.calibration if trial else None,
         "tuning": trial.tuning if trial else None,
+        "side_by_side": trial.side_by_side if trial else [],
+        "rounds": trial.rounds if trial else [],
         "capacity_precision": spec.capacity.precision if spec.capacity else 0.1,
         "placement": PLACEMENT,
         "cpus": trial.cpus if trial else None,
@@ -80,8 +82,10 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
                       "server_counters": run.server_counters,
                       "requests": [dataclasses.asdict(r) for r in run.records]} for run in res.runs],
         })
+    from splitserve.trial.quote import quote
     from splitserve.trial.verdict import verdict
 
+    doc["quote"] = quote(doc)
     doc["verdict"] = verdict(doc)
     return doc
 

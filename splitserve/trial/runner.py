@@ -45,6 +45,8 @@ from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, probe_length,
                                       recut, tiled, workload_streams)
 
+STOP_MARGIN = 0.25  # a fitted probe stops once its share good cannot reach the target minus this
+
 Progress = Callable[[str, int], Callable[[RequestRecord], None]]  # (label, total) -> per-request callback
 
 
@@ -118,6 +120,8 @@ class Trial:
         self.budget = Budget(None, 1, 1.0)
         self.num_fixed: int | None = None   # requests per fixed-rate run (the budget may cut the plan)
         self._adaptive_now = False          # the arrangement under test adapts its mix: read its timeline
+        self.side_by_side: list[dict] = []  # the fitted method: per repeat, whether all servers ran at once
+        self.rounds: list[dict] = []        # the fitted method: each round's order of probes
 
     @property
     def phase_starts_s(self) -> list[float] | None:
@@ -148,6 +152,13 @@ class Trial:
 
     def run(self, sweep: bool = False, repeat: int = 1, capacity: bool = False) -> list[ArrangementResult]:
         search = capacity or self.spec.capacity is not None
+        if search and search_settings(self.spec).method == "fitted":
+            from splitserve.trial.sidebyside import run_repeat
+
+            for r in range(repeat):
+                self.order.append(rotation([a.name for a in self.arrangements], r))
+                run_repeat(self, r)
+            return [self.results[a.name] for a in self.arrangements if a.name in self.results]
         rel, tune = self.spec.arrivals.relative_rate, self.spec.tune
         grid = len(tune.max_num_batched_tokens or [0]) * len(tune.instances_x_threads or [0]) if tune else 0
         weight = len(self.arrangements) * repeat + (1 if rel else 0) + 0.5 * grid
@@ -167,6 +178,66 @@ class Trial:
                     self._notify()
                 i += 1
         return [self.results[a.name] for a in self.arrangements if a.name in self.results]
+
+    # --- the fitted method's hooks (sidebyside.py) ---
+    def result_for(self, name: str) -> ArrangementResult:
+        return self.results.setdefault(name, ArrangementResult(name))
+
+    def start_multiplier(self) -> float:
+        """Round 0's rate: the median capacity of an earlier repeat, else the plan's nominal rate."""
+        held = [c["capacity_multiplier"] for r in self.results.values() for c in r.capacity
+                if c.get("capacity_multiplier")]
+        return statistics.median(held) if held else 1.0
+
+    def rename_tuned(self, point: str, name: str) -> None:
+        """The tuning grid's winner joins the trial under `name`, keeping its probes."""
+        from splitserve.trial.method import grid_arrangements
+
+        base = next(a for a in self.arrangements if a.name == self.spec.tune.base)
+        arr = next(a for a in grid_arrangements(self.spec.tune, base, self.spec.cores) if a.name == point)
+        tuned = dataclasses.replace(arr, name=name, grid_point=False)
+        self.arrangements.insert(1, tuned)
+        self.resources[name] = self.resources.pop(point)
+        result = self.results.pop(point)
+        result.name = name
+        self.results[name] = result
+        for entry in self.rounds:
+            entry["order"] = [name if n == point else n for n in entry["order"]]
+
+    def set_main_multiplier(self) -> float | None:
+        """The fixed rate: the spec's, or its share of the reference's fitted capacity."""
+        rel = self.spec.arrivals.relative_rate
+        if self.main_multiplier is not None or rel is None:
+            return self.main_multiplier
+        caps = self.results.get(rel.reference)
+        cap = caps.capacity[-1] if caps and caps.capacity else None
+        if cap is None or not cap.get("estimate_rps") or not cap.get("rps_per_multiplier"):
+            return None
+        self.main_multiplier = rel.fraction_of_capacity * cap["estimate_rps"] / cap["rps_per_multiplier"]
+        self.calibration = {"reference": rel.reference, "fraction_of_capacity": rel.fraction_of_capacity,
+                            "capacity_rps": cap["estimate_rps"], "kind": cap["kind"],
+                            "rate_multiplier": self.main_multiplier, "held_nothing": [],
+                            "note": "" if cap["kind"] == "point" else
+                            f"{rel.reference}'s capacity is a bound ({cap['kind'].replace('_', ' ')})"}
+        return self.main_multiplier
+
+    def fixed_run(self, endpoint: Endpoint, name: str, repeat: int, started: float) -> None:
+        """The plan's first requests at the fixed rate; how many follows from the time left."""
+        if self.num_fixed is None:
+            cap = search_settings(self.spec)
+            left = cap.budget_s - (time.monotonic() - started) if cap.budget_s else None
+            share = max(left, 0.0) / max(len(self.arrangements), 1) if left is not None else None
+            rate = (offered_rate_of(self.plan) or 0.0) * self.main_multiplier
+            fits = int(share * rate) + 1 if share is not None else len(self.plan)
+            self.num_fixed = max(min(8, len(self.plan)), min(fits, len(self.plan)))
+        self._adaptive_now = False
+        arr = next((a for a in self.arrangements if a.name == name), None)
+        if arr is not None:
+            self._adaptive_now = arrangement_kind(arr) == "adaptive"
+        self.result_for(name).runs.append(self._replay(endpoint, self.plan_for_run(0)[: self.num_fixed],
+                                                       self.main_multiplier, f"{name} fixed rate (repeat {repeat + 1})",
+                                                       repeat, "fixed"))
+        self._notify()
 
     def _session(self, arr: Arrangement, repeat: int, search: bool, sweep: bool) -> None:
         """One launch of one arrangement: [capacity search], fixed-rate run, [sweep]."""
@@ -280,18 +351,28 @@ class Trial:
         return max(held) if held else 1.0
 
     def _probe(self, endpoint: Endpoint, name: str, multiplier: float, repeat: int, num: int,
-               run: int) -> RunResult:
+               run: int, fitted: bool = False) -> RunResult:
         """The plan's first `num` requests at `multiplier` (more when `capacity.probe_seconds` asks
         for a longer span, the plan repeated if need be), stopped as soon as it cannot pass: once
         more requests than the target allows are bad, finished or not (a watchdog judges streams
-        in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s)."""
+        in flight: no first token within the TTFT SLO, a pause past max_pause_s, past e2e_s).
+        `fitted`: the probe is one point of a fitted curve, not a pass/fail: it stops only once its
+        share good can no longer reach STOP_MARGIN below the target (a rate far past the capacity),
+        and its outcomes are the requests decided (finished, or judged bad in flight): a request
+        never sent, or cut off undecided, is not an outcome."""
         cap = search_settings(self.spec)
         base = self.plan_for_run(run)
+        if self.phase_starts_s is not None:
+            # a phased plan is probed whole (or on the phase the spec names): its first requests are
+            # its first phase only, and a plan that opens with its hardest phase held nothing there
+            base = phase_plan(base, self.phase_starts_s, cap.phase)
+            num = max(num, len(base))
         count = probe_length(base, multiplier, num, cap.probe_seconds)
         plan = tiled(base, count, lambda p, k: recut(p, self.spec, self.source,
                                                      content_stream(self.spec.seed, run + 10_000 * k)))
         slo, class_slos = self.spec.slo, self.spec.class_slos
-        allowed_bad = int((1.0 - slo.attainment) * len(plan) + 1e-9)
+        floor = slo.attainment - STOP_MARGIN if fitted else slo.attainment
+        allowed_bad = int((1.0 - floor) * len(plan) + 1e-9)
         stop, live, bad, finished = asyncio.Event(), {}, set(), set()
         on_progress = self.progress(f"{name} probe x{multiplier:.3g}", len(plan)) if self.progress else None
 
@@ -320,8 +401,14 @@ class Trial:
 
         e2es = [s.e2e_s for s in class_slos.values()]
         timeout = self.spec.request_timeout_s if None in e2es else min(self.spec.request_timeout_s, max(e2es) + 1.0)
-        return self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop,
-                            [watchdog], live)
+        run = self._replay(endpoint, plan, multiplier, None, repeat, "probe", timeout, on_done, stop,
+                           [watchdog], live)
+        decided = [r for r in run.records if r.index in finished or r.index in bad]
+        run.summary["outcomes"] = {"index": [r.index for r in decided],
+                                   "good": [r.index not in bad for r in decided],
+                                   "class": [r.class_name for r in decided]}
+        run.summary["num_decided"] = len(decided)
+        return run
 
     def _warm_up(self, endpoint: Endpoint) -> None:
         """Same warm-up for every launch: the first few planned requests, one at a time, with
@@ -385,6 +472,20 @@ def _past_deadline(rec: RequestRecord, slo, now: float) -> bool:
     return ((not times and slo.ttft_s is not None and age > slo.ttft_s)
             or (slo.e2e_s is not None and age > slo.e2e_s)
             or bool(times and slo.max_pause_s is not None and now - times[-1] > slo.max_pause_s))
+
+
+def phase_plan(plan: list[PlannedRequest], starts: list[float], phase: int | None) -> list[PlannedRequest]:
+    """The whole plan, or the requests of one phase (1-based) moved to start at 0."""
+    if phase is None:
+        return plan
+    if phase > len(starts):
+        raise SpecError(f"capacity.phase: {phase}, but the plan has {len(starts)} phases")
+    start = starts[phase - 1]
+    end = starts[phase] if phase < len(starts) else math.inf
+    picked = [dataclasses.replace(r, send_at_s=r.send_at_s - start) for r in plan if start <= r.send_at_s < end]
+    if not picked:
+        raise SpecError(f"capacity.phase: phase {phase} has no requests to probe")
+    return picked
 
 
 def offered_rate_of(plan: list[PlannedRequest]) -> float | None:

@@ -26,6 +26,10 @@ def verdict(doc: dict) -> str:
     arrs = doc["arrangements"]
     failed = [a["name"] for a in arrs if a["error"]]
     note = f" Arrangements that failed: {', '.join(failed)} (see their logs)." if failed else ""
+    q = doc.get("quote")
+    if q:
+        return (fitted_verdict(q) + _fitted_context(doc, q) + _network(doc) + _warnings(doc, fitted=True)
+                + note)
     capacity = _capacity_part(doc)
     fixed, fixed_answer = _fixed_part(doc, headline=capacity is None)
     if capacity is None and fixed is None:
@@ -183,7 +187,105 @@ def _network(doc: dict) -> str:
     return f" Across hosts: {'; '.join(across)}; the others ran on one host." if across else ""
 
 
-def _warnings(doc: dict) -> str:
+def _iv(c: dict) -> str:
+    """'0.70 req/s [0.62-0.78]', 'at least 0.70 req/s', 'at most 0.05 req/s'."""
+    if c["kind"] == "point":
+        return f"{c['estimate_rps']:.2f} req/s [{c['lo_rps']:.2f}-{c['hi_rps']:.2f}]"
+    if c["kind"] == "at_least":
+        return f"at least {c['estimate_rps']:.2f} req/s (every rate probed held)"
+    if c["kind"] == "at_most":
+        return f"at most {c['estimate_rps']:.2f} req/s (no rate probed held)"
+    return "not measured"
+
+
+def _ratio(r: dict) -> str:
+    if r.get("estimate") is not None:
+        return f"{r['estimate']:.2f}x [{r['lo']:.2f}-{r['hi']:.2f}]"
+    if r.get("lo") is not None:
+        return f"at least {r['lo']:.2f}x"
+    return f"at most {r['hi']:.2f}x"
+
+
+def fitted_verdict(q: dict) -> str:
+    """The first sentence, the one decision: from the ratio's interval alone (quote.decide)."""
+    per, sep, col, r = q["arrangements"], q["separated"], q["colocated"], q["ratio"]
+    what = (f"(capacity: the offered rate where a curve fitted to every probed request crosses "
+            f"{_pct(q['target'])} good; {_pct(q['level'])} intervals)")
+    if q["held_nothing"]:
+        return (f"Separate prefill: no verdict. No arrangement held {_pct(q['target'])} good at any rate probed "
+                f"{what}: on this machine these SLOs are out of reach for this workload (or the machine was "
+                f"busy); loosen the SLOs, shorten the requests, or rerun on a quiet machine.")
+    if sep is None or col is None:
+        best = max(per.values(), key=lambda c: c["estimate_rps"] or 0)
+        return f"Capacity within the SLOs {what}: the best is {best['name']}, {_iv(best)}."
+    s, c, decision = per[sep], per[col], q["decision"]
+    if decision == "yes":
+        return (f"Separate prefill: yes. {sep} holds {_iv(s)} within the SLOs, the best colocated setting "
+                f"({col}) {_iv(c)}: {_ratio(r)} {what}.")
+    if decision == "no":
+        back = ({"estimate": 1 / r["estimate"] if r.get("estimate") else None,
+                 "lo": 1 / r["hi"] if r.get("hi") else None, "hi": 1 / r["lo"] if r.get("lo") else None})
+        return (f"Separate prefill: no. The best colocated setting ({col}) holds {_iv(c)} within the SLOs, "
+                f"{sep} {_iv(s)}: colocated holds {_ratio(back)} as much {what}.")
+    why = (f"the ratio {_ratio(r)} reaches 1" if r else
+           "their capacities are bounds on the same side, so they cannot be ordered")
+    return (f"Separate prefill: no clear difference. {sep} holds {_iv(s)} within the SLOs, the best colocated "
+            f"setting ({col}) {_iv(c)}: {why} {what}; the simpler colocated setup is the default.")
+
+
+def _fitted_context(doc: dict, q: dict) -> str:
+    """Everything after the verdict: each arrangement, per class, the tuning, the host, the
+    fixed-rate runs (numbers only: the decision is the capacities')."""
+    from splitserve.trial.quote import fixed_rule
+
+    per = q["arrangements"]
+    out = " Every arrangement: " + "; ".join(f"{n} {_iv(c)}" for n, c in per.items()) + "."
+    classes = sorted({k for c in per.values() for k in c["by_class"]})
+    if len(classes) > 1:
+        out += " Per class (the offered rate of the whole mix at which that class's curve crosses the target): " + \
+            "; ".join(f"{k}: " + ", ".join(f"{n} {_iv(c['by_class'][k])}" for n, c in per.items()
+                                          if k in c["by_class"]) for k in classes) + "."
+    tuning = doc.get("tuning") or {}
+    if tuning.get("method") == "fitted":
+        tried = ", ".join(f"{p['name']} {_iv(p)}" for p in tuning["points"] if p.get("kind"))
+        joined = (f"it continued as {tuning['joins_as']}, its probes kept" if tuning.get("joins_as")
+                  else f"that is {tuning['base']} itself")
+        out += (f" Colocated settings searched side by side for {tuning['rounds']} rounds: {tried}; the best is "
+                f"{tuning['best']}, and {joined}.")
+    sbs = doc.get("side_by_side") or []
+    host = q["host"]
+    if sbs and all(x["together"] for x in sbs):
+        idle = host.get("idle_cpu_share_max")
+        out += (f" All servers ran side by side, probes interleaved in rotating order on identical requests"
+                + (f"; an idle server took at most {idle:.1%} of a core while another was probed" if idle is not None
+                   else "") + ".")
+    elif sbs:
+        out += (" Memory did not allow every server at once: the arrangements ran one after another in rotating "
+                "order, so drift between their launches is not shared (the ratio is not paired by time).")
+    if host["probes"]:
+        if host["watched"]:
+            out += (f" Host: {host['disturbed']} of {host['probes']} probes run were disturbed (other processes "
+                    f"took more than 10% of the cores), {host['redone']} redone")
+            if host.get("speed_spread"):
+                lo, hi = host["speed_spread"]
+                out += f"; the machine's speed between probes ranged {lo:.0%}-{hi:.0%} of its median"
+            out += "."
+        else:
+            out += " Host: not watched (no /proc)."
+    m = equal_rate(doc)
+    if m is not None:
+        comparison, why = fixed_rule(doc, m)
+        ran = [(a, main_summary(a, m)) for a in doc["arrangements"] if main_summary(a, m)]
+        rate = ran[0][1].get("offered_rate_rps") if ran else None
+        listing = "; ".join(f"{a['name']} {s['num_good']}/{s['num_requests']} good" for a, s in ran)
+        label = ("a comparison" if comparison else
+                 f"an illustration only, not a comparison: {why}")
+        at = f"{_rps(rate)}" if rate else f"x{m:.3g} of the spec's rate"
+        out += f" The fixed-rate run at {at} ({label}): {listing}."
+    return out
+
+
+def _warnings(doc: dict, fitted: bool = False) -> str:
     """Say when the comparison itself is weak: the load generator lagged, or every arrangement drowned."""
     m = equal_rate(doc)
     ran = [(a, main_summary(a, m)) for a in doc["arrangements"] if main_summary(a, m)]
@@ -192,7 +294,7 @@ def _warnings(doc: dict) -> str:
     if lag > 0.5:
         out += (f" Warning: the load generator sent some requests up to {fmt_seconds(lag)} late, so offered "
                 f"load was lower than planned.")
-    if ran and all(s["attainment"] < 0.5 for _, s in ran):
+    if ran and all(s["attainment"] < 0.5 for _, s in ran) and not fitted:
         worst = []
         for a, s in ran:
             kind, count = max(s["failures"].items(), key=lambda kv: kv[1])

@@ -1,0 +1,109 @@
+"""The headline figure: attainment against offered rate, per arrangement and per class.
+
+Each probe is a point (share of its decided requests good) with its 90% binomial (Wilson)
+interval; each arrangement's fitted logistic curve is drawn over the probed range; the target
+is a horizontal line and each capacity's 90% interval a shaded band (a bound: an arrow-like
+marker at the bound). One panel for all requests, then one per class. Also the per-probe table:
+rate, requests, good, the host's disturbance and the machine's speed.
+"""
+from __future__ import annotations
+
+import html
+import io
+import math
+
+from splitserve.trial import curve
+
+
+def _curve_points(fit, lo: float, hi: float):
+    a, b, c = fit
+    xs = [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / 80) for i in range(81)]
+    return xs, [1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c))))) for x in xs]
+
+
+def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
+    for (name, c), color in zip(per.items(), colors):
+        cap = c if klass is None else c["by_class"].get(klass)
+        pts = []
+        for p in c["points"]:
+            n, k = (p["n"], p["good"]) if klass is None else (p["by_class"].get(klass, {}).get("n", 0),
+                                                               p["by_class"].get(klass, {}).get("good", 0))
+            if n:
+                lo, hi = curve.wilson(k, n)
+                pts.append((p["rate_rps"], k / n, lo, hi))
+        if not pts:
+            continue
+        xs = [x for x, *_ in pts]
+        ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]],
+                    fmt="o", color=color, alpha=0.8, capsize=2, label=name)
+        if cap and cap.get("fit"):
+            cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3)
+            ax.plot(cx, cy, color=color, lw=1.5)
+        if cap and cap["kind"] == "point":
+            ax.axvspan(cap["lo_rps"], cap["hi_rps"], color=color, alpha=0.15)
+            ax.axvline(cap["estimate_rps"], color=color, ls=":", lw=1)
+        elif cap and cap.get("estimate_rps"):
+            ax.annotate("", xy=(cap["estimate_rps"] * (1.4 if cap["kind"] == "at_least" else 0.7), target),
+                        xytext=(cap["estimate_rps"], target), arrowprops={"arrowstyle": "->", "color": color})
+    ax.axhline(target, color="k", ls="--", lw=1)
+    ax.set_xscale("log")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())   # log-scale minor labels overlap on a narrow range
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title("all requests" if klass is None else f"class {klass}", fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def capacity_figure(doc: dict) -> bytes:
+    """The PNG (also embedded in the HTML report)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    q = doc["quote"]
+    per = q["arrangements"]
+    classes = sorted({k for c in per.values() for k in c["by_class"]})
+    panels = [None, *classes] if len(classes) > 1 else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, klass in zip(axes[0], panels):
+        _panel(ax, per, q["target"], klass, colors)
+        ax.set_xlabel("offered rate (req/s)")
+    axes[0, 0].set_ylabel("share of requests good")
+    axes[0, 0].legend(fontsize=7)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def probes_html(doc: dict) -> str:
+    """Every probe of the fitted search in the order it ran: rate, good of decided, the host."""
+    rows = []
+    for a in doc["arrangements"]:
+        for run in a["runs"]:
+            if run.get("purpose") not in ("probe", "probe-disturbed") or "round" not in run["summary"]:
+                continue
+            s = run["summary"]
+            host = s.get("host") or {}
+            good = sum(s["outcomes"]["good"]) if s.get("outcomes") else s["num_good"]
+            idle = max((s.get("idle_cpu_share") or {}).values(), default=None)
+            rows.append((run.get("repeat", 0), s["round"], a["name"], s.get("offered_rate_rps") or 0.0,
+                         f"{good} / {s.get('num_decided', s['num_requests'])} of {s['num_requests']}",
+                         f"{host.get('others_share', 0):.0%} others, {host.get('steal_share', 0):.0%} steal"
+                         if host else "not watched",
+                         ("disturbed, redone" if run["purpose"] == "probe-disturbed" else
+                          "disturbed (redo also)" if s.get("disturbed") else "quiet"),
+                         f"{s['speed_units_per_s'] / 1e6:.2f} M/s" if s.get("speed_units_per_s") else "-",
+                         f"{idle:.1%}" if idle is not None else "-"))
+    if not rows:
+        return ""
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c) if not isinstance(c, float) else f'{c:.3f}')}</td>"
+                                    for c in r) + "</tr>" for r in rows)
+    return ("<h3>Every probe</h3><table><tr><th>repeat</th><th>round</th><th>arrangement</th><th>req/s</th>"
+            "<th>good / decided of planned</th><th>host during the probe</th><th>host</th>"
+            "<th>speed before it</th><th>idle servers' CPU</th></tr>" + body + "</table>")

@@ -1,0 +1,149 @@
+"""A capacity a buyer can quote, read from a results document: each arrangement's fitted capacity
+and 90% interval (overall and per class), the best separated against the best colocated with a
+paired-bootstrap ratio, the one decision that follows, and how the host behaved.
+
+The decision: "yes" (separate prefill) when the ratio's interval lies above 1, "no" when below,
+"unclear" (no clear difference) whenever it reaches 1. Where a capacity is only a bound, the
+ratio is a bound too: 1P1D holding at least S against a colocated interval topping at C gives a
+ratio of at least S / C, "yes" only if that is above 1.
+
+A fixed-rate run is a comparison only with at least MIN_PER_CLASS requests of every class in
+every arrangement's run (one request then moves a class's share by at most 5 points); else it is
+shown as an illustration and no sentence draws a winner from it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from splitserve.trial import curve
+
+MIN_PER_CLASS = 20
+SEPARATED, COLOCATED = "separated", "colocated"
+
+
+def probes_of(arr_doc: dict) -> list[curve.ProbeOutcomes]:
+    """Every fitted probe of an arrangement, over all repeats (round ids kept apart per repeat)."""
+    out = []
+    for run in arr_doc["runs"]:
+        s = run["summary"]
+        if run.get("purpose") != "probe" or "outcomes" not in s or not s.get("offered_rate_rps"):
+            continue
+        o = s["outcomes"]
+        out.append(curve.ProbeOutcomes(s["offered_rate_rps"], dict(zip(o["index"], o["good"])),
+                                       run.get("repeat", 0) * 1000 + s.get("round", 0),
+                                       dict(zip(o["index"], o["class"]))))
+    return out
+
+
+def _score(c: dict) -> float:
+    if c["estimate_rps"] is None:
+        return 0.0
+    return c["estimate_rps"] * (0.5 if c["kind"] == "at_most" else 1.0)
+
+
+def decide(ratio: dict | None) -> str:
+    """yes | no | unclear, from the ratio's interval (or bound)."""
+    if ratio is None:
+        return "unclear"
+    lo, hi = ratio.get("lo"), ratio.get("hi")
+    if lo is not None and lo > 1.0:
+        return "yes"
+    if hi is not None and hi < 1.0:
+        return "no"
+    return "unclear"
+
+
+def bound_ratio(sep: dict, col: dict) -> dict | None:
+    """The ratio where one capacity (or both) is a bound: only its certain side."""
+    lo_s = sep["lo_rps"] if sep["kind"] in ("point", "at_least") else None
+    hi_s = sep["hi_rps"] if sep["kind"] in ("point", "at_most") else None
+    lo_c = col["lo_rps"] if col["kind"] in ("point", "at_least") else None
+    hi_c = col["hi_rps"] if col["kind"] in ("point", "at_most") else None
+    lo = lo_s / hi_c if lo_s and hi_c else None
+    hi = hi_s / lo_c if hi_s and lo_c else None
+    if lo is None and hi is None:
+        return None
+    return {"estimate": None, "lo": lo, "hi": hi, "paired": False}
+
+
+def quote(doc: dict) -> dict | None:
+    arrs = [a for a in doc["arrangements"] if any(c.get("method") == "fitted" for c in a.get("capacity", []))]
+    if not arrs:
+        return None
+    target = doc["slo"].get("attainment", 0.9)
+    rng = np.random.default_rng(doc.get("seed", 0))
+    per, probes = {}, {}
+    for a in arrs:
+        probes[a["name"]] = probes_of(a)
+        found = curve.capacity(probes[a["name"]], target, rng)
+        classes = sorted({c for p in probes[a["name"]] for c in p.classes.values()})
+        per[a["name"]] = {**found.to_dict(), "name": a["name"], "kind_of_arrangement": a["kind"],
+                          "by_class": {c: curve.capacity([p.of_class(c) for p in probes[a["name"]]], target,
+                                                         rng).to_dict() for c in classes},
+                          "points": [_point(p) for p in probes[a["name"]]]}
+    best = {}
+    for kind in (SEPARATED, COLOCATED):
+        cands = [c for c in per.values() if c["kind_of_arrangement"] == kind and c["kind"] != "none"]
+        best[kind] = max(cands, key=_score)["name"] if cands else None
+    ratio = None
+    sep, col = best[SEPARATED], best[COLOCATED]
+    if sep and col:
+        if per[sep]["kind"] == "point" and per[col]["kind"] == "point":
+            ratio = curve.paired_ratio(probes[sep], probes[col], target, rng)
+        else:
+            ratio = bound_ratio(per[sep], per[col])
+    return {"target": target, "level": curve.LEVEL, "arrangements": per, "separated": sep, "colocated": col,
+            "ratio": ratio, "decision": decide(ratio) if sep and col else None,
+            "held_nothing": all(c["kind"] in ("at_most", "none") for c in per.values()),
+            "host": host_summary(doc)}
+
+
+def _point(p: curve.ProbeOutcomes) -> dict:
+    lo, hi = curve.wilson(p.k, p.n)
+    by_class = {}
+    for c in sorted(set(p.classes.values())):
+        q = p.of_class(c)
+        by_class[c] = {"n": q.n, "good": q.k}
+    return {"rate_rps": p.rate, "n": p.n, "good": p.k, "lo": lo, "hi": hi, "round": p.round, "by_class": by_class}
+
+
+def host_summary(doc: dict) -> dict:
+    """How many probes the watched host flagged, how many were redone, the speed drift and the
+    idle servers' CPU while another was probed."""
+    probes, disturbed, redone, speeds, idle = 0, 0, 0, [], []
+    watched = False
+    for a in doc["arrangements"]:
+        for run in a["runs"]:
+            s = run["summary"]
+            if run.get("purpose") not in ("probe", "probe-disturbed") or "attempt" not in s:
+                continue
+            probes += 1
+            watched = watched or bool(s.get("host"))
+            disturbed += bool(s.get("disturbed"))
+            redone += run.get("purpose") == "probe-disturbed"
+            if s.get("speed_units_per_s"):
+                speeds.append(s["speed_units_per_s"])
+            idle.extend((s.get("idle_cpu_share") or {}).values())
+    med = float(np.median(speeds)) if speeds else None
+    return {"probes": probes, "disturbed": disturbed, "redone": redone, "watched": watched,
+            "speed_median": med,
+            "speed_spread": (min(speeds) / med, max(speeds) / med) if speeds and med else None,
+            "idle_cpu_share_max": max(idle) if idle else None}
+
+
+def fixed_rule(doc: dict, m: float | None) -> tuple[bool, str]:
+    """Whether the fixed-rate runs at `m` are a comparison: every class has MIN_PER_CLASS requests
+    in every arrangement's run. Returns (comparison, why not)."""
+    if m is None:
+        return False, "no fixed-rate run"
+    short = {}
+    for a in doc["arrangements"]:
+        for run in a["runs"]:
+            if run.get("purpose") == "fixed" and abs(run["rate_multiplier"] - m) < 1e-9:
+                for name, g in run["summary"]["by_class"].items():
+                    if g["num_requests"] < MIN_PER_CLASS:
+                        short[name] = min(short.get(name, g["num_requests"]), g["num_requests"])
+    if not short:
+        return True, ""
+    which = ", ".join(f"{n} {k}" for n, k in sorted(short.items()))
+    return False, f"fewer than {MIN_PER_CLASS} requests of a class per arrangement ({which})"

@@ -1,0 +1,144 @@
+"""The fitted capacity on synthetic outcomes drawn from a known curve: its 90% interval covers the
+true crossing, the probe placement converges to it, bounds where the data do not bracket it, the
+paired ratio, and a verdict that never contradicts itself over a grid of its inputs."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from splitserve.trial.curve import ProbeOutcomes, capacity, next_rate, paired_ratio, wilson
+from splitserve.trial.quote import decide, fixed_rule
+from splitserve.trial.verdict import fitted_verdict
+
+TARGET = 0.9
+
+
+def truth(x, crossing=0.5, slope=-6.0):
+    """P(good | x): logistic in log rate, crossing TARGET at `crossing`."""
+    eta = math.log(TARGET / (1 - TARGET)) + slope * (math.log(x) - math.log(crossing))
+    return 1 / (1 + math.exp(-eta))
+
+
+def draw(rng, x, n, round_index, crossing=0.5):
+    return ProbeOutcomes(x, {i: bool(rng.random() < truth(x, crossing)) for i in range(n)}, round_index)
+
+
+def search(seed, n=30, max_probes=8, precision=0.2, start=1.0, crossing=0.5):
+    """The placement the trial uses, against the known curve."""
+    rng = np.random.default_rng(seed)
+    probes, x = [], start
+    for k in range(max_probes):
+        probes.append(draw(rng, x, n, k, crossing))
+        found = capacity(probes, TARGET, rng)
+        if found.kind == "point" and found.width() < precision:
+            break
+        x = next_rate(probes, found, 2.0, precision)
+    return found, probes
+
+
+def test_the_90_percent_interval_covers_the_true_crossing_in_at_least_85_percent_of_200_seeds():
+    covered = 0
+    for seed in range(200):
+        found, _ = search(seed)
+        assert found.kind == "point"
+        covered += found.lo <= 0.5 <= found.hi
+    assert covered >= 170, covered          # measured: 181 of 200 (90.5%)
+
+
+def test_the_probe_placement_converges_on_the_crossing():
+    stopped, last_near = 0, 0
+    for seed in range(50):
+        found, probes = search(seed, max_probes=12, start=4.0)   # start 8x above the crossing
+        stopped += found.width() < 0.2
+        last_near += abs(math.log(probes[-1].rate / 0.5)) < math.log(1.3)
+        assert abs(math.log(found.estimate / 0.5)) < math.log(1.5)
+    assert stopped >= 45          # narrower than the precision within 12 probes
+    assert last_near >= 40        # the last probes sit near the crossing
+
+
+def test_data_that_do_not_bracket_the_crossing_give_a_bound_and_the_next_probe_goes_outside():
+    rng = np.random.default_rng(0)
+    held = [ProbeOutcomes(x, {i: True for i in range(20)}) for x in (0.2, 0.4)]
+    found = capacity(held, TARGET, rng)
+    assert found.kind == "at_least" and found.estimate == pytest.approx(0.4)
+    assert next_rate(held, found, 2.0, 0.2) == pytest.approx(0.8)
+    failed = [ProbeOutcomes(x, {i: i < 5 for i in range(20)}) for x in (1.0, 2.0)]
+    found = capacity(failed, TARGET, rng)
+    assert found.kind == "at_most" and found.estimate == pytest.approx(1.0)
+    assert next_rate(failed, found, 2.0, 0.2) == pytest.approx(0.5)
+    assert capacity([ProbeOutcomes(1.0, {})], TARGET, rng).kind == "none"
+
+
+def test_the_paired_ratio_interval_covers_the_true_ratio_and_excludes_one():
+    covered, above_one = 0, 0
+    for seed in range(40):
+        rng = np.random.default_rng(1000 + seed)
+        a, b = [], []
+        for k, x in enumerate((0.3, 0.45, 0.6, 0.8, 1.0, 1.3)):
+            a.append(draw(rng, x, 40, k, crossing=0.8))
+            b.append(draw(rng, x * 0.6, 40, k, crossing=0.5))
+        r = paired_ratio(a, b, TARGET, rng)
+        assert r is not None and r["lo"] <= r["estimate"] <= r["hi"]
+        covered += r["lo"] <= 1.6 <= r["hi"]
+        above_one += r["lo"] > 1.0
+    assert covered >= 32 and above_one >= 36
+
+
+def test_wilson_interval_contains_the_share():
+    for k, n in ((0, 10), (10, 10), (7, 20)):
+        lo, hi = wilson(k, n)
+        assert 0 <= lo <= k / n <= hi <= 1
+
+
+def quote_of(sep, col, ratio):
+    return {"target": TARGET, "level": 0.9, "separated": "1P1D", "colocated": "colocated-best",
+            "arrangements": {"1P1D": {"name": "1P1D", **sep}, "colocated-best": {"name": "colocated-best", **col}},
+            "ratio": ratio, "decision": decide(ratio), "held_nothing": False, "host": {}}
+
+
+def cap(kind, est, lo=None, hi=None):
+    return {"kind": kind, "estimate_rps": est, "lo_rps": lo if kind != "at_least" else est,
+            "hi_rps": hi if kind != "at_most" else est, "by_class": {}}
+
+
+def test_the_verdict_never_contradicts_itself_over_a_grid_of_capacities_and_intervals():
+    values = [0.2, 0.5, 1.0]
+    widths = [0.05, 0.3]
+    seen = set()
+    for s, c, ws, wc, ks, kc in itertools.product(values, values, widths, widths,
+                                                  ("point", "at_least", "at_most"), ("point", "at_least", "at_most")):
+        sep = cap(ks, s, s * (1 - ws), s * (1 + ws))
+        col = cap(kc, c, c * (1 - wc), c * (1 + wc))
+        from splitserve.trial.quote import bound_ratio
+
+        if ks == kc == "point":
+            ratio = {"estimate": s / c, "lo": sep["lo_rps"] / col["hi_rps"], "hi": sep["hi_rps"] / col["lo_rps"]}
+        else:
+            ratio = bound_ratio(sep, col)
+        text = fitted_verdict(quote_of(sep, col, ratio))
+        decision = decide(ratio)
+        seen.add(decision)
+        assert text.count("Separate prefill:") == 1
+        first = text.split(". ")[0]
+        expected = {"yes": "Separate prefill: yes", "no": "Separate prefill: no",
+                    "unclear": "Separate prefill: no clear difference"}[decision]
+        assert first == expected, (text, ratio)
+        lo, hi = (ratio or {}).get("lo"), (ratio or {}).get("hi")
+        if decision == "yes":
+            assert lo is not None and lo > 1
+        elif decision == "no":
+            assert hi is not None and hi < 1
+        else:   # the interval (or the bounds known) reaches 1
+            assert (lo is None or lo <= 1) and (hi is None or hi >= 1)
+        assert "met more deadlines" not in text
+    assert seen == {"yes", "no", "unclear"}
+
+
+def test_a_fixed_rate_run_is_a_comparison_only_with_enough_requests_of_every_class():
+    def doc(counts):
+        return {"arrangements": [{"runs": [{"purpose": "fixed", "rate_multiplier": 1.0, "summary": {
+            "by_class": {name: {"num_requests": n} for name, n in counts.items()}}}]}]}
+    assert fixed_rule(doc({"chat": 40, "document": 20}), 1.0) == (True, "")
+    ok, why = fixed_rule(doc({"chat": 40, "document": 8}), 1.0)
+    assert not ok and "document 8" in why

@@ -1,0 +1,197 @@
+"""The fitted method end to end against fake servers: every arrangement up at once, probes
+interleaved in rotating order on identical requests, a fitted capacity with an interval each,
+and a probe stopped early that never counts a request it did not send."""
+import json
+
+import pytest
+import yaml
+
+from splitserve.cli import main
+
+from test_trial_end_to_end import fake, spec_dict
+
+
+def fitted_spec(**capacity):
+    raw = spec_dict([{"name": "colocated", "command": fake("--serial", "--prefill-s-per-token", "0.004")},
+                     {"name": "1P1D", "command": fake("--prefill-s-per-token", "0.0005")}])
+    raw["arrivals"] = {"pattern": "constant", "rate": {"fraction_of_capacity": 0.5, "reference": "colocated",
+                                                         "nominal": 4.0}, "num_requests": 12}
+    raw["workload"]["classes"]["document"]["prompt_tokens"] = 60
+    raw["slo"] = {"ttft_s": 0.5, "gap_s": 0.5, "max_pause_s": 1.0, "e2e_s": 3.0}
+    raw["capacity"] = {"probe_requests": 12, "max_probes": 5, "precision": 0.3, **capacity}
+    return raw
+
+
+@pytest.mark.timeout(300)
+def test_side_by_side_rounds_rotate_on_identical_requests_and_every_capacity_has_an_interval(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(fitted_spec()))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["side_by_side"][0]["together"]
+    rounds = doc["rounds"]
+    assert len(rounds) >= 2
+    # the order rotates by one each round while both still search
+    both = [r["order"] for r in rounds if len(r["order"]) == 2]
+    assert both[0] == ["colocated", "1P1D"] and (len(both) < 2 or both[1] == ["1P1D", "colocated"])
+    by_name = {a["name"]: a for a in doc["arrangements"]}
+    probes = {n: [r for r in a["runs"] if r["purpose"] == "probe"] for n, a in by_name.items()}
+    # round k replays the same requests (classes, prompt lengths) for every arrangement
+    for k in range(len(both)):
+        firsts = [next(r for r in probes[n] if r["summary"]["round"] == k) for n in by_name]
+        shared = min(len(r["requests"]) for r in firsts)
+        shapes = [[(q["index"], q["class_name"], q["num_prompt_tokens"]) for q in r["requests"][:shared]]
+                  for r in firsts]
+        assert shapes[0] == shapes[1]
+    q = doc["quote"]
+    for name in by_name:
+        c = q["arrangements"][name]
+        assert c["kind"] in ("point", "at_least", "at_most")
+        if c["kind"] == "point":
+            assert c["lo_rps"] <= c["estimate_rps"] <= c["hi_rps"]
+    assert q["separated"] == "1P1D" and q["colocated"] == "colocated"
+    assert doc["verdict"].startswith("Separate prefill: ")
+    assert (out / "capacity.png").exists()
+    # the fixed-rate run follows the reference's fitted capacity
+    fixed = [r for r in by_name["1P1D"]["runs"] if r["purpose"] == "fixed"]
+    assert fixed and fixed[0]["rate_multiplier"] == pytest.approx(doc["calibration"]["rate_multiplier"])
+
+
+@pytest.mark.timeout(300)
+def test_a_probe_stopped_early_counts_only_the_requests_it_decided(tmp_path):
+    raw = fitted_spec(max_probes=2, probe_requests=40)
+    raw["arrangements"] = raw["arrangements"][:1]
+    raw["arrivals"]["rate"]["nominal"] = 40.0   # ten times what the serial fake holds: round 0 drowns
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    runs = [r for r in doc["arrangements"][0]["runs"] if r["purpose"] == "probe"]
+    stopped = [r for r in runs if r["summary"]["stopped_early"]]
+    assert stopped, "the serial fake at a high rate should stop a probe early"
+    some_unsent = False
+    for run in stopped:
+        outcomes = run["summary"]["outcomes"]
+        unsent = {q["index"] for q in run["requests"] if q["sent_s"] is None}
+        undecided = {q["index"] for q in run["requests"] if q["error_kind"] == "probe_stopped"}
+        some_unsent = some_unsent or bool(unsent)
+        assert not unsent & set(outcomes["index"])
+        assert run["summary"]["num_decided"] == len(outcomes["index"]) <= len(run["requests"]) - len(unsent)
+        # a request the probe cut off is an outcome only if it was judged bad before the stop
+        for i, good in zip(outcomes["index"], outcomes["good"]):
+            if i in undecided:
+                assert good is False
+    assert some_unsent   # 40 requests in 1 s against a fake that serves ~4/s: the stop left some unsent
+
+
+def test_a_phased_plan_is_probed_whole_or_on_the_phase_the_spec_names():
+    from splitserve.trial.runner import phase_plan
+    from splitserve.trial.spec import SpecError
+    from splitserve.trial.workload import PlannedRequest
+
+    plan = [PlannedRequest(i, "chat", t, [1], 1) for i, t in enumerate([0.0, 5.0, 12.0, 15.0, 31.0])]
+    assert phase_plan(plan, [0.0, 10.0, 30.0], None) == plan
+    second = phase_plan(plan, [0.0, 10.0, 30.0], 2)
+    assert [r.index for r in second] == [2, 3] and [r.send_at_s for r in second] == [2.0, 5.0]
+    with pytest.raises(SpecError, match="capacity.phase: 4"):
+        phase_plan(plan, [0.0, 10.0, 30.0], 4)
+
+
+class _Curves:
+    """A stand-in for runner.Trial: each arrangement's probe outcomes drawn from a known curve."""
+
+    def __init__(self, crossings, base, budget_s=None, max_probes=6):
+        from types import SimpleNamespace
+
+        from splitserve.trial.method import CapacitySpec, TuneSpec
+
+        self.crossings = crossings
+        self.spec = SimpleNamespace(slo=SimpleNamespace(attainment=0.9), seed=0, tune=TuneSpec(base),
+                                    capacity=CapacitySpec(probe_requests=30, precision=0.2, max_probes=max_probes,
+                                                          budget_s=budget_s))
+        self.results, self.rounds, self.tuning, self.renamed = {}, [], None, []
+        self.rng = __import__("numpy").random.default_rng(7)
+
+    def result_for(self, name):
+        from splitserve.trial.runner import ArrangementResult
+
+        return self.results.setdefault(name, ArrangementResult(name))
+
+    def start_multiplier(self):
+        return 1.0
+
+    def _notify(self):
+        pass
+
+    def rename_tuned(self, point, name):
+        self.renamed.append((point, name))
+        self.results[name] = self.results.pop(point)
+        self.crossings[name] = self.crossings[point]
+
+    def _probe(self, ep, name, m, repeat, num, run, fitted=False):
+        import math
+
+        from splitserve.trial.runner import RunResult
+
+        p = 1 / (1 + math.exp(-(math.log(9) - 6 * math.log(m / self.crossings[name]))))
+        good = [bool(self.rng.random() < p) for _ in range(num)]
+        summary = {"offered_rate_rps": m, "wall_s": 10.0, "num_requests": num, "num_good": sum(good),
+                   "outcomes": {"index": list(range(num)), "good": good, "class": ["chat"] * num}}
+        return RunResult(m, summary, [], {}, repeat, "probe")
+
+
+def test_the_tuning_grid_halves_then_the_best_colocated_setting_continues_with_its_probes(monkeypatch):
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    crossings = {"base": 0.5, "1P1D": 0.8, "g-weak": 0.1, "g-strong": 0.7, "g-mid": 0.3}
+    trial = _Curves(dict(crossings), "base")
+    endpoints = {n: SimpleNamespace(pid=None) for n in crossings}
+    searches = sidebyside._rounds(trial, endpoints, [SimpleNamespace(name=n) for n in ("g-weak", "g-strong", "g-mid")],
+                                  0, None)
+    orders = [r["order"] for r in trial.rounds]
+    assert sorted(orders[0]) == sorted(crossings)                 # round 0: everyone, one rate
+    assert sorted(orders[1]) == ["1P1D", "base", "g-strong"]      # the weaker half of the colocated ones stopped
+    assert orders[1] == [n for n in sidebyside._rotated(list(crossings), 1) if n in orders[1]]  # rotated by one
+    assert trial.renamed == [("g-strong", "colocated-best")] and trial.tuning["best"] == "g-strong"
+    later = {n for order in orders[2:] for n in order}
+    assert later <= {"base", "1P1D", "colocated-best"}
+    best = searches["colocated-best"]
+    assert len(best.probes) >= 3 and best.probes[0].round == 0    # it kept its tuning probes
+    assert best.found.kind == "point" and 0.7 / 1.3 < best.found.estimate < 0.7 * 1.3
+
+
+def test_the_budget_ends_the_rounds_after_the_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    trial = _Curves({"base": 0.5, "1P1D": 0.8}, "base", budget_s=35.0)
+    sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in ("base", "1P1D")}, [], 0, 35.0)
+    # each probe takes 10 s: round 0 (20 s) fits, round 1 would end at 40 s, past the 35 s budget
+    assert len(trial.rounds) == 1
+
+
+def test_a_tuning_point_halved_out_never_wins_on_the_upper_bound_of_its_one_failed_probe(monkeypatch):
+    # round 0 at x1 fails everywhere (crossings far below): every point reads "at most x1"; the
+    # survivors then fail lower too, so their bound is lower than the halved points' untested one
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    crossings = {"base": 0.04, "1P1D": 0.05, "g-a": 0.03, "g-b": 0.02, "g-c": 0.035}
+    trial = _Curves(dict(crossings), "base")
+    sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in crossings},
+                       [SimpleNamespace(name=n) for n in ("g-a", "g-b", "g-c")], 0, None)
+    survivors = set(trial.rounds[1]["order"])
+    best = trial.tuning["best"]
+    assert best in survivors
