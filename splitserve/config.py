@@ -142,8 +142,13 @@ class EngineConfig:
     # on the engine's stdin, never on a command line or in the environment. None: --engine-secret-file.
     link_secret: bytes | None = field(default=None, repr=False)
     dtype: str = "float32"  # of weights, activations and the KV pool: one of DTYPES
+    # decode role: prompt tokens per step when it prefills a prompt itself (serve --disagg-policy
+    # threshold | auto); None: max_num_batched_tokens alone bounds them
+    local_prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.local_prefill_chunk_tokens is not None and self.local_prefill_chunk_tokens <= 0:
+            raise ValueError(f"local_prefill_chunk_tokens must be positive, got {self.local_prefill_chunk_tokens}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:

@@ -307,6 +307,8 @@ class ApiEvent(msgspec.Struct, frozen=True, array_like=True):
     num_retries: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    placement: dict | None = None
 
 
 class ApiEvents(msgspec.Struct, tag="api_events", frozen=True):

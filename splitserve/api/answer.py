@@ -68,11 +68,13 @@ def error_for(event: GenerationEvent) -> ApiError:
 def splitserve_report(event: GenerationEvent) -> dict | None:
     """The per-request report of docs/internals.md "Trial <-> server": present when the request
     moved KV between instances or was retried on another instance after its engine died."""
-    if event.kv_transfer is None and not event.num_retries:
+    if event.kv_transfer is None and not event.num_retries and event.placement is None:
         return None
     report = {"retries": event.num_retries}
     if event.kv_transfer is not None:
         report["kv_transfer"] = event.kv_transfer
+    if event.placement is not None:
+        report["prefill"] = event.placement  # disaggregated: local (on the decode instance) or remote, and why
     return report
 
 
@@ -82,8 +84,10 @@ def with_report(payload: dict, event: GenerationEvent) -> dict:
 
 
 def usage(event: GenerationEvent) -> dict:
+    # cached_tokens: OpenAI's field (vLLM fills it, AIPerf reads it), counted on the instance that prefilled
     return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_completion_tokens,
-            "total_tokens": event.num_prompt_tokens + event.num_completion_tokens}
+            "total_tokens": event.num_prompt_tokens + event.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": event.num_cached_tokens}}
 
 
 @dataclass(slots=True)

@@ -64,7 +64,8 @@ class RemoteTokenStream:
                           num_completion_tokens=e.num_completion_tokens, finished=e.finished,
                           finish_reason=e.finish_reason, error=e.error, rejected=e.rejected,
                           kv_transfer=e.kv_transfer, num_retries=e.num_retries, logprobs=e.logprobs,
-                          prompt_logprobs=e.prompt_logprobs)
+                          prompt_logprobs=e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
+                          placement=e.placement)
 
     def close(self, reason: str = "abort") -> None:
         """Safe to call from a cancelled task: it never awaits."""

@@ -33,6 +33,8 @@ class GenerationEvent:
     token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
     prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache of the instance that prefilled it
+    placement: dict | None = None  # disaggregated: where the prompt was prefilled and why
 
 
 class TokenSource(Protocol):
@@ -68,7 +70,8 @@ class TextStream:
                                num_completion_tokens=e.num_completion_tokens, finished=finished,
                                finish_reason=reason, error=e.error, rejected=e.rejected, kv_transfer=e.kv_transfer,
                                num_retries=e.num_retries, token_ids=e.token_ids, logprobs=e.logprobs,
-                               prompt_logprobs=e.prompt_logprobs)
+                               prompt_logprobs=e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
+                               placement=e.placement)
 
     def close(self) -> None:
         """Safe to call from a cancelled task: it never awaits."""

@@ -71,8 +71,13 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
                             ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s),
                             ("--profile", args.profile)) if v is not None]
     if not args.adaptive:
+        # the disaggregation policy `auto` weighs the same targets with the same step-time model
+        if getattr(args, "disagg_policy", None) == "auto":
+            given = [f for f in given if f not in ("--slo-ttft-s", "--slo-gap-s", "--profile")]
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --adaptive; add --adaptive or drop them")
+        if args.profile is not None:
+            check_profile(args.profile)
         return
     args.slo_ttft_s = 2.0 if args.slo_ttft_s is None else args.slo_ttft_s
     args.slo_gap_s = 0.25 if args.slo_gap_s is None else args.slo_gap_s
@@ -82,11 +87,15 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be positive seconds, got {value}")
     if args.profile is not None:
-        from splitserve.control.profile_file import ProfileError, load_profile
-        try:
-            load_profile(args.profile)
-        except ProfileError as e:
-            raise ValueError(f"--profile: {e}") from None
+        check_profile(args.profile)
+
+
+def check_profile(path: str) -> None:
+    from splitserve.control.profile_file import ProfileError, load_profile
+    try:
+        load_profile(path)
+    except ProfileError as e:
+        raise ValueError(f"--profile: {e}") from None
 
 
 def mix_views(loads: list[InstanceLoadView], threads: dict[str, int], default_threads: int = 1) -> list[InstanceView]:

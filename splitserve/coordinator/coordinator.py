@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections import deque
 
+from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.coordinator.dispatcher import Dispatcher
 from splitserve.coordinator.engine_link import EngineLink
 from splitserve.coordinator.metrics import FrontendMetrics
@@ -55,12 +56,12 @@ class Coordinator(ServedInstances):
     def __init__(self, router: Router, metrics: FrontendMetrics, bind: str = "tcp://127.0.0.1:0",
                  max_queued_requests: int = 256, heartbeat_timeout_s: float = 1.5,
                  link: EngineLinkSecurity | None = None, retry_on_engine_failure: int = 1,
-                 orphan_grace_s: float = 10.0) -> None:
+                 orphan_grace_s: float = 10.0, disagg_policy: DisaggPolicy | None = None) -> None:
         self.router, self.metrics = router, metrics
         self.link = EngineLink(bind, link, heartbeat_timeout_s, orphan_grace_s)
         self.outputs = OutputProcessor(metrics)
         self.dispatcher = Dispatcher(self.link, router, self.outputs, metrics, max_queued_requests,
-                                     retry_on_engine_failure)
+                                     retry_on_engine_failure, disagg_policy)
         self.roles = self.dispatcher.roles
         self.address = self.link.address
         # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an

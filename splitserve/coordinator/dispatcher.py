@@ -25,6 +25,7 @@ import time
 
 import msgspec
 
+from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.coordinator.engine_link import EngineLink
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.output_processor import OutputProcessor
@@ -48,8 +49,10 @@ def wire_params(params: SamplingParams) -> WireSamplingParams:
 
 class Dispatcher:
     def __init__(self, link: EngineLink, router: Router, outputs: OutputProcessor, metrics: FrontendMetrics,
-                 max_queued_requests: int = 256, retry_on_engine_failure: int = 1) -> None:
+                 max_queued_requests: int = 256, retry_on_engine_failure: int = 1,
+                 disagg_policy: DisaggPolicy | None = None) -> None:
         self.link, self.router, self.outputs, self.metrics = link, router, outputs, metrics
+        self.disagg_policy = disagg_policy  # local or remote prefill of a disaggregated plan
         self.max_queued_requests = max_queued_requests
         self.retry_on_engine_failure = retry_on_engine_failure
         self.requests: dict[str, RequestState] = {}  # by internal request id
@@ -85,9 +88,12 @@ class Dispatcher:
             payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority))
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"a sampling parameter is out of range: {e}") from None
-        routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt))
+        routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt), prompt)
         try:
             plan = self.router.pick(routable)
+            if self.disagg_policy is not None:
+                plan, placement = self.disagg_policy.place(plan, routable, self.link.instances, self.router)
+                state.placement = placement.report() if placement is not None else None
         except NoInstanceAvailable:
             if not self.roles.changing():
                 raise
@@ -142,6 +148,8 @@ class Dispatcher:
         there), so each frees its blocks."""
         for instance_id in state.holders():
             self.router.on_finish(instance_id, state.request_id)
+            if self.disagg_policy is not None:
+                self.disagg_policy.on_prefilled(instance_id, state.request_id)
             inst = self.link.instances.get(instance_id)
             if abort and inst is not None and inst.alive:
                 self.link.send(instance_id, AbortRequests([state.request_id]))
@@ -232,6 +240,12 @@ class Dispatcher:
                 self._redispatch(state, "the streamed KV transfer failed")
                 continue
             is_first = not state.token_ids
+            if out.new_token_ids and state.num_cached_tokens is None:
+                # counted where the prompt was prefilled: P's first token, or D's when it prefilled it
+                state.num_cached_tokens = min(out.num_cached_tokens, state.num_prompt_tokens)
+                self.metrics.cached_prompt_tokens.inc(state.num_cached_tokens)
+            if out.new_token_ids and self.disagg_policy is not None:
+                self.disagg_policy.on_prefilled(engine_id, state.request_id)
             processed = self.outputs.process(state, out)
             event = processed.event
             self.router.on_progress(engine_id, state.request_id, state.num_prompt_tokens if is_first else 0,

@@ -32,6 +32,11 @@ class FrontendMetrics:
                                     ["from_role", "to_role"], registry=r)
         self.mix_decisions = Counter("splitserve_mix_decisions", "serve --adaptive: decisions by action "
                                      "(none | change | refused)", ["action"], registry=r)
+        self.disagg_decisions = Counter("splitserve_disagg_decisions", "Disaggregated serving: where prompts "
+                                        "were prefilled (local: on their decode instance) and why", ["prefill", "reason"],
+                                        registry=r)
+        self.cached_prompt_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens the prefix cache "
+                                            "served on the instance that prefilled them", registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
         # work spent on requests aborted before their end (clients that left, mostly): prompt tokens

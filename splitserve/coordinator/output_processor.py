@@ -48,7 +48,7 @@ class OutputProcessor:
                            finish_reason=out.finish_reason if finished else None, error=out.error,
                            rejected=out.rejected, kv_transfer=kv_report,
                            num_retries=state.num_retries + state.num_resumes, logprobs=out.logprobs,
-                           prompt_logprobs=out.prompt_logprobs)
+                           prompt_logprobs=out.prompt_logprobs, **answer_facts(state))
         # Ended by the engine for good (not handed over, not an error a prefill instance may hold
         # KV through): nothing to abort anywhere.
         engine_done = out.finished and out.finish_reason not in ("prefill_done", "error")
@@ -58,4 +58,10 @@ class OutputProcessor:
         """The last event of a request ended here (abort, a dead engine, no instance)."""
         return TokenEvent(num_prompt_tokens=state.num_prompt_tokens, num_completion_tokens=state.num_completion_tokens,
                           finished=True, finish_reason=reason, error=error,
-                          num_retries=state.num_retries + state.num_resumes)
+                          num_retries=state.num_retries + state.num_resumes, **answer_facts(state))
+
+
+def answer_facts(state: RequestState) -> dict:
+    """What each event says about the request's prompt (any may be its last: the API may find a stop
+    string in it): the prefix-cache hits, and where it was prefilled (disaggregated serving)."""
+    return {"num_cached_tokens": state.num_cached_tokens or 0, "placement": state.placement}

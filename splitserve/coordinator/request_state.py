@@ -33,6 +33,8 @@ class TokenEvent:
     num_retries: int = 0  # times the request was sent again after its engine died
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
     prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache of the instance that prefilled it
+    placement: dict | None = None  # disaggregated: where the prompt was prefilled and why (Placement.report)
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,6 +81,8 @@ class RequestState:
     streamed_to: str | None = None
     held_outputs: list = field(default_factory=list)
     stream_failed: bool = False  # once failed, it is handed over at the end (no resume loop)
+    placement: dict | None = None  # disaggregated: Placement.report() of the current dispatch
+    num_cached_tokens: int | None = None  # prefix-cache hits where its prompt was first prefilled
 
     @property
     def num_prompt_tokens(self) -> int:

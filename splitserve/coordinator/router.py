@@ -45,6 +45,7 @@ class RoutableRequest:
     num_prompt_tokens: int
     max_tokens: int
     prefix_key: int | None = None  # prefix_key(prompt): for prefix affinity
+    prompt_token_ids: list[int] | None = None  # for a disaggregation policy's prefix-cache estimate
 
 
 @dataclass(slots=True)
@@ -116,6 +117,13 @@ class Router:
         if not open_:
             raise NoInstanceAvailable(f"every {role} engine instance's queue is full; retry later")
         return open_
+
+    def open_instances(self, role: str) -> list[InstanceLoad]:
+        """Live instances of `role` that take new requests now ([] when none)."""
+        try:
+            return self._open(role)
+        except NoInstanceAvailable:
+            return []
 
     def mark_dead(self, instance_id: str) -> list[str]:
         """Takes an instance out of rotation; returns the requests it held."""

@@ -68,6 +68,7 @@ class Arrivals:
 
 class ColocatedConnector:
     role = "colocated"
+    prompt_tokens_per_step: int | None = None  # the scheduler's cap on a step's prompt tokens (None: none)
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         if descriptor is not None:
@@ -219,6 +220,8 @@ class DecodeConnector(ColocatedConnector):
         if config.kv_failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"kv failure policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}")
         self.failure_policy = config.kv_failure_policy
+        # a prompt sent here to prefill (conditional disaggregation) shares its steps with running streams
+        self.prompt_tokens_per_step = config.local_prefill_chunk_tokens
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.blocks = block_manager
         # the scheduler's say on taking blocks for arriving KV (it may preempt lower priorities)
@@ -230,7 +233,9 @@ class DecodeConnector(ColocatedConnector):
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         if descriptor is None:
-            return False  # e.g. a stream resumed here by recomputing: prefill it like any prompt
+            # prefilled here like any prompt: a short or cached one the frontend's disaggregation
+            # policy kept local, or a stream resumed by recomputing
+            return False
         if descriptor.streamed:
             self.streamed.add(request.request_id)  # its first token comes at the end of the stream
         elif not request.output_token_ids:

@@ -77,8 +77,10 @@ class EngineCore:
 
     def _make_connector(self, role: str):
         shm_name = self._pool_handle.name if self._pool_handle is not None else ""
-        return make_connector(role, self.config, self.runner.kv_cache, self.block_manager, shm_name,
-                              self._kv_network, self.scheduler.make_room_for_kv)
+        connector = make_connector(role, self.config, self.runner.kv_cache, self.block_manager, shm_name,
+                                   self._kv_network, self.scheduler.make_room_for_kv)
+        self.scheduler.prompt_tokens_per_step = connector.prompt_tokens_per_step
+        return connector
 
     @property
     def role(self) -> str:

@@ -70,6 +70,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilled: deque[Request] = deque()  # KV received from a prefill instance
         self.num_preemptions = 0
+        # Prompt tokens one step may carry besides its decodes (None: only max_num_batched_tokens
+        # bounds them). The connector sets it: a decode instance prefilling a prompt itself keeps
+        # its chunks small, so its running streams' steps stay near their gap target.
+        self.prompt_tokens_per_step: int | None = None
         # the waiting requests short enough to jump the queue (step (2)), in queue order, and a
         # lower bound on their sizes: a step scans them alone, and stops once its short budget is
         # below every one, instead of walking a long queue of documents to find them
@@ -207,7 +211,10 @@ class Scheduler:
         return True
 
     def _budget(self, batch: ScheduledBatch) -> int:
-        return self.config.max_num_batched_tokens - batch.num_tokens
+        budget = self.config.max_num_batched_tokens - batch.num_tokens
+        if self.prompt_tokens_per_step is not None:
+            budget = min(budget, self.prompt_tokens_per_step - sum(n for _, n in batch.prefills))
+        return budget
 
     def _schedule_chunked(self) -> ScheduledBatch:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
@@ -328,6 +335,8 @@ class Scheduler:
                        request.max_model_len - request.num_tokens)
             steps = min(steps, left - 1)
         chunk = self.config.max_num_batched_tokens - decodes
+        if self.prompt_tokens_per_step is not None:
+            chunk = min(chunk, self.prompt_tokens_per_step)  # as _budget caps a step's prompt tokens
         if prompt is not None:
             if self.config.prefill_policy == "whole":
                 return 0, None, 0

@@ -58,7 +58,8 @@ def api_event(request_id: str, event: TokenEvent) -> ApiEvent:
                     num_completion_tokens=event.num_completion_tokens, finished=event.finished,
                     finish_reason=event.finish_reason, error=event.error, rejected=event.rejected,
                     kv_transfer=event.kv_transfer, num_retries=event.num_retries, logprobs=event.logprobs,
-                    prompt_logprobs=event.prompt_logprobs)
+                    prompt_logprobs=event.prompt_logprobs, num_cached_tokens=event.num_cached_tokens,
+                    placement=event.placement)
 
 
 async def call_app(app, forward: ApiForward) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

@@ -25,6 +25,7 @@ import sys
 from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, check_ray_args
 from splitserve.config import EngineConfig
 from splitserve.coordinator.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
+from splitserve.coordinator.disagg_policy import add_disagg_arguments, check_disagg_args, disagg_policy_from_args
 from splitserve.engine.process import add_engine_arguments, engine_config_from_args
 from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.api.limits import add_limit_arguments, check_limit_args
@@ -86,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_link_arguments(p)
     p.set_defaults(generated_secrets=False)  # run() sets it (own_engine_secrets)
     add_adaptive_arguments(p)
+    add_disagg_arguments(p)
     add_ray_arguments(p)
 
 
@@ -214,10 +216,12 @@ async def serve(args: argparse.Namespace) -> int:
     cpus = core_sets(len(roles), args.threads_per_instance or 1) if args.pin_cores else [None] * len(roles)
     metrics, router = FrontendMetrics(), Router(prefix_affinity=args.prefix_affinity)
     link = engine_link_from_args(args, args.engine_address, "--engine-address")
+    # before any engine config is built: it sizes the decode instances' local prefill chunks
+    disagg_policy = disagg_policy_from_args(args, metrics)
     client = EngineClient(None, router, metrics, bind=args.engine_address,
                           max_queued_requests=args.max_queued_requests, link=link,
                           retry_on_engine_failure=args.retry_on_engine_failure,
-                          heartbeat_timeout_s=args.engine_silence_timeout)
+                          heartbeat_timeout_s=args.engine_silence_timeout, disagg_policy=disagg_policy)
     engine_ids = [engine_id for engine_id, _ in roles] + [i.id for i in remote]
     for instance in remote:
         print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "
@@ -310,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
         check_ray_args(args)
         check_limit_args(args)
+        check_disagg_args(args)
         check_adaptive_args(args)
         # an unreadable key file or a bad key fails here, before any engine starts
         http_guard_from_args(args, api_keys_from_args(args))
