@@ -18,6 +18,7 @@ PRIORITY_BOUNDS = (-(2**31), 2**31 - 1)  # a request's priority: a 32-bit intege
 WEIGHT_FORMATS = ("auto", "fp32", "gguf", "gguf-q8act")  # models/loader.py says what each means
 # weights, activations and KV (devices.py maps them to torch); bfloat16 is what a GPU serves in
 DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_MODES = ("auto", "off")
 
 
 @dataclass(slots=True)
@@ -145,8 +146,13 @@ class EngineConfig:
     # decode role: prompt tokens per step when it prefills a prompt itself (serve --disagg-policy
     # threshold | auto); None: max_num_batched_tokens alone bounds them
     local_prefill_chunk_tokens: int | None = None
+    # auto: the C++ CPU kernels where they are built and apply; off: the pure-torch path (serve
+    # --kernels off, the engine before issue 16, for before/after trials)
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
         if self.local_prefill_chunk_tokens is not None and self.local_prefill_chunk_tokens <= 0:
             raise ValueError(f"local_prefill_chunk_tokens must be positive, got {self.local_prefill_chunk_tokens}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -119,19 +119,31 @@ def test_engines_sleep_between_parallel_regions_when_their_threads_fill_the_core
 
 def test_kernels_off_reaches_the_engines_and_makes_them_load_no_kernels(monkeypatch):
     """`serve --kernels off` (the engine before its C++ kernels, for before/after trials): the
-    engines' environment says so, and kernels.load() then returns None even where they are built."""
+    setting travels in the EngineConfig the engines get, not in their environment, and an engine
+    built from it makes kernels.load() return None even where they are built."""
     import argparse
 
     from splitserve import kernels
-    from splitserve.entrypoints.launch import engine_env
+    from splitserve.config import EngineConfig
+    from splitserve.engine.process import engine_config_from_args
+    from splitserve.entrypoints.launch import add_arguments, engine_env
+
+    def serve_args(*argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return p.parse_args(list(argv))
 
     monkeypatch.delenv("SPLITSERVE_KERNELS", raising=False)
-    args = argparse.Namespace(omp_wait_policy="auto", threads_per_instance=1, kernels="off")
-    env = engine_env(args, 2)
-    assert env["SPLITSERVE_KERNELS"] == "off"
-    assert "SPLITSERVE_KERNELS" not in engine_env(argparse.Namespace(omp_wait_policy="auto", threads_per_instance=1,
-                                                                     kernels="auto"), 2)
-    monkeypatch.setenv("SPLITSERVE_KERNELS", env["SPLITSERVE_KERNELS"])
+    args = serve_args("--kernels", "off")
+    assert engine_config_from_args(args, "colocated", "engine-0").kernels == "off"
+    assert engine_config_from_args(serve_args(), "colocated", "engine-0").kernels == "auto"
+    assert "SPLITSERVE_KERNELS" not in engine_env(args, 2)
+    with pytest.raises(ValueError, match="kernels"):
+        EngineConfig(kernels="of")
     monkeypatch.setattr(kernels, "_LOADED", [])
     monkeypatch.setattr(kernels, "built_library", lambda: pytest.fail("looked for the library although switched off"))
+    kernels.switch_off()
+    assert kernels.load() is None
+    monkeypatch.setattr(kernels, "_LOADED", [])  # the environment variable still works in-process
+    monkeypatch.setenv("SPLITSERVE_KERNELS", "off")
     assert kernels._load() is None

@@ -14,6 +14,7 @@ from collections import deque
 import msgspec
 import torch
 
+from splitserve import kernels
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
 from splitserve.devices import check_device, torch_dtype
 from splitserve.engine.block_manager import BlockManager
@@ -43,6 +44,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         check_device(config.device)  # before any weight is read: one clear line if there is no such device
+        if config.kernels == "off":
+            kernels.switch_off()  # before the loader asks whether the 4-bit kernels can run
         dtype = torch_dtype(config.dtype)
         if loaded is None:
             from splitserve.models.loader import load_model

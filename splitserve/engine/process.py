@@ -114,6 +114,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
         model=args.model, device=args.device, num_threads=args.threads_per_instance, seed=args.seed,
         weight_format=args.weight_format, dtype=args.dtype, link_secret=args.engine_link_secret,
         local_prefill_chunk_tokens=getattr(args, "local_prefill_chunk_tokens", None),  # serve's policy sets it
+        kernels=getattr(args, "kernels", "auto"),  # serve --kernels
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

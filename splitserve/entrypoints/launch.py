@@ -157,8 +157,6 @@ def engine_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
 def engine_env(args: argparse.Namespace, num_engines: int) -> dict[str, str]:
     """The environment engines start with: OpenMP must learn its wait policy before torch loads."""
     env = dict(os.environ)
-    if getattr(args, "kernels", "auto") == "off":
-        env["SPLITSERVE_KERNELS"] = "off"
     if "OMP_WAIT_POLICY" in env:
         return env
     policy = args.omp_wait_policy

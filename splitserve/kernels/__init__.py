@@ -76,6 +76,15 @@ def _load():
 load.cache_clear = _LOADED.clear  # after a build, the next load() looks again
 
 
+def switch_off() -> None:
+    """The pure-torch path for the rest of this process (EngineConfig.kernels == "off"): an
+    engine process serves one engine, so its setting is the process's."""
+    with _LOAD_LOCK:
+        if _LOADED != [None]:
+            log.info("GGUF kernels switched off (EngineConfig.kernels); using the pure-torch path")
+        _LOADED[:] = [None]
+
+
 def applies_to(device: torch.device | str, dtype) -> bool:
     """Whether the C++ kernels may read tensors of this device and dtype: they are CPU code on
     fp32 memory, and a CUDA (or meta) tensor handed to them would be read as a host pointer."""
