@@ -34,8 +34,12 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
         if not pts:
             continue
         xs = [x for x, *_ in pts]
-        ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]],
-                    fmt="o", color=color, alpha=0.8, capsize=2, label=name)
+        # the bars come from the same k and n as the point; clipped at 0 all the same (matplotlib
+        # refuses a negative length, and a rounding error must not cost the whole report)
+        below = [max(0.0, y - lo) for _, y, lo, _ in pts]
+        above = [max(0.0, hi - y) for _, y, _, hi in pts]
+        ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[below, above], fmt="o", color=color, alpha=0.8,
+                    capsize=2, label=name)
         if cap and cap.get("fit"):
             cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3)
             ax.plot(cx, cy, color=color, lw=1.5)
