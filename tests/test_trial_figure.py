@@ -82,3 +82,22 @@ def test_fixed_runs_are_counted_with_the_probes_and_a_slow_engine_is_flagged():
     assert "not idle after 30 s (2 requests): went ahead" in table
     context = _fitted_context(doc, q)
     assert "Host: 1 of 9 probes and fixed-rate runs were disturbed" in context and "1 redone" in context
+
+
+def test_the_cdfs_and_pauses_draw_the_fullest_probe_at_or_below_the_capacity():
+    from splitserve.trial.report import _drawn, drawn_probe
+
+    doc = results_doc()
+    q = doc["quote"] = quote_mod.quote(doc)
+    best = doc["arrangements"][0]
+    cap = q["arrangements"]["colocated-best"]
+    assert cap["kind"] == "point" and 1.42 < cap["estimate_rps"] < 2.74
+    # 0.95 (26 decided) and 1.42 (40) are at or below it; 2.74 (80 decided) is above: not drawn
+    assert drawn_probe(best, cap)["summary"]["offered_rate_rps"] == 1.42
+    assert drawn_probe(best, {**cap, "kind": "at_most"}) is None
+    assert drawn_probe(best, {**cap, "kind": "at_least", "estimate_rps": 0.95})["summary"]["num_decided"] == 26
+    for run in (r for a in doc["arrangements"] for r in a["runs"]):
+        run["requests"] = [{"index": 0, "class_name": "chat", "sent_s": 0.0, "token_times_s": [0.2, 0.3]}]
+    drawn, caption = _drawn(doc, None)
+    assert drawn["colocated-best"][1] and caption.startswith(
+        "Drawn from colocated-best: the probe at 1.420 req/s (repeat 1, round 1), 40 requests decided;")
