@@ -39,6 +39,7 @@ class FakeBehaviour:
     token_ids: bool = False        # honour return_token_ids: each chunk names its token ids
     spawn_child: bool = False      # start a child process, as `serve` starts engines (affinity is inherited)
     adaptive: bool = False         # GET /admin/mix as `serve --adaptive`: one role change at the 5th request
+    abort_lag_s: float = 0.0       # a stream the client left still counts as running this long (an abort in flight)
 
 
 def fake_token(word: str) -> int:
@@ -49,7 +50,7 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
     app = FastAPI()
     engine = asyncio.Lock()
     counter = itertools.count(1)
-    stats = {"kv_failures": 0, "requests": 0}
+    stats = {"kv_failures": 0, "requests": 0, "running": 0}
     mix = {"roles": {"engine-0": "colocated", "engine-1": "colocated"},
            "decisions": [{"instance_id": None, "reason": "within the hysteresis band", "wall_time": time.time()}]}
 
@@ -79,7 +80,11 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
     async def metrics():
         return PlainTextResponse(f"# TYPE splitserve_kv_transfer_failures_total counter\n"
                                  f"splitserve_kv_transfer_failures_total {stats['kv_failures']}\n"
-                                 f"splitserve_requests_total {stats['requests']}\n")
+                                 f"splitserve_requests_total {stats['requests']}\n"
+                                 # the engine gauges coordinator/metrics.py exports: the trial waits on them
+                                 f'splitserve_instance_running_requests{{instance="engine-0",role="colocated"}} '
+                                 f"{stats['running']}\n"
+                                 f'splitserve_instance_queued_requests{{instance="engine-0",role="colocated"}} 0\n')
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -95,7 +100,23 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
         num_tokens = max_tokens // 2 if behaviour.truncate_every and n % behaviour.truncate_every == 0 else max_tokens
         kv_failed = bool(behaviour.kv_fail_every) and n % behaviour.kv_fail_every == 0
         stats["kv_failures"] += kv_failed
-        return StreamingResponse(_stream(n, num_prompt, num_tokens, kv_failed, body), media_type="text/event-stream")
+        return StreamingResponse(_counted(_stream(n, num_prompt, num_tokens, kv_failed, body)),
+                                 media_type="text/event-stream")
+
+    async def _counted(chunks):
+        """The stream counts as running until it ends; one the client left, `abort_lag_s` longer."""
+        stats["running"] += 1
+        finished = False
+        try:
+            async for chunk in chunks:
+                yield chunk
+            finished = True
+        finally:
+            if finished or not behaviour.abort_lag_s:
+                stats["running"] -= 1
+            else:
+                asyncio.get_running_loop().call_later(behaviour.abort_lag_s, lambda: stats.update(
+                    running=stats["running"] - 1))
 
     async def _stream(n, num_prompt, num_tokens, kv_failed, body):
         def sse(obj) -> bytes:

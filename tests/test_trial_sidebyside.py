@@ -56,6 +56,14 @@ def test_side_by_side_rounds_rotate_on_identical_requests_and_every_capacity_has
     # the fixed-rate run follows the reference's fitted capacity
     fixed = [r for r in by_name["1P1D"]["runs"] if r["purpose"] == "fixed"]
     assert fixed and fixed[0]["rate_multiplier"] == pytest.approx(doc["calibration"]["rate_multiplier"])
+    # the fixed-rate runs are watched like the probes, and counted with them
+    watched = [r for a in by_name.values() for r in a["runs"] if r["purpose"].startswith("fixed")]
+    assert len(watched) >= 2 and all("attempt" in r["summary"] and "host" in r["summary"] for r in watched)
+    assert q["host"]["fixed"] == len(watched)
+    # every run first waited for an idle server (the fake exports the engine gauges)
+    for a in by_name.values():
+        for r in a["runs"]:
+            assert r["summary"]["idle_before"]["checked"] and r["summary"]["idle_before"]["idle"], r["purpose"]
 
 
 @pytest.mark.timeout(300)
@@ -195,3 +203,61 @@ def test_a_tuning_point_halved_out_never_wins_on_the_upper_bound_of_its_one_fail
     survivors = set(trial.rounds[1]["order"])
     best = trial.tuning["best"]
     assert best in survivors
+
+
+@pytest.mark.timeout(120)
+def test_a_run_waits_until_the_server_has_dropped_what_an_earlier_run_left():
+    import asyncio
+    import subprocess
+    import sys
+
+    from splitserve.trial.arrangements import free_port, stop_process_group, wait_ready
+    from splitserve.trial.client import run_load
+    from splitserve.trial.idle import busy_requests, wait_idle
+    from splitserve.trial.workload import PlannedRequest
+
+    from test_trial_end_to_end import FAKE
+
+    port = free_port()
+    # the fake counts a stream its client left as running 2 s longer: an abort still in flight
+    proc = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--gap-s", "0.05", "--abort-lag-s", "2.0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, 60, proc)
+        quiet = wait_idle(url)
+        assert quiet["checked"] and quiet["idle"] and quiet["wait_s"] < 1.0
+        stop = asyncio.Event()
+
+        async def stop_soon(t0):
+            await asyncio.sleep(0.5)
+            stop.set()                                  # a probe that stopped early, mid-stream
+
+        [rec] = asyncio.run(run_load(url, [PlannedRequest(0, "chat", 0.0, [5, 6, 7], 200)], 10.0, "fake-model",
+                                     side_tasks=[stop_soon], stop=stop))
+        assert rec.error_kind == "probe_stopped"
+        assert busy_requests(url) == 1
+        short = wait_idle(url, deadline_s=0.5)          # past its deadline: said so, and the run goes ahead
+        assert short["checked"] and short["idle"] is False and short["busy_requests"] == 1
+        assert short["wait_s"] >= 0.5
+        full = wait_idle(url)
+        assert full["idle"] and full["busy_requests"] == 0
+        assert short["wait_s"] + full["wait_s"] >= 1.0  # it did wait for the leftover stream
+    finally:
+        stop_process_group(proc)
+
+
+def test_a_server_without_the_gauges_is_not_waited_on(monkeypatch):
+    from splitserve.trial import idle
+
+    monkeypatch.setattr(idle, "scrape_counters", lambda url, prefixes: {"splitserve_requests_total": 3.0})
+    got = idle.wait_idle("http://unused")
+    assert got["checked"] is False and got["idle"] is None and got["busy_requests"] is None
+    seen = iter([{'splitserve_instance_running_requests{instance="e0",role="prefill"}': 1.0,
+                  'splitserve_instance_queued_requests{instance="e1",role="decode"}': 2.0}] * 2 + [
+                 {'splitserve_instance_running_requests{instance="e0",role="prefill"}': 0.0,
+                  'splitserve_instance_queued_requests{instance="e1",role="decode"}': 0.0}])
+    monkeypatch.setattr(idle, "scrape_counters", lambda url, prefixes: next(seen))
+    got = idle.wait_idle("http://unused", poll_s=0.01)
+    assert got["idle"] and got["checked"]           # both gauges on every instance had to reach 0
+    assert next(seen, None) is None                 # it read until the third reading, no sooner

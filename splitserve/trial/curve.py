@@ -220,4 +220,6 @@ def wilson(k: int, n: int, z: float = 1.645) -> tuple[float, float]:
     denom = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, mid - half), min(1.0, mid + half)
+    # at k = 0 or k = n a bound equals the share exactly in arithmetic, but rounding can put it a
+    # hair on the wrong side (1 - 1e-16 for 6 of 6): the interval must contain its own share
+    return min(max(0.0, mid - half), p), max(min(1.0, mid + half), p)

@@ -62,3 +62,18 @@ def steps_since(base_url: str, before: dict[str, int] | None, timeout_s: float =
             out[row["id"]] = {"role": row["role"], "samples": samples,
                               "missing": max(0, row["first"] - start)}
     return {"fields": doc.get("fields"), "instances": out}
+
+
+def decode_step_median(steps: dict | None) -> float | None:
+    """The median time of a run's decode-only steps (no prompt tokens in them), over all instances:
+    the engine's speed on the same kind of work from run to run. None when the run has no steps."""
+    if not steps or not steps.get("fields"):
+        return None
+    fields = steps["fields"]
+    prefill, seqs, seconds = (fields.index(f) for f in ("prefill_tokens", "decode_seqs", "seconds"))
+    times = sorted(row[seconds] for inst in steps["instances"].values() for row in inst["samples"]
+                   if row[prefill] == 0 and row[seqs] > 0)
+    if not times:
+        return None
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2

@@ -34,8 +34,12 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
         if not pts:
             continue
         xs = [x for x, *_ in pts]
-        ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]],
-                    fmt="o", color=color, alpha=0.8, capsize=2, label=name)
+        # the bars come from the same k and n as the point; clipped at 0 all the same (matplotlib
+        # refuses a negative length, and a rounding error must not cost the whole report)
+        below = [max(0.0, y - lo) for _, y, lo, _ in pts]
+        above = [max(0.0, hi - y) for _, y, _, hi in pts]
+        ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[below, above], fmt="o", color=color, alpha=0.8,
+                    capsize=2, label=name)
         if cap and cap.get("fit"):
             cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3)
             ax.plot(cx, cy, color=color, lw=1.5)
@@ -81,29 +85,59 @@ def capacity_figure(doc: dict) -> bytes:
     return buf.getvalue()
 
 
+def _step_cell(check: dict | None, index: int) -> str:
+    """This run's median decode-only step beside its arrangement's median over its probes."""
+    row = next((r for r in (check or {}).get("runs", []) if r["run"] == index), None)
+    if row is None:
+        return "-"
+    median = check.get("probe_median_s")
+    cell = f"{row['decode_step_median_s'] * 1e3:.0f} ms" + (f" ({median * 1e3:.0f} ms)" if median else "")
+    return cell + (": slow engine" if row["slow"] else "")
+
+
+def _idle_cell(s: dict) -> str:
+    idle = s.get("idle_before") or {}
+    if not idle.get("checked"):
+        return "-"
+    if idle["idle"]:
+        return f"{idle['wait_s']:.1f} s"
+    return f"not idle after {idle['wait_s']:.0f} s ({idle['busy_requests']:g} requests): went ahead"
+
+
 def probes_html(doc: dict) -> str:
-    """Every probe of the fitted search in the order it ran: rate, good of decided, the host."""
+    """Every probe of the fitted search and every fixed-rate run, in the order they ran: rate, good
+    of decided, the host, the engine's decode step beside its arrangement's usual one."""
     rows = []
+    steps = (doc.get("quote") or {}).get("steps") or {}
     for a in doc["arrangements"]:
-        for run in a["runs"]:
-            if run.get("purpose") not in ("probe", "probe-disturbed") or "round" not in run["summary"]:
+        for i, run in enumerate(a["runs"]):
+            purpose = run.get("purpose")
+            fixed = purpose in ("fixed", "fixed-disturbed")
+            if not fixed and (purpose not in ("probe", "probe-disturbed") or "round" not in run["summary"]):
                 continue
             s = run["summary"]
+            if fixed and "attempt" not in s:
+                continue  # a fixed-rate run of the other methods: not watched, shown in the tables
             host = s.get("host") or {}
             good = sum(s["outcomes"]["good"]) if s.get("outcomes") else s["num_good"]
             idle = max((s.get("idle_cpu_share") or {}).values(), default=None)
-            rows.append((run.get("repeat", 0), s["round"], a["name"], s.get("offered_rate_rps") or 0.0,
+            rows.append((run.get("repeat", 0), "fixed" if fixed else s["round"], a["name"],
+                         s.get("offered_rate_rps") or 0.0,
                          f"{good} / {s.get('num_decided', s['num_requests'])} of {s['num_requests']}",
                          f"{host.get('others_share', 0):.0%} others, {host.get('steal_share', 0):.0%} steal"
                          if host else "not watched",
-                         ("disturbed, redone" if run["purpose"] == "probe-disturbed" else
+                         ("disturbed, redone" if purpose.endswith("-disturbed") else
                           "disturbed (redo also)" if s.get("disturbed") else "quiet"),
                          f"{s['speed_units_per_s'] / 1e6:.2f} M/s" if s.get("speed_units_per_s") else "-",
-                         f"{idle:.1%}" if idle is not None else "-"))
+                         f"{idle:.1%}" if idle is not None else "-", _idle_cell(s), _step_cell(steps.get(a["name"]), i)))
     if not rows:
         return ""
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c) if not isinstance(c, float) else f'{c:.3f}')}</td>"
                                     for c in r) + "</tr>" for r in rows)
-    return ("<h3>Every probe</h3><table><tr><th>repeat</th><th>round</th><th>arrangement</th><th>req/s</th>"
-            "<th>good / decided of planned</th><th>host during the probe</th><th>host</th>"
-            "<th>speed before it</th><th>idle servers' CPU</th></tr>" + body + "</table>")
+    return ("<h3>Every probe and fixed-rate run</h3><table><tr><th>repeat</th><th>round</th><th>arrangement</th>"
+            "<th>req/s</th><th>good / decided of planned</th><th>host during the run</th><th>host</th>"
+            "<th>speed before it</th><th>idle servers' CPU</th><th>wait for an idle server</th>"
+            "<th>median decode step (its arrangement's over its probes)</th></tr>" + body + "</table>"
+            "<p>A run whose median decode-only step is more than twice its arrangement's median over its "
+            "probes is marked \"slow engine\": the engine ran slower than elsewhere in the trial (a measured "
+            "symptom, not an input to the verdict; steps also grow with the batch at a higher rate).</p>")

@@ -95,7 +95,7 @@ def quote(doc: dict) -> dict | None:
     return {"target": target, "level": curve.LEVEL, "arrangements": per, "separated": sep, "colocated": col,
             "ratio": ratio, "decision": decide(ratio) if sep and col else None,
             "held_nothing": all(c["kind"] in ("at_most", "none") for c in per.values()),
-            "host": host_summary(doc)}
+            "host": host_summary(doc), "steps": step_check(doc)}
 
 
 def _point(p: curve.ProbeOutcomes) -> dict:
@@ -107,28 +107,54 @@ def _point(p: curve.ProbeOutcomes) -> dict:
     return {"rate_rps": p.rate, "n": p.n, "good": p.k, "lo": lo, "hi": hi, "round": p.round, "by_class": by_class}
 
 
+WATCHED = ("probe", "probe-disturbed", "fixed", "fixed-disturbed")
+SLOW_ENGINE = 2.0   # a run's median decode step past this many times its arrangement's probes' median
+
+
 def host_summary(doc: dict) -> dict:
-    """How many probes the watched host flagged, how many were redone, the speed drift and the
-    idle servers' CPU while another was probed."""
-    probes, disturbed, redone, speeds, idle = 0, 0, 0, [], []
+    """How many probes and fixed-rate runs the watched host flagged, how many were redone, the
+    speed drift and the idle servers' CPU while another was probed."""
+    probes, fixed, disturbed, redone, speeds, idle = 0, 0, 0, 0, [], []
     watched = False
     for a in doc["arrangements"]:
         for run in a["runs"]:
             s = run["summary"]
-            if run.get("purpose") not in ("probe", "probe-disturbed") or "attempt" not in s:
+            if run.get("purpose") not in WATCHED or "attempt" not in s:
                 continue
-            probes += 1
+            probes += run["purpose"].startswith("probe")
+            fixed += run["purpose"].startswith("fixed")
             watched = watched or bool(s.get("host"))
             disturbed += bool(s.get("disturbed"))
-            redone += run.get("purpose") == "probe-disturbed"
+            redone += run["purpose"].endswith("-disturbed")
             if s.get("speed_units_per_s"):
                 speeds.append(s["speed_units_per_s"])
             idle.extend((s.get("idle_cpu_share") or {}).values())
     med = float(np.median(speeds)) if speeds else None
-    return {"probes": probes, "disturbed": disturbed, "redone": redone, "watched": watched,
+    return {"probes": probes, "fixed": fixed, "disturbed": disturbed, "redone": redone, "watched": watched,
             "speed_median": med,
             "speed_spread": (min(speeds) / med, max(speeds) / med) if speeds and med else None,
             "idle_cpu_share_max": max(idle) if idle else None}
+
+
+def step_check(doc: dict) -> dict:
+    """Per arrangement: the median over its fitted probes of each probe's median decode-only step,
+    and every watched run's own median beside it, flagged "slow" past SLOW_ENGINE times. A measured
+    symptom (the engine ran slower than it does elsewhere in the trial: another process, a slow
+    core), shown in the report, not an input to the verdict. Decode steps grow with their batch,
+    so a run at a much higher rate can be slower without anything wrong."""
+    out = {}
+    for a in doc["arrangements"]:
+        own = [r["summary"].get("decode_step_median_s") for r in a["runs"] if r.get("purpose") == "probe"]
+        own = [x for x in own if x]
+        median = float(np.median(own)) if own else None
+        runs = []
+        for i, r in enumerate(a["runs"]):
+            step = r["summary"].get("decode_step_median_s")
+            if r.get("purpose") in WATCHED and step is not None:
+                runs.append({"run": i, "purpose": r["purpose"], "decode_step_median_s": step,
+                             "slow": bool(median and step > SLOW_ENGINE * median)})
+        out[a["name"]] = {"probe_median_s": median, "runs": runs}
+    return out
 
 
 def fixed_rule(doc: dict, m: float | None) -> tuple[bool, str]:

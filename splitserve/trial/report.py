@@ -162,6 +162,35 @@ def _main_requests(a: dict, m: float | None) -> list[dict]:
     return []
 
 
+def drawn_probe(arr_doc: dict, cap: dict | None) -> dict | None:
+    """The fitted method's run for the CDFs and pause timelines: of the probes at or below the
+    arrangement's capacity estimate (or its lower bound), the one with the most decided requests,
+    a fuller sample than the fixed-rate run's few. None where the capacity is an upper bound."""
+    if not cap or cap["kind"] not in ("point", "at_least") or not cap.get("estimate_rps"):
+        return None
+    below = [r for r in arr_doc["runs"] if r.get("purpose") == "probe" and "outcomes" in r["summary"]
+             and (r["summary"].get("offered_rate_rps") or 0.0) <= cap["estimate_rps"] * (1 + 1e-9)]
+    return max(below, key=lambda r: r["summary"]["num_decided"], default=None)
+
+
+def _drawn(doc: dict, m: float | None) -> tuple[dict, str]:
+    """Per arrangement, the requests the CDFs and pause timelines draw (and whether from a probe),
+    and a caption naming them."""
+    q = doc.get("quote") or {}
+    out, said = {}, []
+    for a in doc["arrangements"]:
+        run = drawn_probe(a, (q.get("arrangements") or {}).get(a["name"])) if q else None
+        if run is not None:
+            s = run["summary"]
+            out[a["name"]] = (run["requests"], True)
+            said.append(f"{a['name']}: the probe at {s['offered_rate_rps']:.3f} req/s (repeat {run.get('repeat', 0) + 1}, "
+                        f"round {s.get('round', 0)}), {s['num_decided']} requests decided")
+        elif _main_requests(a, m):
+            out[a["name"]] = (_main_requests(a, m), False)
+            said.append(f"{a['name']}: the fixed-rate run" + (" (no probe at or below its capacity)" if q else ""))
+    return out, "Drawn from " + "; ".join(said) + "." if said else ""
+
+
 def plots(doc: dict) -> dict[str, str]:
     import matplotlib
 
@@ -170,7 +199,8 @@ def plots(doc: dict) -> dict[str, str]:
     import numpy as np
 
     m = equal_rate(doc)
-    ran = [a for a in doc["arrangements"] if _main_requests(a, m)]
+    drawn, _ = _drawn(doc, m)
+    ran = [a for a in doc["arrangements"] if a["name"] in drawn]
     out = {}
     if ran:  # a trial whose searches held nothing has no whole-plan run to draw
         for key, title, values_of in (
@@ -180,7 +210,7 @@ def plots(doc: dict) -> dict[str, str]:
                                                                        for g in np.diff(r["token_times_s"])])):
             fig, ax = plt.subplots(figsize=(6.5, 3.5))
             for a in ran:
-                values = np.sort(values_of(_main_requests(a, m)))
+                values = np.sort(values_of(drawn[a["name"]][0]))
                 if values.size:
                     ax.plot(values, np.arange(1, values.size + 1) / values.size, label=a["name"])
             ax.set_xscale("log")
@@ -191,22 +221,28 @@ def plots(doc: dict) -> dict[str, str]:
         fig, axes = plt.subplots(len(ran), 1, figsize=(8, 2.2 * max(len(ran), 1)), sharex=True, squeeze=False)
         long_classes = _long_classes(doc)
         for ax, a in zip(axes[:, 0], ran):
-            for r in _main_requests(a, m):
+            requests, from_probe = drawn[a["name"]]
+            for r in requests:
                 times = r["token_times_s"]
                 if times:
                     ax.plot([times[0], times[-1]], [r["index"]] * 2, color="0.8", lw=1)
                 for t0, t1 in zip(times, times[1:]):
                     if t1 - t0 > doc["pause_threshold_s"]:
                         ax.plot([t0, t1], [r["index"]] * 2, color="red", lw=2.5)
-            for p in doc["plan"]:
-                if p["class"] in long_classes:
-                    ax.axvline(p["send_at_s"] / m, color="tab:blue", alpha=0.35, lw=1)
+            if from_probe:   # a probe's requests are the plan's recut and tiled: their own send times
+                arrivals = [r["sent_s"] for r in requests if r["class_name"] in long_classes and r["sent_s"] is not None]
+            else:            # the plan's own run: its arrivals as planned
+                arrivals = [p["send_at_s"] / m for p in doc["plan"] if p["class"] in long_classes]
+            for t in arrivals:
+                ax.axvline(t, color="tab:blue", alpha=0.35, lw=1)
             ax.set_ylabel(a["name"], fontsize=8)
         axes[-1, 0].set_xlabel(f"seconds (grey: streaming, red: pause > {doc['pause_threshold_s']} s, "
                                f"blue: long-prompt arrival)")
         out["pauses"] = _png(fig)
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for a in ran:
+            if not main_summary(a, m):
+                continue   # drawn from a probe, with no fixed-rate run to scale the SLOs of
             curve = main_summary(a, m)["attainment_vs_slo_scale"]
             ax.plot([c["scale"] for c in curve], [c["attainment"] for c in curve], marker="o", label=a["name"])
         ax.set_xlabel("SLO scale (x every deadline)")
@@ -283,7 +319,9 @@ def write_html(doc: dict, path: pathlib.Path) -> None:
     head = "".join(f"<th>{html.escape(a['name'])}</th>" for a in doc["arrangements"])
     errors = "".join(f"<div class=err><b>{html.escape(a['name'])} failed:</b>"
                      f"<pre>{html.escape(a['error'])}</pre></div>" for a in doc["arrangements"] if a["error"])
+    _, drawn_from = _drawn(doc, equal_rate(doc))
     figures = "".join(f'<h3>{PLOT_TITLES[name]}</h3><img alt="{name}" src="data:image/png;base64,{data}">'
+                      + (f"<p>{html.escape(drawn_from)}</p>" if name in ("ttft_cdf", "gap_cdf", "pauses") else "")
                       for name, data in images.items())
     slo = doc["slo"]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>splitserve trial {html.escape(doc['trial'])}</title>

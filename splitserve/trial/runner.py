@@ -34,6 +34,7 @@ from splitserve.trial.capacity import Probe, search_capacity
 from splitserve.trial.client import counter_deltas, http_tokenizer, run_load, scrape_counters
 from splitserve.trial.engine_steps import step_counts, steps_since
 from splitserve.trial.faults import fault_outcomes, inject_fault
+from splitserve.trial.idle import wait_idle
 from splitserve.trial.method import search_settings
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
 from splitserve.trial.mix_timeline import fetch_role_timeline
@@ -221,8 +222,9 @@ class Trial:
                             f"{rel.reference}'s capacity is a bound ({cap['kind'].replace('_', ' ')})"}
         return self.main_multiplier
 
-    def fixed_run(self, endpoint: Endpoint, name: str, repeat: int, started: float) -> None:
-        """The plan's first requests at the fixed rate; how many follows from the time left."""
+    def fixed_replay(self, endpoint: Endpoint, name: str, repeat: int, started: float, run: int = 0) -> RunResult:
+        """The plan's first requests at the fixed rate; how many follows from the time left. `run`:
+        the content stream (0, the plan itself; a redo gets other text, the same requests)."""
         if self.num_fixed is None:
             cap = search_settings(self.spec)
             left = cap.budget_s - (time.monotonic() - started) if cap.budget_s else None
@@ -234,10 +236,8 @@ class Trial:
         arr = next((a for a in self.arrangements if a.name == name), None)
         if arr is not None:
             self._adaptive_now = arrangement_kind(arr) == "adaptive"
-        self.result_for(name).runs.append(self._replay(endpoint, self.plan_for_run(0)[: self.num_fixed],
-                                                       self.main_multiplier, f"{name} fixed rate (repeat {repeat + 1})",
-                                                       repeat, "fixed"))
-        self._notify()
+        return self._replay(endpoint, self.plan_for_run(run)[: self.num_fixed], self.main_multiplier,
+                            f"{name} fixed rate (repeat {repeat + 1})", repeat, "fixed")
 
     def _session(self, arr: Arrangement, repeat: int, search: bool, sweep: bool) -> None:
         """One launch of one arrangement: [capacity search], fixed-rate run, [sweep]."""
@@ -427,6 +427,7 @@ class Trial:
         timed = [dataclasses.replace(r, send_at_s=r.send_at_s / multiplier) for r in plan]
         if on_done is None and self.progress and label:
             on_done = self.progress(label, len(timed))
+        idle = wait_idle(endpoint.base_url)   # nothing left running from a run that stopped early
         before = scrape_counters(endpoint.base_url)
         steps_before = step_counts(endpoint.base_url)
         fault_events: list[dict] = []
@@ -454,6 +455,7 @@ class Trial:
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall
         summary["stopped_early"] = bool(stop is not None and stop.is_set())
+        summary["idle_before"] = idle
         if engine_steps is not None:
             summary["engine_steps"] = engine_steps
         if self._adaptive_now:

@@ -34,6 +34,7 @@ import psutil
 
 from splitserve.trial import curve
 from splitserve.trial.arrangements import LaunchError, launched
+from splitserve.trial.engine_steps import decode_step_median
 from splitserve.trial.method import grid_arrangements, search_settings
 from splitserve.trial.resources import arrangement_resources, with_kv_split
 
@@ -44,6 +45,7 @@ SEARCH_FRACTION = 0.8          # of capacity.budget_s; the fixed-rate runs get t
 FRONTEND_BYTES = 400 << 20
 ENGINE_BYTES = 512 << 20
 DISTURBED_SHARE = 0.10
+REDO_STREAM = 500_000          # a redone run's content stream: past any probe's tiles (run + 10_000 k)
 
 try:  # the watched host (issue 25 part 3); a trial without it runs unwatched and says so
     from splitserve.trial.hostwatch import HostWatch, speed_benchmark
@@ -142,13 +144,13 @@ def run_repeat(trial, repeat: int) -> None:
                     searches.update(_rounds(trial, {arr.name: ep}, [], repeat, left))
                     _record(trial, {arr.name: searches[arr.name]}, repeat)
                     if trial.set_main_multiplier() is not None:
-                        trial.fixed_run(ep, arr.name, repeat, started)
+                        _watched_fixed(trial, {arr.name: ep}, arr.name, repeat, started)
             return
         _record(trial, searches, repeat)
         if trial.set_main_multiplier() is not None:
             for name in _rotated([a.name for a in trial.arrangements], repeat):
                 if name in endpoints:
-                    trial.fixed_run(endpoints[name], name, repeat, started)
+                    _watched_fixed(trial, endpoints, name, repeat, started)
 
 
 def _rotated(items, k):
@@ -248,9 +250,28 @@ def _last_wall(trial, name):
 
 
 def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
-    """One probe, watched; redone once when other processes took the cores. The idle servers'
-    CPU during it is measured: side by side means they must sleep while another is probed."""
     cap, ep = search_settings(trial.spec), endpoints[name]
+
+    def replay(redo):
+        # a redo gets other prompt text for the same requests: the prefix cache must not remember it
+        run = trial._probe(ep, name, multiplier, repeat, cap.probe_requests, 1 + k + redo * REDO_STREAM, fitted=True)
+        run.summary["round"] = k
+        return run
+    return _watched(trial, endpoints, name, replay)
+
+
+def _watched_fixed(trial, endpoints, name, repeat, started):
+    """The fixed-rate run under the same watch as a probe (issue 25: the check guards them too)."""
+    _watched(trial, endpoints, name, lambda redo: trial.fixed_replay(endpoints[name], name, repeat, started,
+                                                                      redo * REDO_STREAM))
+    trial._notify()
+
+
+def _watched(trial, endpoints, name, replay):
+    """One run (a probe or a fixed-rate run), watched; redone once when other processes took the
+    cores. The idle servers' CPU during it is measured: side by side means they must sleep while
+    another is probed. Also kept: the engine's median decode-only step, a symptom of a slow engine
+    the host reading may miss (quote.step_check puts it beside the arrangement's median)."""
     idle = {n: _tree(e.pid) for n, e in endpoints.items() if n != name and e.pid}
     wall = 0.0
     for attempt in (0, 1):
@@ -260,20 +281,20 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
                           threshold=DISTURBED_SHARE) if HostWatch else None
         if watch:
             watch.start()
-        run = trial._probe(ep, name, multiplier, repeat, cap.probe_requests, 1 + k, fitted=True)
+        run = replay(attempt)
         reading = watch.stop() if watch else None
         run.summary["host"] = reading.to_json() if reading else None
         run.summary["speed_units_per_s"] = speed
         run.summary["idle_cpu_share"] = {n: (_cpu_s(procs) - cpu0[n]) / max(run.summary["wall_s"], 1e-9)
                                          for n, procs in idle.items()}
         run.summary["attempt"] = attempt
+        run.summary["decode_step_median_s"] = decode_step_median(run.summary.get("engine_steps"))
         wall += run.summary["wall_s"]
-        run.summary["round"] = k
         disturbed = bool(reading and reading.disturbed)
         run.summary["disturbed"] = disturbed
         if not disturbed or attempt == 1:
             break
-        run.purpose = "probe-disturbed"  # kept for the record, not fitted
+        run.purpose = f"{run.purpose}-disturbed"  # kept for the record, not fitted nor compared
         trial.result_for(name).runs.append(run)
     trial.result_for(name).runs.append(run)
     return run, wall

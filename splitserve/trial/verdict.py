@@ -264,7 +264,9 @@ def _fitted_context(doc: dict, q: dict) -> str:
                 "order, so drift between their launches is not shared (the ratio is not paired by time).")
     if host["probes"]:
         if host["watched"]:
-            out += (f" Host: {host['disturbed']} of {host['probes']} probes run were disturbed (other processes "
+            runs = (f"{host['probes'] + host['fixed']} probes and fixed-rate runs" if host.get("fixed")
+                    else f"{host['probes']} probes run")
+            out += (f" Host: {host['disturbed']} of {runs} were disturbed (other processes "
                     f"took more than 10% of the cores), {host['redone']} redone")
             if host.get("speed_spread"):
                 lo, hi = host["speed_spread"]
