@@ -261,3 +261,40 @@ def test_a_server_without_the_gauges_is_not_waited_on(monkeypatch):
     got = idle.wait_idle("http://unused", poll_s=0.01)
     assert got["idle"] and got["checked"]           # both gauges on every instance had to reach 0
     assert next(seen, None) is None                 # it read until the third reading, no sooner
+
+
+def test_a_disturbed_fixed_rate_run_is_kept_for_the_record_and_redone_once_on_other_text(monkeypatch):
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+    from splitserve.trial.runner import RunResult
+
+    readings = iter([True, True])   # the busy loop outlasts the redo too: it is not redone twice
+
+    class Watch:
+        def __init__(self, pids, threshold):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            disturbed = next(readings)
+            return SimpleNamespace(disturbed=disturbed, to_json=lambda: {"others_share": 0.4, "disturbed": disturbed})
+
+    monkeypatch.setattr(sidebyside, "HostWatch", Watch)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", lambda: 1e6)
+    trial = _Curves({"base": 0.5}, "base")
+    streams = []
+
+    def fixed_replay(ep, name, repeat, started, run=0):
+        streams.append(run)
+        return RunResult(1.0, {"wall_s": 5.0, "num_requests": 19, "num_good": 4}, [], {}, repeat, "fixed")
+
+    trial.fixed_replay = fixed_replay
+    sidebyside._watched_fixed(trial, {"base": SimpleNamespace(pid=None)}, "base", 0, 0.0)
+    runs = trial.results["base"].runs
+    assert [r.purpose for r in runs] == ["fixed-disturbed", "fixed"]
+    assert streams == [0, sidebyside.REDO_STREAM]          # the redo: the same requests, other prompt text
+    assert [r.summary["attempt"] for r in runs] == [0, 1] and all(r.summary["disturbed"] for r in runs)
+    assert runs[1].summary["host"]["others_share"] == 0.4 and runs[1].summary["speed_units_per_s"] == 1e6
