@@ -95,6 +95,17 @@ def smollm_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Random weights leave norms at 1 and biases at 0, so bugs in them would not change a token:
+    nudge them (from the caller's seeded generator)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            elif name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn_like(parameter))
+
+
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embeddings: bool = False,
                           seed: int = 0, tokenizer: str = "bytes", max_shard_size: str | None = None,
                           chat_template: str | None = None, **overrides) -> Path:
@@ -127,12 +138,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", tie_word_embedd
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config).to(torch.float32).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    parameter.add_(0.1 * torch.randn_like(parameter))
-                elif name.endswith(".bias"):
-                    parameter.copy_(0.1 * torch.randn_like(parameter))
+        perturb_norms_and_biases(model)
     if chat_template is not None:
         tok.chat_template = chat_template
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

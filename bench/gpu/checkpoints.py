@@ -19,7 +19,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from tiny_models import ARCHITECTURES, tiny_tokenizer, write_tiny_checkpoint  # noqa: E402
+from tiny_models import ARCHITECTURES, perturb_norms_and_biases, tiny_tokenizer, write_tiny_checkpoint  # noqa: E402
 
 # name -> (architecture, transformers config settings): the published models' shapes
 SHAPES = {
@@ -54,12 +54,7 @@ def write_checkpoint(path: Path, shape: str, device: str = "cpu", seed: int = 0)
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
             model = model_class(config).to(torch.bfloat16).eval()
-            with torch.no_grad():
-                for name, parameter in model.named_parameters():
-                    if name.endswith("norm.weight"):
-                        parameter.add_(0.1 * torch.randn_like(parameter))
-                    elif name.endswith(".bias"):
-                        parameter.copy_(0.1 * torch.randn_like(parameter))
+            perturb_norms_and_biases(model)
         model.save_pretrained(path)
         tok.save_pretrained(path)
         del model
