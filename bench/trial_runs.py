@@ -7,8 +7,12 @@ ratio intervals, and one run with a busy loop started outside the trial (normal 
 child of this script, not of the trial, so the trial's host watch counts it as another process.
 
     python bench/trial_runs.py examples/doc_heavy_bursty.yaml --runs 3 --out bench/results/quote
-    python bench/trial_runs.py examples/doc_heavy_bursty.yaml --runs 1 --disturb-at 180 --disturb-for 90 \
-        --out bench/results/quote_disturbed
+    python bench/trial_runs.py examples/doc_heavy_bursty.yaml --runs 1 --disturb-after-probes 3 \
+        --disturb-for 90 --out bench/results/quote_disturbed
+
+`--disturb-after-probes N` starts the loop when the trial has finished its N-th probe (read from
+its output), so the disturbance lands among the probes and not in the servers' launch, which takes
+a varying time; `--disturb-at S` starts it S seconds after the run's start.
 """
 from __future__ import annotations
 
@@ -73,6 +77,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--disturb-at", type=float, default=None, help="seconds after each run's start")
+    ap.add_argument("--disturb-after-probes", type=int, default=None,
+                    help="start the busy loop once the trial has finished this many probes")
     ap.add_argument("--disturb-for", type=float, default=90.0)
     args = ap.parse_args()
     out = Path(args.out)
@@ -86,8 +92,18 @@ def main() -> None:
         if args.disturb_at is not None:
             busy_loop(args.disturb_at, args.disturb_for, log)
         with open(out / f"run{k + 1}.log", "w") as f:
-            rc = subprocess.call([str(exe), "trial", args.spec, "--out", str(run_dir)], stdout=f,
-                                 stderr=subprocess.STDOUT, cwd=ROOT)
+            proc = subprocess.Popen([str(exe), "trial", args.spec, "--out", str(run_dir)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, cwd=ROOT, text=True, bufsize=1)
+            probes = 0
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+                if args.disturb_after_probes is not None and " probe x" in line:
+                    probes += 1
+                    if probes == args.disturb_after_probes:
+                        log.append({"event": "probes_done", "t": time.time(), "probes": probes})
+                        busy_loop(0.0, args.disturb_for, log)
+            rc = proc.wait()
         wall = time.time() - t0
         row = {"run": k + 1, "rc": rc, "wall_s": round(wall, 1), "started": time.strftime(
             "%H:%M:%S", time.gmtime(t0)), "disturbance": [{**e, "t": round(e["t"] - t0, 1)} for e in log]}
