@@ -328,3 +328,25 @@ def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_prof
     (tmp_path / "r0.json").write_text(json.dumps(results_doc()))
     assert main([str(tmp_path / "p.json"), str(tmp_path / "r0.json"), "--calibrate-out", str(tmp_path / "d.json")]) == 2
     assert not (tmp_path / "d.json").exists()
+
+
+def test_a_fitted_interval_says_whether_the_prediction_falls_inside():
+    # the interval method: results.json's quote gives each arrangement a fitted capacity [lo, hi]
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    names = [a["name"] for a in doc["arrangements"][:2]]
+    first = compare_results(parse_profile(PROFILE), {**doc, "quote": {"arrangements": {
+        n: {"kind": "point", "estimate_rps": 1.0, "lo_rps": 0.9, "hi_rps": 1.1} for n in names}}})
+    caps = {r["arrangement"]: r["predicted"] for r in first["rows"] if r["metric"].startswith("capacity")}
+    assert set(caps) == set(names) and all(caps.values())
+    p, q = caps[names[0]], caps[names[1]]
+    # one interval around its prediction, one far below its prediction: inside, then flagged outside
+    doc["quote"] = {"arrangements": {
+        names[0]: {"kind": "point", "estimate_rps": p, "lo_rps": p * 0.9, "hi_rps": p * 1.1},
+        names[1]: {"kind": "point", "estimate_rps": q / 10, "lo_rps": q / 12, "hi_rps": q / 8}}}
+    out = compare_results(parse_profile(PROFILE), doc)
+    rows = {r["arrangement"]: r for r in out["rows"] if r["metric"].startswith("capacity")}
+    assert rows[names[0]]["in_measured_interval"] is True
+    assert rows[names[1]]["in_measured_interval"] is False
+    assert rows[names[1]]["measured"] == q / 10  # no searched capacity: the fitted crossing is the measurement
+    assert "OUTSIDE" in render(out) and f"fitted {p * 0.9:.2f}-{p * 1.1:.2f}/s: inside" in render(out)

@@ -75,6 +75,22 @@ def _measured_range(arr_doc: dict) -> tuple[float, float] | None:
     return None
 
 
+def _fitted_interval(results: dict, name: str) -> dict | None:
+    """The trial's fitted capacity for `name` (results.json `quote`, trial/quote.py: the crossing
+    of a curve fitted to every probe, with its interval), or None when the trial fitted none."""
+    c = ((results.get("quote") or {}).get("arrangements") or {}).get(name)
+    return c if c and c.get("kind") in ("point", "at_least", "at_most") else None
+
+
+def _inside(p: float | None, c: dict) -> bool:
+    """Whether a predicted capacity falls in a fitted interval (a bound: on its side of it)."""
+    if p is None:
+        return False
+    if c["kind"] == "point":
+        return c["lo_rps"] <= p <= c["hi_rps"]
+    return p >= c["estimate_rps"] if c["kind"] == "at_least" else p <= c["estimate_rps"]
+
+
 def _median(values: list) -> float | None:
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -208,6 +224,9 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
         if ratios:
             step_rows.append({"arrangement": arr.name, **ratios})
         measured_cap = _measured_capacity(arr_doc)
+        fitted = _fitted_interval(results, arr_doc["name"])
+        if measured_cap is None and fitted is not None:
+            measured_cap = fitted["estimate_rps"]
 
         def predicted_capacity(prof: Profile) -> float | None:
             if settings is not None:
@@ -226,6 +245,9 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          # with repeats, whether the prediction falls where the trial itself landed
                          **({"measured_range": list(spread),
                              "in_measured_range": p is not None and spread[0] <= p <= spread[1]} if spread else {}),
+                         # with a fitted curve, whether the prediction falls inside its interval
+                         **({"measured_interval": {k: fitted[k] for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
+                             "in_measured_interval": _inside(p, fitted)} if fitted else {}),
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
@@ -293,6 +315,11 @@ def render(doc: dict) -> str:
         if "measured_range" in r:
             low, high = r["measured_range"]
             line += f"  repeats {low:.2f}-{high:.2f}/s: {'inside' if r['in_measured_range'] else 'outside'}"
+        if "measured_interval" in r:
+            c = r["measured_interval"]
+            where = (f"{c['lo_rps']:.2f}-{c['hi_rps']:.2f}/s" if c["kind"] == "point" else
+                     f"{'>=' if c['kind'] == 'at_least' else '<='}{c['estimate_rps']:.2f}/s")
+            line += f"  fitted {where}: {'inside' if r['in_measured_interval'] else 'OUTSIDE'}"
         lines.append(line)
     if doc.get("steps"):
         lines.append("engine steps in the trial / the profile's step model (median [p10-p90], time-weighted):")
