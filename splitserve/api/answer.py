@@ -121,7 +121,7 @@ class Answer:
         """The event as this answer shows it: a prompt-only score has no answer tokens."""
         if not self.echo.score_only:
             return event
-        return dataclasses.replace(event, text="", num_new_tokens=0, num_completion_tokens=0, token_ids=[],
+        return dataclasses.replace(event, text="", num_completion_tokens=0, token_ids=[],
                                    logprobs=None, finish_reason="length" if event.finish_reason else None)
 
     def _echo_logprobs(self, prompt_logprobs: list | None) -> dict | None:

@@ -9,7 +9,7 @@ which the coordinator counts as a stop and aborts on every instance that holds t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from splitserve.api.render import OutputText
@@ -17,24 +17,17 @@ from splitserve.coordinator.request_state import TokenEvent
 
 
 @dataclass(slots=True, kw_only=True)
-class GenerationEvent:
-    """What the HTTP layer sees: new text, and at the end the reason and counts."""
+class GenerationEvent(TokenEvent):
+    """What the HTTP layer sees: the coordinator's TokenEvent (its fields, defined once there) plus
+    the new text (the tokens' text may be held back for a stop string)."""
 
     text: str
-    num_new_tokens: int
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    rejected: bool = False  # the engine refused it at admission: the user's request was bad
-    kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
-    num_retries: int = 0  # times the request was sent again after its engine died
-    token_ids: list[int] = field(default_factory=list)  # the new tokens (their text may be held back)
-    logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
-    prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
-    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache of the instance that prefilled it
-    placement: dict | None = None  # disaggregated: where the prompt was prefilled and why
+
+    @classmethod
+    def of(cls, tokens: TokenEvent, text: str, **changes) -> GenerationEvent:
+        """The token event with its text; `changes` (by keyword) override its fields."""
+        values = {f.name: getattr(tokens, f.name) for f in fields(TokenEvent)}
+        return cls(**(values | changes), text=text)
 
 
 class TokenSource(Protocol):
@@ -66,12 +59,7 @@ class TextStream:
             finished, reason = True, "stop"
             self._tokens.close("stop")
         self._done = finished
-        return GenerationEvent(text=text, num_new_tokens=len(e.token_ids), num_prompt_tokens=e.num_prompt_tokens,
-                               num_completion_tokens=e.num_completion_tokens, finished=finished,
-                               finish_reason=reason, error=e.error, rejected=e.rejected, kv_transfer=e.kv_transfer,
-                               num_retries=e.num_retries, token_ids=e.token_ids, logprobs=e.logprobs,
-                               prompt_logprobs=e.prompt_logprobs, num_cached_tokens=e.num_cached_tokens,
-                               placement=e.placement)
+        return GenerationEvent.of(e, text, finished=finished, finish_reason=reason)
 
     def close(self) -> None:
         """Safe to call from a cancelled task: it never awaits."""

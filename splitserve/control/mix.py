@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
 from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
-from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, Role
+from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, Role, take_over_survivor
 
 # the order candidate moves are tried in (ties go to the first): config order would change decisions
 MOVE_ORDER = (Role.PREFILL.value, Role.DECODE.value, Role.COLOCATED.value)
@@ -289,9 +289,9 @@ class MixController:
         if not live:
             return Decision(now_s, "no live instance: nothing to change")
         missing = "prefill" if not any(v.role in PREFILL_CAPABLE for v in live) else "decode"
-        # the least loaded survivor of the stage that still has the most instances
-        count = {role: sum(v.role == role for v in live) for role in ROLES}
-        view = min(live, key=lambda v: (-count[v.role], v.num_running + v.queued_prompt_tokens))
+        by_id = {v.instance_id: v for v in live}
+        view = by_id[take_over_survivor({v.instance_id: (v.role, v.num_running + v.queued_prompt_tokens)
+                                         for v in live})]
         self._since_change = 0
         return Decision(now_s, f"no live instance can {missing}: {view.instance_id} ({view.role}) becomes "
                                "colocated so both stages are served", view.instance_id, view.role, "colocated")

@@ -25,7 +25,7 @@ from splitserve.coordinator.engine_link import EngineLink
 from splitserve.coordinator.metrics import FrontendMetrics
 from splitserve.coordinator.router import Router
 from splitserve.protocol import RoleChanged, SetRole, StepSample
-from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES
+from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, take_over_survivor
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,10 @@ class RoleChanger:
         serving = {i: r for i, r in self.router.serving().items() if i not in self._pending}
         if not serving or check_coverage(serving) is None:
             return
-        # A stage has no instance left: the least loaded survivor takes it over.
+        # A stage has no instance left: a survivor takes it over (the rule the mix controller uses too).
         missing = "prefill" if not any(r in PREFILL_CAPABLE for r in serving.values()) else "decode"
         loads = self.router.instances
-        survivor = min(serving, key=lambda i: (loads[i].outstanding_tokens, i))
+        survivor = take_over_survivor({i: (r, loads[i].outstanding_tokens) for i, r in serving.items()})
         role = "colocated" if len(serving) == 1 else missing
         try:
             future = self._begin(survivor, role)
