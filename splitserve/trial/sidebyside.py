@@ -12,7 +12,9 @@ server is probed the others sit idle: their CPU during each probe is measured an
 An arrangement stops when its interval is narrower than `capacity.precision` or it has had
 `capacity.max_probes` probes; all stop when the search's share of the budget is spent. The tuning
 grid is searched the same way for TUNE_ROUNDS rounds; the best colocated setting then continues
-(as `colocated-best`, its probes kept) and the other points stop. Every probe is watched
+(as `colocated-best`, its probes kept, on the same request sets as the others) and the other
+points stop. A grid point is best only when its capacity interval lies above the base's; within
+noise of it, the base stays. Every probe is watched
 (hostwatch.py): one where other processes took more than the threshold of the cores is redone
 once. Between probes a short fixed CPU benchmark records the machine's speed.
 
@@ -337,6 +339,10 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
     # rate has an upper bound there ("at most 0.95"), which says less, not more, than a lower rate tried
     best = max((n for n in pool if n in searches and not searches[n].halved), key=lambda n: searches[n].rank(),
                default=None)
+    # a grid point replaces the base only when its interval lies above the base's: two tuning rounds
+    # leave wide intervals, and a point estimate within noise of the base is not a better setting
+    if best != base and base in searches and not clearly_above(searches[best].found, searches[base].found):
+        best = base
     for n in grid_names:
         if n != best and n in searches:
             searches[n].done = True
@@ -349,6 +355,16 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
         searches["colocated-best"] = searches.pop(best)
         searches["colocated-best"].name = "colocated-best"
         endpoints["colocated-best"] = endpoints.pop(best)
+
+
+def clearly_above(found, other) -> bool:
+    """found's capacity is above other's beyond both intervals: found's lower end (the point's lo,
+    an "at least" bound) over other's upper end (the point's hi, an "at most" bound)."""
+    if found is None or other is None:
+        return False
+    low = {"point": found.lo, "at_least": found.estimate}.get(found.kind)
+    high = {"point": other.hi, "at_most": other.estimate}.get(other.kind)
+    return low is not None and high is not None and low > high
 
 
 def _record(trial, searches, repeat):
