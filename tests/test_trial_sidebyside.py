@@ -318,3 +318,16 @@ def test_a_disturbed_fixed_rate_run_is_kept_for_the_record_and_redone_once_on_ot
     assert streams == [0, sidebyside.REDO_STREAM]          # the redo: the same requests, other prompt text
     assert [r.summary["attempt"] for r in runs] == [0, 1] and all(r.summary["disturbed"] for r in runs)
     assert runs[1].summary["host"]["others_share"] == 0.4 and runs[1].summary["speed_units_per_s"] == 1e6
+
+
+def test_a_budget_that_affords_few_probes_per_arrangement_is_warned_about():
+    from splitserve.trial.method import CapacitySpec
+    from splitserve.trial.sidebyside import affordable_probes, budget_for, budget_warning
+
+    short = CapacitySpec(probe_requests=16, probe_seconds=30, precision=0.15, max_probes=6, budget_s=300)
+    assert affordable_probes(short, 4) < 2           # chat_only's old budget: one round of four
+    text = budget_warning(short, 4)
+    assert text.startswith("budget_s 300 affords about 2 probes per arrangement") and "wide" in text
+    enough = CapacitySpec(probe_requests=16, probe_seconds=30, precision=0.15, max_probes=6,
+                          budget_s=budget_for(short, 4))
+    assert affordable_probes(enough, 4) >= 5 and budget_warning(enough, 4) is None
