@@ -20,16 +20,20 @@ def truth(x, crossing=0.5, slope=-6.0):
     return 1 / (1 + math.exp(-eta))
 
 
-def draw(rng, x, n, round_index, crossing=0.5):
-    return ProbeOutcomes(x, {i: bool(rng.random() < truth(x, crossing)) for i in range(n)}, round_index)
+def draw(rng, x, n, round_index, crossing=0.5, probe_sd=0.0):
+    """One probe's n outcomes. probe_sd > 0: the probe's own shift of the curve (logit scale), shared
+    by all its requests, as a document burst that fails several chats at once."""
+    shift = rng.normal(0.0, probe_sd) if probe_sd else 0.0
+    p = 1 / (1 + math.exp(-(math.log(truth(x, crossing) / (1 - truth(x, crossing))) + shift)))
+    return ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(n)}, round_index)
 
 
-def search(seed, n=30, max_probes=8, precision=0.2, start=1.0, crossing=0.5):
+def search(seed, n=30, max_probes=8, precision=0.2, start=1.0, crossing=0.5, probe_sd=0.0):
     """The placement the trial uses, against the known curve."""
     rng = np.random.default_rng(seed)
     probes, x = [], start
     for k in range(max_probes):
-        probes.append(draw(rng, x, n, k, crossing))
+        probes.append(draw(rng, x, n, k, crossing, probe_sd))
         found = capacity(probes, TARGET, rng)
         if found.kind == "point" and found.width() < precision:
             break
@@ -43,7 +47,18 @@ def test_the_90_percent_interval_covers_the_true_crossing_in_at_least_85_percent
         found, _ = search(seed)
         assert found.kind == "point"
         covered += found.lo <= 0.5 <= found.hi
-    assert covered >= 170, covered          # measured: 181 of 200 (90.5%)
+    assert covered >= 170, covered          # measured: 185 of 200 (the binomial-only bootstrap: 171)
+
+
+def test_the_interval_still_covers_when_outcomes_within_a_probe_share_a_fate():
+    """Each probe's curve shifted by its own N(0, 0.7) on the logit: requests of one probe are
+    correlated. A bootstrap over requests alone covered 132 of these 200 seeds."""
+    covered = 0
+    for seed in range(200):
+        found, _ = search(seed, probe_sd=0.7)
+        assert found.kind == "point"
+        covered += found.lo <= 0.5 <= found.hi
+    assert covered >= 170, covered          # measured: 177 of 200
 
 
 def test_the_probe_placement_converges_on_the_crossing():
@@ -68,6 +83,42 @@ def test_data_that_do_not_bracket_the_crossing_give_a_bound_and_the_next_probe_g
     assert found.kind == "at_most" and found.estimate == pytest.approx(1.0)
     assert next_rate(failed, found, 2.0, 0.2) == pytest.approx(0.5)
     assert capacity([ProbeOutcomes(1.0, {})], TARGET, rng).kind == "none"
+
+
+def plateau_probes(seed, ceiling, crossing=0.5, slope=-6.0):
+    """Seven probes of 40 requests from P(good) = ceiling * sigmoid(...): never above `ceiling`.
+    Above TARGET, it crosses TARGET at `crossing`."""
+    rng = np.random.default_rng(seed)
+    share = TARGET / ceiling if ceiling > TARGET else TARGET
+    eta0 = math.log(share / (1 - share))
+    probes = []
+    for j, x in enumerate((0.15, 0.25, 0.35, 0.45, 0.55, 0.7, 0.9)):
+        p = ceiling / (1 + math.exp(-(eta0 + slope * (math.log(x) - math.log(crossing)))))
+        probes.append(ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(40)}, j))
+    return rng, probes
+
+
+def test_a_curve_with_a_ceiling_of_0_93_is_fitted_with_its_ceiling_not_bent_into_a_wrong_crossing():
+    covered, points = 0, 0
+    for seed in range(100):
+        rng, probes = plateau_probes(seed, 0.93)
+        found = capacity(probes, TARGET, rng)
+        if found.kind == "point":
+            points += 1
+            covered += found.lo <= 0.5 <= found.hi
+        else:   # the ceiling measured at or under the target: an honest "at most"
+            assert found.kind == "at_most"
+    assert covered >= 65, covered      # measured 73 of 100, and 19 "at most"; a fit reaching 1 covered 8
+    assert covered >= 0.85 * points
+
+
+def test_a_curve_that_plateaus_under_the_target_never_reaches_it():
+    bounded = 0
+    for seed in range(100):
+        rng, probes = plateau_probes(seed, 0.85)
+        found = capacity(probes, TARGET, rng)
+        bounded += found.kind == "at_most"
+    assert bounded >= 85, bounded      # measured 92 of 100; a fit reaching 1 said "at most" in 39
 
 
 def test_the_paired_ratio_interval_covers_the_true_ratio_and_excludes_one():

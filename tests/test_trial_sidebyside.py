@@ -157,7 +157,7 @@ def test_the_tuning_grid_halves_then_the_best_colocated_setting_continues_with_i
 
     monkeypatch.setattr(sidebyside, "HostWatch", None)
     monkeypatch.setattr(sidebyside, "speed_benchmark", None)
-    crossings = {"base": 0.5, "1P1D": 0.8, "g-weak": 0.1, "g-strong": 0.7, "g-mid": 0.3}
+    crossings = {"base": 0.5, "1P1D": 0.8, "g-weak": 0.1, "g-strong": 2.0, "g-mid": 0.3}
     trial = _Curves(dict(crossings), "base")
     endpoints = {n: SimpleNamespace(pid=None) for n in crossings}
     searches = sidebyside._rounds(trial, endpoints, [SimpleNamespace(name=n) for n in ("g-weak", "g-strong", "g-mid")],
@@ -171,7 +171,27 @@ def test_the_tuning_grid_halves_then_the_best_colocated_setting_continues_with_i
     assert later <= {"base", "1P1D", "colocated-best"}
     best = searches["colocated-best"]
     assert len(best.probes) >= 3 and best.probes[0].round == 0    # it kept its tuning probes
-    assert best.found.kind == "point" and 0.7 / 1.3 < best.found.estimate < 0.7 * 1.3
+    assert best.found.kind == "point" and 2.0 / 1.3 < best.found.estimate < 2.0 * 1.3
+
+
+def test_a_grid_point_within_noise_of_the_base_does_not_replace_it(monkeypatch):
+    # g-close's crossing is 10% above the base's: after two tuning rounds the intervals overlap, so
+    # the base stays the colocated setting and keeps being probed (picked by the point estimate
+    # alone, g-close won here)
+    from types import SimpleNamespace
+
+    from splitserve.trial import sidebyside
+
+    monkeypatch.setattr(sidebyside, "HostWatch", None)
+    monkeypatch.setattr(sidebyside, "speed_benchmark", None)
+    crossings = {"base": 0.5, "1P1D": 0.8, "g-close": 0.55, "g-weak": 0.1}
+    trial = _Curves(dict(crossings), "base")
+    searches = sidebyside._rounds(trial, {n: SimpleNamespace(pid=None) for n in crossings},
+                                  [SimpleNamespace(name=n) for n in ("g-close", "g-weak")], 0, None)
+    assert trial.tuning["best"] == "base" and trial.renamed == []
+    assert searches["g-close"].done
+    later = {n for r in trial.rounds[sidebyside.TUNE_ROUNDS:] for n in r["order"]}
+    assert "base" in later and "g-close" not in later
 
 
 def test_the_budget_ends_the_rounds_after_the_first(monkeypatch):
@@ -298,3 +318,16 @@ def test_a_disturbed_fixed_rate_run_is_kept_for_the_record_and_redone_once_on_ot
     assert streams == [0, sidebyside.REDO_STREAM]          # the redo: the same requests, other prompt text
     assert [r.summary["attempt"] for r in runs] == [0, 1] and all(r.summary["disturbed"] for r in runs)
     assert runs[1].summary["host"]["others_share"] == 0.4 and runs[1].summary["speed_units_per_s"] == 1e6
+
+
+def test_a_budget_that_affords_few_probes_per_arrangement_is_warned_about():
+    from splitserve.trial.method import CapacitySpec
+    from splitserve.trial.sidebyside import affordable_probes, budget_for, budget_warning
+
+    short = CapacitySpec(probe_requests=16, probe_seconds=30, precision=0.15, max_probes=6, budget_s=300)
+    assert affordable_probes(short, 4) < 2           # chat_only's old budget: one round of four
+    text = budget_warning(short, 4)
+    assert text.startswith("budget_s 300 affords about 2 probes per arrangement") and "wide" in text
+    enough = CapacitySpec(probe_requests=16, probe_seconds=30, precision=0.15, max_probes=6,
+                          budget_s=budget_for(short, 4))
+    assert affordable_probes(enough, 4) >= 5 and budget_warning(enough, 4) is None

@@ -15,10 +15,10 @@ import math
 from splitserve.trial import curve
 
 
-def _curve_points(fit, lo: float, hi: float):
+def _curve_points(fit, lo: float, hi: float, ceiling: float = 1.0):
     a, b, c = fit
     xs = [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / 80) for i in range(81)]
-    return xs, [1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c))))) for x in xs]
+    return xs, [ceiling / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c))))) for x in xs]
 
 
 def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
@@ -41,7 +41,7 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
         ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[below, above], fmt="o", color=color, alpha=0.8,
                     capsize=2, label=name)
         if cap and cap.get("fit"):
-            cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3)
+            cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3, cap.get("ceiling") or 1.0)
             ax.plot(cx, cy, color=color, lw=1.5)
         if cap and cap["kind"] == "point":
             ax.axvspan(cap["lo_rps"], cap["hi_rps"], color=color, alpha=0.15)

@@ -12,7 +12,9 @@ server is probed the others sit idle: their CPU during each probe is measured an
 An arrangement stops when its interval is narrower than `capacity.precision` or it has had
 `capacity.max_probes` probes; all stop when the search's share of the budget is spent. The tuning
 grid is searched the same way for TUNE_ROUNDS rounds; the best colocated setting then continues
-(as `colocated-best`, its probes kept) and the other points stop. Every probe is watched
+(as `colocated-best`, its probes kept, on the same request sets as the others) and the other
+points stop. A grid point is best only when its capacity interval lies above the base's; within
+noise of it, the base stays. Every probe is watched
 (hostwatch.py): one where other processes took more than the threshold of the cores is redone
 once. Between probes a short fixed CPU benchmark records the machine's speed.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 
 import numpy as np
@@ -45,6 +48,8 @@ SEARCH_FRACTION = 0.8          # of capacity.budget_s; the fixed-rate runs get t
 FRONTEND_BYTES = 400 << 20
 ENGINE_BYTES = 512 << 20
 DISTURBED_SHARE = 0.10
+PROBE_OVERHEAD_S = 10.0        # per probe beyond its arrivals: drain, speed benchmark, settle (a guess, 2-core box)
+MIN_AFFORDED_PROBES = 5        # fewer probes per arrangement rarely bracket the crossing
 REDO_STREAM = 500_000          # a redone run's content stream: past any probe's tiles (run + 10_000 k)
 
 try:  # the watched host (issue 25 part 3); a trial without it runs unwatched and says so
@@ -90,6 +95,33 @@ class Search:
         return self.found.estimate * (0.5 if self.found.kind == "at_most" else 1.0)
 
 
+def affordable_probes(cap, num_arrangements: int, num_grid: int = 0) -> float:
+    """Probes per arrangement the search's share of budget_s pays for: each probe takes its
+    probe_seconds of arrivals plus PROBE_OVERHEAD_S (the drain, the speed benchmark, the wait for
+    the server to drop the last run); the grid's points share the first TUNE_ROUNDS rounds."""
+    per_probe = (cap.probe_seconds or 30.0) + PROBE_OVERHEAD_S
+    rounds = cap.budget_s * SEARCH_FRACTION / (per_probe * max(num_arrangements, 1))
+    tuning = min(rounds, TUNE_ROUNDS) * num_grid / max(num_arrangements, 1)
+    return max(rounds - tuning, 0.0)
+
+
+def budget_warning(cap, num_arrangements: int, num_grid: int = 0) -> str | None:
+    probes = affordable_probes(cap, num_arrangements, num_grid)
+    if probes >= MIN_AFFORDED_PROBES:
+        return None
+    return (f"budget_s {cap.budget_s:g} affords about {probes:.0f} probes per arrangement "
+            f"({num_arrangements} arrangements, {cap.probe_seconds or 30:g} s probes); intervals will be "
+            f"wide, or bounds only. About {MIN_AFFORDED_PROBES} need budget_s >= "
+            f"{budget_for(cap, num_arrangements, num_grid):.0f}")
+
+
+def budget_for(cap, num_arrangements: int, num_grid: int = 0, probes: int | None = None) -> float:
+    """The budget_s that affords `probes` (MIN_AFFORDED_PROBES) per arrangement."""
+    per_probe = (cap.probe_seconds or 30.0) + PROBE_OVERHEAD_S
+    rounds = (probes or MIN_AFFORDED_PROBES) + TUNE_ROUNDS * num_grid / max(num_arrangements, 1)
+    return rounds * per_probe * max(num_arrangements, 1) / SEARCH_FRACTION
+
+
 def memory_needed(arrangements, spec) -> int:
     total = 0
     for arr in arrangements:
@@ -125,6 +157,10 @@ def run_repeat(trial, repeat: int) -> None:
                                "memory_available_bytes": free, "launched": [a.name for a in launches]})
     cap = search_settings(spec)
     budget_s = cap.budget_s * SEARCH_FRACTION if cap.budget_s else None
+    if repeat == 0 and cap.budget_s:
+        warning = budget_warning(cap, len(named), len(grid))
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if together:
@@ -337,6 +373,10 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
     # rate has an upper bound there ("at most 0.95"), which says less, not more, than a lower rate tried
     best = max((n for n in pool if n in searches and not searches[n].halved), key=lambda n: searches[n].rank(),
                default=None)
+    # a grid point replaces the base only when its interval lies above the base's: two tuning rounds
+    # leave wide intervals, and a point estimate within noise of the base is not a better setting
+    if best != base and base in searches and not clearly_above(searches[best].found, searches[base].found):
+        best = base
     for n in grid_names:
         if n != best and n in searches:
             searches[n].done = True
@@ -349,6 +389,16 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
         searches["colocated-best"] = searches.pop(best)
         searches["colocated-best"].name = "colocated-best"
         endpoints["colocated-best"] = endpoints.pop(best)
+
+
+def clearly_above(found, other) -> bool:
+    """found's capacity is above other's beyond both intervals: found's lower end (the point's lo,
+    an "at least" bound) over other's upper end (the point's hi, an "at most" bound)."""
+    if found is None or other is None:
+        return False
+    low = {"point": found.lo, "at_least": found.estimate}.get(found.kind)
+    high = {"point": other.hi, "at_most": other.estimate}.get(other.kind)
+    return low is not None and high is not None and low > high
 
 
 def _record(trial, searches, repeat):
