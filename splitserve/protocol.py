@@ -303,7 +303,7 @@ class ApiEvent(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
     error: str | None = None
     rejected: bool = False
-    kv_transfer: dict | None = None
+    kv_transfer: KVTransferReport | None = None
     num_retries: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None

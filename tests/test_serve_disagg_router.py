@@ -1,13 +1,15 @@
 """Disaggregated routing, the per-request transfer report and the wire, without processes."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from splitserve.coordinator.request_state import trial_report
+from splitserve.api.answer import splitserve_report, trial_report
+from splitserve.coordinator.request_state import TokenEvent
 from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router
 from splitserve.kv_transfer import SourceInfo, TransferDescriptor
-from splitserve.protocol import (Codec, EngineStats, GenerateRequest, KVStats, KVTransferReport, StepOutputs,
-                                 TokenOutput, WireSamplingParams)
+from splitserve.protocol import (ApiEvent, ApiEvents, Codec, EngineStats, FromCoordinator, GenerateRequest, KVStats,
+                                 KVTransferReport, StepOutputs, TokenOutput, WireSamplingParams)
 
 
 def disagg_router(num_prefill: int = 2, num_decode: int = 2) -> Router:
@@ -97,6 +99,17 @@ def test_descriptor_first_token_and_report_cross_the_wire_intact():
     assert codec.from_engine.decode(codec.encode(out)) == out
     stats = EngineStats("p0", "prefill", 0, 0, 10, 10, kv=KVStats(num_lease_expiries=3))
     assert codec.from_engine.decode(codec.encode(stats)).kv.num_lease_expiries == 3
+
+
+def test_the_transfer_report_reaches_an_api_process_as_the_engine_sent_it_and_becomes_json_there():
+    report = KVTransferReport("recomputed", "p0", "tcp", 99, 0.01, 0.002, "peer reset", "network")
+    events = ApiEvents([ApiEvent("r1", [9], 3, 1, True, "length", kv_transfer=report)])
+    received = msgspec.msgpack.Decoder(FromCoordinator).decode(msgspec.msgpack.encode(events))
+    assert received.events[0].kv_transfer == report
+    answer = splitserve_report(TokenEvent(num_prompt_tokens=3, num_completion_tokens=1, kv_transfer=report))
+    assert msgspec.json.decode(msgspec.json.encode(answer)) == {"retries": 0, "kv_transfer": {
+        "bytes": 99, "seconds": 0.01, "outcome": "recomputed", "retries": 0, "wait_seconds": 0.002, "source": "p0",
+        "transport": "tcp", "error_kind": "network", "error": "peer reset"}}
 
 
 def serve_args(*argv: str):

@@ -20,6 +20,7 @@ from splitserve.api.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from splitserve.api.openai_schema import ApiError
 from splitserve.api.text_stream import GenerationEvent, TextStream
 from splitserve.api.tool_parsers import Piece, ToolParser
+from splitserve.protocol import KVTransferReport
 
 _json = msgspec.json.Encoder()
 
@@ -65,6 +66,17 @@ def error_for(event: GenerationEvent) -> ApiError:
     return error
 
 
+def trial_report(report: KVTransferReport) -> dict:
+    """A decode instance's transfer report in the shape of docs/internals.md "Trial <-> server";
+    the outcome is the one the decode instance decided (ok | recomputed | failed)."""
+    out = {"bytes": report.num_bytes, "seconds": round(report.seconds, 6), "outcome": report.outcome, "retries": 0,
+           "wait_seconds": round(report.wait_seconds, 6), "source": report.source_instance,
+           "transport": report.transport}
+    if report.outcome != "ok":
+        out["error_kind"], out["error"] = report.error_kind, report.error
+    return out
+
+
 def splitserve_report(event: GenerationEvent) -> dict | None:
     """The per-request report of docs/internals.md "Trial <-> server": present when the request
     moved KV between instances or was retried on another instance after its engine died."""
@@ -72,7 +84,7 @@ def splitserve_report(event: GenerationEvent) -> dict | None:
         return None
     report = {"retries": event.num_retries}
     if event.kv_transfer is not None:
-        report["kv_transfer"] = event.kv_transfer
+        report["kv_transfer"] = trial_report(event.kv_transfer)
     if event.placement is not None:
         report["prefill"] = event.placement  # disaggregated: local (on the decode instance) or remote, and why
     return report

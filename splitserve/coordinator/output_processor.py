@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from splitserve.coordinator.metrics import FrontendMetrics
-from splitserve.coordinator.request_state import RequestState, TokenEvent, trial_report
+from splitserve.coordinator.request_state import RequestState, TokenEvent
 from splitserve.protocol import TokenOutput
 
 
@@ -39,14 +39,12 @@ class OutputProcessor:
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
         handed_over = out.finish_reason == "prefill_done"
         finished = out.finished and not handed_over
-        kv_report = None
         if out.kv_transfer is not None:
-            kv_report = trial_report(out.kv_transfer)
-            self.metrics.observe_transfer(out.kv_transfer, kv_report["outcome"])
+            self.metrics.observe_transfer(out.kv_transfer, out.kv_transfer.outcome)
         event = TokenEvent(token_ids=list(out.new_token_ids), num_prompt_tokens=state.num_prompt_tokens,
                            num_completion_tokens=state.num_completion_tokens, finished=finished,
                            finish_reason=out.finish_reason if finished else None, error=out.error,
-                           rejected=out.rejected, kv_transfer=kv_report,
+                           rejected=out.rejected, kv_transfer=out.kv_transfer,
                            num_retries=state.num_retries + state.num_resumes, logprobs=out.logprobs,
                            prompt_logprobs=out.prompt_logprobs, **answer_facts(state))
         # Ended by the engine for good (not handed over, not an error a prefill instance may hold

@@ -2,8 +2,8 @@
 
 The dispatcher (dispatcher.py) owns request states, the engine link (engine_link.py) the
 instances; `TokenStream` is the handle a consumer iterates: token ids only (the API wraps it in
-api/text_stream.TextStream, in this process or in an API process). `trial_report` puts an
-engine's KV-transfer report in the shape the trial reads (docs/internals.md, "Trial <-> server").
+api/text_stream.TextStream, in this process or in an API process). A KV-transfer report stays
+the engine's `protocol.KVTransferReport` all the way; api/answer.py makes it JSON.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     rejected: bool = False  # the engine refused it at admission: the user's request was bad
-    kv_transfer: dict | None = None  # disaggregated: the transfer report the trial reads
+    kv_transfer: KVTransferReport | None = None  # disaggregated: the decode instance's transfer report
     num_retries: int = 0  # times the request was sent again after its engine died
     logprobs: list | None = None  # [protocol.TokenLogprobs] of token_ids, when the request asked
     prompt_logprobs: list | None = None  # [protocol.TokenLogprobs] of prompt tokens 1.., with the first token
@@ -39,17 +39,6 @@ class TokenEvent:
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
-
-
-def trial_report(report: KVTransferReport) -> dict:
-    """A decode instance's transfer report in the shape of docs/internals.md "Trial <-> server";
-    the outcome is the one the decode instance decided (ok | recomputed | failed)."""
-    out = {"bytes": report.num_bytes, "seconds": round(report.seconds, 6), "outcome": report.outcome, "retries": 0,
-           "wait_seconds": round(report.wait_seconds, 6), "source": report.source_instance,
-           "transport": report.transport}
-    if report.outcome != "ok":
-        out["error_kind"], out["error"] = report.error_kind, report.error
-    return out
 
 
 class EventSink(Protocol):
