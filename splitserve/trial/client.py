@@ -162,6 +162,9 @@ def _read_report(report: object, rec: RequestRecord) -> None:
         rec.kv_transfer = report["kv_transfer"]
         rec.retries += int(report["kv_transfer"].get("retries", 0) or 0)
     rec.retries += int(report.get("retries", 0) or 0)
+    where = report["prefill"].get("where") if isinstance(report.get("prefill"), dict) else None
+    if where in ("local", "remote"):
+        rec.prefill = where
 
 
 async def run_load(base_url: str, requests: list[PlannedRequest], timeout_s: float,

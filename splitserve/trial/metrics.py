@@ -55,6 +55,7 @@ class RequestRecord:
     kv_transfer: dict | None = None          # {bytes, seconds, outcome, retries} from the server
     retries: int = 0
     token_timing: str = "chunk"              # "token": the server named each chunk's token ids
+    prefill: str | None = None               # "local" (on its decode instance) | "remote", from the server
 
 
 @dataclass(slots=True)
@@ -197,7 +198,23 @@ def _group(records, per, good, idx: list[int], span: float | None = None) -> dic
         # completed, but only after the server recovered them: not failures, not invisible either
         "recovered": {"retried": sum(records[i].retries > 0 for i in complete),
                       "kv_recomputed": sum(per[i].kv_failed for i in complete)},
+        "prefill": prefill_counts([records[i] for i in idx]),
     }
+
+
+def prefill_counts(records: list[RequestRecord]) -> dict:
+    """Where the server said each prompt was prefilled; a request it said nothing about (colocated,
+    `--disagg-policy always`, or failed before routing) is counted in neither."""
+    return {"local": sum(r.prefill == "local" for r in records),
+            "remote": sum(r.prefill == "remote" for r in records)}
+
+
+def local_share(counts: dict | None) -> float | None:
+    """The share of reported prompts prefilled locally; None when no request reported a placement."""
+    if not counts:
+        return None
+    total = counts.get("local", 0) + counts.get("remote", 0)
+    return counts["local"] / total if total else None
 
 
 def summarize(records: list[RequestRecord], slo: SLO, pause_threshold_s: float,

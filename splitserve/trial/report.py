@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from splitserve.trial.class_report import classes_html
+from splitserve.trial.metrics import local_share
 from splitserve.trial.mix_timeline import timeline_cell, timeline_html
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
 
@@ -53,6 +54,7 @@ ROWS = [
     ("role changes (adaptive)", timeline_cell),
     ("KV moved", lambda s: f"{s['kv_transfer']['bytes'] / 1e6:.1f} MB in {s['kv_transfer']['seconds']:.2f} s, "
                            f"{s['kv_transfer']['failed']} failed" if s["kv_transfer"]["num_reports"] else "-"),
+    ("prefilled locally by class", lambda s: local_cell({n: c.get("prefill") for n, c in s["by_class"].items()})),
     ("client lag p99 / max", lambda s: f"{fmt_seconds(s['client_lag_s']['p99'])} / "
                                        f"{fmt_seconds(s['client_lag_s']['max'])}"),
 ]
@@ -69,6 +71,14 @@ def fault_cell(faults: list[dict] | None) -> str:
         recovery = "not recovered" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
         parts.append(f"{f['kill']} {f['instance']}: {f['lost_in_flight']} / {f['failed_after']} / {recovery}")
     return "; ".join(parts)
+
+
+def local_cell(counts_by_class: dict[str, dict | None]) -> str:
+    """'chat 90% (45/50), document 0% (0/10)': the share the server prefilled on the decode instance,
+    of the prompts whose placement it reported; '-' when it reported none (colocated, or `always`)."""
+    parts = [f"{name} {share:.0%} ({counts['local']}/{counts['local'] + counts['remote']})"
+             for name, counts in counts_by_class.items() if (share := local_share(counts)) is not None]
+    return ", ".join(parts) or "-"
 
 
 PLOT_TITLES = {
@@ -104,6 +114,8 @@ def rows(doc: dict) -> list[tuple[str, list[str]]]:
     for label, cell in ROWS:
         out.append((label, [cell(main_summary(a, m)) if main_summary(a, m) else gone
                             for a, gone in zip(arrs, missing)]))
+    out.append(("prefilled locally by class (all capacity probes)",
+                [local_cell(a.get("probe_prefill_by_class") or {}) for a in arrs]))
     out.append(("engines", [a["resources"]["describe"] if a.get("resources") else "-" for a in arrs]))
     out.append(("affinity read back", [_affinity(a) for a in arrs]))
     return out

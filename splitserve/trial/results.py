@@ -76,6 +76,7 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
             "capacity": caps,
             "capacity_rps": spread([c["capacity_rps"] for c in caps]) if caps else None,
             "class_capacity_rps": class_capacity(res.runs, spec.slo.attainment),
+            "probe_prefill_by_class": probe_prefill(res.runs),
             "cost_per_hour": spec.cost_per_hour(arr),
             "runs": [{"rate_multiplier": run.rate_multiplier, "repeat": getattr(run, "repeat", 0),
                       "purpose": getattr(run, "purpose", "fixed"), "summary": run.summary,
@@ -102,6 +103,19 @@ def class_capacity(runs, target: float) -> dict[str, float | None]:
             held = group["attainment"] >= target and run.summary.get("offered_rate_rps")
             best = out.get(name)
             out[name] = max(best or 0.0, run.summary["offered_rate_rps"]) if held else best
+    return out
+
+
+def probe_prefill(runs) -> dict[str, dict]:
+    """Per class, where the server prefilled the prompts of all capacity probes together."""
+    out: dict[str, dict] = {}
+    for run in runs:
+        if getattr(run, "purpose", "fixed") != "probe":
+            continue
+        for name, group in run.summary.get("by_class", {}).items():
+            counts = out.setdefault(name, {"local": 0, "remote": 0})
+            for where in counts:
+                counts[where] += (group.get("prefill") or {}).get(where, 0)
     return out
 
 
