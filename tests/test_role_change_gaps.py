@@ -13,7 +13,7 @@ from splitserve.sampling import SamplingParams
 from tiny_models import write_tiny_checkpoint
 
 PD = {"prefill-0": "prefill", "decode-0": "decode"}
-NUM_STREAMS = 16
+NUM_STREAMS = 24
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ async def worst_gap(tiny, change: bool) -> tuple[float, list[list[float]]]:
     decode-0 (optionally) becomes colocated. Returns the longest gap after a stream's first token."""
     async with Cluster(tiny, PD, kv="8MiB") as cluster:
         answering = asyncio.Event()
-        streams = [asyncio.create_task(token_times(cluster, f"s{i}", prompt_of(200, i), answering))
+        streams = [asyncio.create_task(token_times(cluster, f"s{i}", prompt_of(320, i), answering))
                    for i in range(NUM_STREAMS)]
         await answering.wait()
         if change:
