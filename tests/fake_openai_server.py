@@ -61,6 +61,9 @@ def build_app(behaviour: FakeBehaviour) -> FastAPI:
         return {"enabled": True, "interval_s": 1.0, "targets": {"ttft_s": 2.0, "gap_s": 0.5}, **mix}
 
     def adapt() -> None:
+        if behaviour.adaptive and stats["requests"] == 3:  # the controller reads the shift, holds
+            mix["decisions"].append({"instance_id": None, "reason": "cooldown", "ttft_estimate_s": 3.0,
+                                     "wall_time": time.time()})
         if behaviour.adaptive and stats["requests"] == 5:
             mix["roles"]["engine-1"] = "prefill"
             mix["decisions"].append({"instance_id": "engine-1", "from_role": "colocated", "to_role": "prefill",

@@ -116,3 +116,23 @@ def test_aborts_at_every_stage_free_every_block_on_both_sides(tiny):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_handover_reaching_an_instance_that_just_became_colocated_is_recomputed_there(tiny):
+    """The frontend hands a stream over before it hears that the decode instance swapped its
+    connector: the request is prefilled there (prompt + first token) instead of rejected."""
+    requests = mixed_requests(4, seed=3)
+    colocated = make_engine(tiny)
+    for rid, prompt, params in requests:
+        colocated.add_request(rid, prompt, params)
+    expected = run_to_end(colocated)
+    prefill, decode = pair(tiny, "shm")
+    try:
+        decode.change_role("colocated")
+        assert decode.try_swap_role() and decode.role == "colocated"
+        got = run_disaggregated(prefill, decode, requests)
+        assert {rid: r[0] for rid, r in got.items()} == expected
+        assert all(r[2] is None for r in got.values())
+    finally:
+        prefill.close()
+        decode.close()

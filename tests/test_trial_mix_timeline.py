@@ -17,8 +17,12 @@ def test_the_role_timeline_of_an_adaptive_arrangement_is_stored_and_shown(tmp_pa
     assert (change["instance"], change["from_role"], change["to_role"], change["applied"]) == \
         ("engine-1", "colocated", "prefill", True)
     assert 0 <= change["at_s"] <= wall
+    # switch time: from the decision that first read the shift (its TTFT estimate past the target)
+    assert 0 < change["switch_s"] <= change["at_s"]
+    assert 0.0 <= change["attainment_after"] <= 1.0 and change["num_after"] >= 1
     assert timeline["roles_at_start"] == {"engine-0": "colocated", "engine-1": "colocated"}
     assert timeline["roles_at_end"]["engine-1"] == "prefill"
     assert "role_timeline" not in fixed["runs"][0]["summary"]
     page = (out / "report.html").read_text()
     assert "Role timeline" in page and "prefill is short" in page and "colocated &rarr; prefill" in page
+    assert "switch time" in page and f"{change['switch_s']:.1f} s" in page

@@ -57,7 +57,7 @@ class Dispatcher:
         self.retry_on_engine_failure = retry_on_engine_failure
         self.requests: dict[str, RequestState] = {}  # by internal request id
         self.parked: list[RequestState] = []  # no instance could take them while roles were changing
-        self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked)
+        self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked, num_inbound=self._num_inbound)
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
@@ -109,6 +109,9 @@ class Dispatcher:
         state.streamed_to, state.held_outputs = None, []
         self._set_plan(state, plan)
         self.requests[request_id] = state
+
+    def _num_inbound(self, decode_id: str) -> int:
+        return sum(1 for s in self.requests.values() if s.decode_instance_id == decode_id != s.instance_id)
 
     @staticmethod
     def _set_plan(state: RequestState, plan: RoutePlan) -> None:
@@ -179,20 +182,22 @@ class Dispatcher:
 
     def _hand_over(self, state: RequestState, out) -> None:
         """P finished the prompt: D pulls its KV and continues after the first token. If D can no
-        longer take it (dead, drained, changing role), the KV is dropped and the request resumes
+        longer take it (dead, drained, no longer a decode instance), the KV is dropped and the request resumes
         by recomputing prompt + first token wherever the router sends it now."""
         prefill_id = state.instance_id
         self.router.on_finish(prefill_id, state.request_id)
         if state.streamed_to is not None:  # D has had it since the first chunk
             failed = any(self._stream_failed(o) for o in state.held_outputs)
             completed = out.kv_descriptor is not None and out.kv_descriptor.streamed  # else P gave the hold up
-            if completed and not failed and self.router.plays(state.streamed_to, "decode"):
+            if completed and not failed and self.router.still_decodes(state.streamed_to):
                 state.instance_id = state.streamed_to  # _process delivers D's held outputs next
                 return
             state.streamed_to, state.held_outputs, state.stream_failed = None, [], True
             self._redispatch(state, "the streamed KV handover failed")
             return
-        if not self.router.plays(state.decode_instance_id, "decode"):
+        # A decode instance changing its role still takes the streams planned onto it (parking
+        # them for the change and recomputing prompt + first token stalled them for seconds).
+        if not self.router.still_decodes(state.decode_instance_id):
             self._redispatch(state, f"decode instance {state.decode_instance_id} can no longer take it")
             return
         state.instance_id = state.decode_instance_id

@@ -1,7 +1,9 @@
 """Live role changes, a survivor taking over a lost stage, and the per-instance load view.
 
     change_role(id, role):  refuse (RoleChangeRefused, 409) if no instance could then prefill or
-        none could decode -> the router stops sending the instance new work -> SetRole -> the
+        none could decode -> the router stops sending the instance new work -> a decode instance
+        first takes the streams already planned onto it (prefilling elsewhere: recomputing them
+        after the change stalled them for seconds) -> SetRole -> the
         engine swaps its connector once the old one holds nothing in flight (prompts handed over,
         leases confirmed, pulls landed; running decodes just carry on) -> RoleChanged -> the
         router sends it work of its new kind, and requests parked meanwhile are dispatched.
@@ -30,6 +32,7 @@ from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, take_over_s
 log = logging.getLogger(__name__)
 
 ROLE_CHANGE_TIMEOUT_S = 60.0  # a drain waits for leases (30 s by default) at worst
+HANDOVER_POLL_S = 0.01
 
 
 class RoleChangeRefused(Exception):
@@ -71,8 +74,12 @@ class RoleChanger:
     after each change ends (done or refused), so requests parked meanwhile go out."""
 
     def __init__(self, link: EngineLink, router: Router, metrics: FrontendMetrics, settled: Callable[[], None],
-                 timeout_s: float = ROLE_CHANGE_TIMEOUT_S) -> None:
+                 timeout_s: float = ROLE_CHANGE_TIMEOUT_S,
+                 num_inbound: Callable[[str], int] = lambda instance_id: 0) -> None:
+        """num_inbound(id): requests planned to be handed over to decode instance `id`, still
+        prefilling elsewhere."""
         self.link, self.router, self.metrics, self.settled = link, router, metrics, settled
+        self.num_inbound = num_inbound
         self.timeout_s = timeout_s
         self._pending: dict[str, asyncio.Future] = {}
         self._takeovers: set[asyncio.Task] = set()
@@ -106,9 +113,19 @@ class RoleChanger:
         self.router.set_changing_role(instance_id, True)
         future = asyncio.get_running_loop().create_future()
         self._pending[instance_id] = future
-        self.link.send(instance_id, SetRole(role))
+        if serving[instance_id] != "decode" or not self.num_inbound(instance_id):
+            self.link.send(instance_id, SetRole(role))
+        else:
+            asyncio.get_running_loop().create_task(self._after_handovers(instance_id, role, future))
         log.warning("engine %s: changing role %s -> %s", instance_id, serving[instance_id], role)
         return future
+
+    async def _after_handovers(self, instance_id: str, role: str, future: asyncio.Future) -> None:
+        """SetRole once no stream is on its way here (the router plans none onto us meanwhile)."""
+        while not future.done() and self.num_inbound(instance_id):
+            await asyncio.sleep(HANDOVER_POLL_S)
+        if not future.done():
+            self.link.send(instance_id, SetRole(role))
 
     async def _finish(self, instance_id: str, role: str, future: asyncio.Future) -> None:
         old = self.router.instances[instance_id].role

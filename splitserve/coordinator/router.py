@@ -101,6 +101,12 @@ class Router:
         load = self.instances.get(instance_id)
         return load is not None and load.alive and not load.changing_role and load.role == role
 
+    def still_decodes(self, instance_id: str | None) -> bool:
+        """Alive with a decode connector, even while changing its role: the engine swaps it only
+        once the KV it was sent has landed, so a stream handed over now goes on there."""
+        load = self.instances.get(instance_id)
+        return load is not None and load.alive and load.role == "decode"
+
     def remove(self, instance_id: str) -> None:
         self.instances.pop(instance_id, None)
 

@@ -168,6 +168,10 @@ class EngineCore:
             request.output_token_ids = list(first_token_ids or [])
         n = params.answer_prefix_len
         self.grammars.attach(request, (prompt_token_ids[-n:] if n else []) + request.output_token_ids)
+        if kv_descriptor is not None and self.role == "colocated" and request.output_token_ids:
+            # handed over while this instance swapped from decode, before the frontend heard of it:
+            # prompt + first token are prefilled here (the prefill instance's lease lapses)
+            request.kv_outcome, kv_descriptor = "recomputed", None
         if not self.connector.on_add(request, kv_descriptor):
             self.scheduler.add(request)
         self.requests[request_id] = request

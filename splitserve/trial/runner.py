@@ -37,7 +37,7 @@ from splitserve.trial.faults import fault_outcomes, inject_fault
 from splitserve.trial.idle import wait_idle
 from splitserve.trial.method import search_settings
 from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, server_aborted_work, slo_of, summarize
-from splitserve.trial.mix_timeline import fetch_role_timeline
+from splitserve.trial.mix_timeline import add_attainment_after, fetch_role_timeline
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
 from splitserve.trial.results import arrangement_kind
@@ -460,6 +460,8 @@ class Trial:
             summary["engine_steps"] = engine_steps
         if self._adaptive_now:
             summary["role_timeline"] = fetch_role_timeline(endpoint.base_url, started_wall)
+            add_attainment_after(summary["role_timeline"], records, self.spec.slo, self.spec.pause_threshold_s,
+                                 self.spec.class_slos)
         return RunResult(multiplier, summary, records, counters, repeat, purpose)
 
     def _notify(self) -> None:
