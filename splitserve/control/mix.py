@@ -17,6 +17,20 @@ After a change nothing else moves for `cooldown` intervals. The halfway mixes ma
 colocated instance, a prefill or decode instance gets no new work (coordinator/router.py), so
 a single change from two colocated instances only ever helps as the first of two.
 
+A move must also pay for itself (issue 31): its gain is the SLO pressure it removes (capped at
+`pressure_cap`, past which mixes are overloaded alike), averaged over the demand of the last
+`horizon_s` seconds and counted over that horizon, in pressure-seconds; its cost is the measured
+seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
+change, times the pressure then. Demand that alternates faster than the horizon averages out,
+so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
+move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass:
+the mix must hold the strictest). When no mix within reach meets them (overload), mixes are
+ranked by the share of deadlines the step model predicts each meets, and the mix as it is held
+unless another meets `margin` more: the decision says "held (overload)". With `serve
+--disagg-policy threshold` the decode instances' local-prefill threshold is the cheaper knob,
+moved before any role change whenever a threshold alone is predicted to hold the targets. Each
+decision carries its predicted gain and cost, and `held` says in a word why nothing moved.
+
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
 the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.

@@ -176,7 +176,8 @@ class AdaptiveMix:
         entry = self.loop.decisions[-1]  # run_once logs every decision
         entry["wall_time"] = time.time()  # the trial lines the timeline up with its own clock
         # inf (a stage with no instance) is not JSON
-        for key in ("ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s", "predicted_gap_s"):
+        for key in ("ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s", "predicted_gap_s", "predicted_gain",
+                    "predicted_cost"):
             if entry.get(key) is not None and not math.isfinite(entry[key]):
                 entry[key] = None
         action = "none" if decision.instance_id is None else ("change" if entry.get("applied") else "refused")
