@@ -141,3 +141,21 @@ def test_the_threshold_knob_moves_before_any_role_change_when_it_holds_the_targe
     plain = MixController(MODEL, TARGETS)
     moved = [plain.decide(views, float(t), chats(0.5)) for t in range(3)]
     assert any(x.instance_id is not None for x in moved)
+
+
+def test_the_loop_applies_the_threshold_and_logs_each_decision_with_its_numbers():
+    import asyncio
+
+    from splitserve.control.mix_loop import MixLoop
+    views = [InstanceView("e0", "prefill", queued_prompt_tokens=3000), InstanceView("e1", "decode")]
+    set_to, changed = [], []
+
+    async def change_role(instance_id, role):
+        changed.append((instance_id, role))
+
+    loop = MixLoop(MixController(MODEL, TARGETS, local_prefill_max_tokens=0), lambda: views, change_role,
+                   clock=lambda: 0.0, demand=lambda: chats(0.5), set_threshold=set_to.append)
+    asyncio.run(loop.run_once())
+    assert set_to and not changed and loop.num_threshold_moves == 1
+    entry = loop.decisions[-1]
+    assert entry["local_prefill_max_tokens"] == set_to[0] and entry["applied"] and entry["predicted_cost"] == 0.0
