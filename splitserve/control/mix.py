@@ -17,6 +17,20 @@ After a change nothing else moves for `cooldown` intervals. The halfway mixes ma
 colocated instance, a prefill or decode instance gets no new work (coordinator/router.py), so
 a single change from two colocated instances only ever helps as the first of two.
 
+A move must also pay for itself (issue 31): its gain is the SLO pressure it removes (capped at
+`pressure_cap`, past which mixes are overloaded alike), averaged over the demand of the last
+`horizon_s` seconds and counted over that horizon, in pressure-seconds; its cost is the measured
+seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
+change, times the pressure then. Demand that alternates faster than the horizon averages out,
+so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
+move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass:
+the mix must hold the strictest). When no mix within reach meets them (overload), mixes are
+ranked by the share of deadlines the step model predicts each meets, and the mix as it is held
+unless another meets `margin` more: the decision says "held (overload)". With `serve
+--disagg-policy threshold` the decode instances' local-prefill threshold is the cheaper knob,
+moved before any role change whenever a threshold alone is predicted to hold the targets. Each
+decision carries its predicted gain and cost, and `held` says in a word why nothing moved.
+
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
 the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.
@@ -71,10 +85,41 @@ class InstanceView:
 
 
 @dataclass(slots=True, frozen=True)
+class SloClass:
+    """One class of requests and its targets, as the trial's SLO classes have them."""
+    name: str
+    ttft_s: float
+    gap_s: float
+    share: float = 1.0  # its weight among the classes (e.g. its share of requests)
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.gap_s > 0 and self.share > 0):
+            raise ValueError(f"SLO class {self.name!r}: ttft_s, gap_s and share must be positive")
+
+
+def parse_slo_classes(text: str) -> tuple[SloClass, ...]:
+    """'chat:2:0.25:0.7,document:6:0.5:0.3' (name:ttft_s:gap_s[:share]) -> classes; ValueError if bad."""
+    classes = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (3, 4):
+            raise ValueError(f"SLO class {item!r}: expected name:ttft_s:gap_s[:share]")
+        try:
+            nums = [float(x) for x in parts[1:]]
+        except ValueError:
+            raise ValueError(f"SLO class {item!r}: ttft_s, gap_s and share must be numbers") from None
+        classes.append(SloClass(parts[0], *nums))
+    if not classes:
+        raise ValueError("no SLO class given")
+    return tuple(classes)
+
+
+@dataclass(slots=True, frozen=True)
 class MixTargets:
     ttft_s: float
     gap_s: float
     tpot_s: float | None = None  # mean seconds per output token; None: answers' speed is not a target
+    classes: tuple[SloClass, ...] = ()  # per-class targets; () : one class with ttft_s and gap_s
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.gap_s > 0):
@@ -83,7 +128,19 @@ class MixTargets:
             raise ValueError(f"mix TPOT target must be positive seconds, got {self.tpot_s}")
 
     def pressure(self, p: "Prediction") -> float:
-        return p.pressure(self.ttft_s, self.gap_s, self.tpot_s)
+        """The worst prediction over its target, over every class (a mix must hold the strictest)."""
+        own = p.pressure(self.ttft_s, self.gap_s, self.tpot_s)
+        return max([own] + [p.pressure(c.ttft_s, c.gap_s, self.tpot_s) for c in self.classes]) \
+            if self.classes else own
+
+    def deadlines_met(self, p: "Prediction") -> float:
+        """The predicted share of deadlines met, weighted by class: a class at pressure x > 1 is
+        taken to meet 1/x of its deadlines (an arrangement at twice its capacity serves about half
+        in time). 1.0 when every class's targets hold."""
+        classes = self.classes or (SloClass("all", self.ttft_s, self.gap_s),)
+        total = sum(c.share for c in classes)
+        return sum(c.share * min(1.0, 1.0 / max(p.pressure(c.ttft_s, c.gap_s, self.tpot_s), 1e-9))
+                   for c in classes) / total
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,6 +154,15 @@ class Decision:
     gap_estimate_s: float | None = None
     predicted_ttft_s: float | None = None  # for the mix the change leads to
     predicted_gap_s: float | None = None
+    # a role change's predicted gain over the horizon and its cost, in pressure-seconds (the SLO
+    # pressure a change removes, times the seconds it is expected to keep removing it; the cost: the
+    # seconds a change disrupts, measured from past changes, times the pressure then)
+    predicted_gain: float | None = None
+    predicted_cost: float | None = None
+    held: str | None = None                  # why nothing moved, in a word: calm, cost, overload, ...
+    overload: bool = False                   # no mix within reach is predicted to meet the targets
+    deadlines_met: float | None = None       # the predicted share of deadlines met by the mix as it is
+    local_prefill_max_tokens: int | None = None  # the threshold knob set by this decision (None: unchanged)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +193,18 @@ class MixController:
     prior_weight: float = PRIOR_WEIGHT  # the prior's pseudo-samples, in measured steps' worth
     _since_change: int = 1 << 30
     last: dict = field(default_factory=dict)  # the last interval's predictions, for tests and logs
+    horizon_s: float = 60.0           # a move's gain is counted over this many seconds of demand like the last ones
+    change_cost_s: float = 5.0        # seconds a role change disrupts until one is measured (conservative)
+    undo_bar: float = 3.0             # undoing a move made within the horizon must gain this many times its cost
+    pressure_cap: float = 10.0        # past this, pressures are "overloaded" alike (a saturated stage's is noise)
+    # serve --disagg-policy threshold: the decode instances' local-prefill threshold, the controller's
+    # cheaper knob (None: no such knob), and the values it may set
+    local_prefill_max_tokens: int | None = None
+    thresholds: tuple[int, ...] = (0, 64, 128, 256, 512)
+    _history: list = field(default_factory=list)  # (time, demand) over the horizon
+    _measured_costs: list = field(default_factory=list)
+    _last_move: tuple | None = None   # (time, serving before, serving after)
+    _follow_numbers: dict = field(default_factory=dict)  # the gain and cost of the move a second step ends
     online: OnlineStepModels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +214,8 @@ class MixController:
             raise ValueError(f"mix calm must be positive, got {self.calm}")
         if self.patience < 1 or self.cooldown < 0:
             raise ValueError("mix: patience must be >= 1 and cooldown >= 0 intervals")
+        if not (self.horizon_s > 0 and self.change_cost_s >= 0 and self.undo_bar >= 1 and self.pressure_cap > 1):
+            raise ValueError("mix: horizon_s > 0, change_cost_s >= 0, undo_bar >= 1 and pressure_cap > 1")
         if self.min_samples < 1 or not self.prior_weight > 0:
             raise ValueError("mix: min_samples must be >= 1 and prior_weight positive")
         self.online = OnlineStepModels(self.steps, self.prior_weight, self.min_samples)
@@ -197,62 +277,139 @@ class MixController:
     def decide(self, views: list[InstanceView], now_s: float = 0.0, demand: Demand | None = None) -> Decision:
         self._since_change += 1
         demand = demand or Demand()
+        self._history = [(t, d) for t, d in self._history if now_s - t < self.horizon_s] + [(now_s, demand)]
         if not self.covered(views):
             self._wanted, self._streak, self._follow = "", 0, None
             return self._rescue(views, now_s)
         live = [v for v in views if v.alive]
         model, info, model_text = self._model(views)
         whatif = WhatIf(model, self.chunk_budget)
+        knob = self.local_prefill_max_tokens or 0
 
-        def predict(changes: tuple[Change, ...]) -> Prediction:
+        def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob) -> Prediction:
             moved = dict(changes)
             return whatif.predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens, v.num_running)
-                                   for v in live], demand)
+                                   for v in live], d, threshold)
 
         def pressure(p: Prediction) -> float:
             return self.targets.pressure(p)
 
         now = predict(())
         p_now = pressure(now)
+        met_now = self.targets.deadlines_met(now)
         scored = sorted(((pressure(p), len(c), self._disruption(views, c), c, p)
                          for c in self._candidates(views) for p in [predict(c)]), key=lambda x: x[:4])
         self.last = {"now": now, "scale": info.get("scale", 1.0), "model": info,
                      "candidates": [(x[3], x[4]) for x in scored]}
         state = f"now {self._describe(now, p_now)}; {demand.describe()}; {model_text}"
 
+        def none(held: str, reason: str, **kw) -> Decision:
+            if kw.get("overload") and held != "overload":
+                # past every mix's capacity whatever stops the move: say so first
+                reason = (f"no mix within reach meets the targets; holding {now.serving}, predicted to meet "
+                          f"{met_now:.0%} of deadlines, since {held}: {reason}")
+                held = "overload"
+            return Decision(now_s, f"held ({held}): {reason}", ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
+                            held=held, deadlines_met=met_now, **kw)
+
         if self._follow is not None:
             follow, self._follow = self._follow, None
             after = predict((follow,))
             if self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin):
-                return self._change(views, follow, now, after, now_s, "second of two steps", model_text)
+                decision = self._change(views, follow, now, after, now_s, "second of two steps", model_text)
+                return Decision(**{**decision.to_dict(), **self._follow_numbers})
             self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
         if not scored:
-            return self._none(now_s, f"{state}: no other mix keeps both stages covered", now)
-        best_p, _, _, best, best_pred = scored[0]
+            return none("no other mix", f"{state}: no other mix keeps both stages covered")
         if p_now < self.calm:
             self._wanted, self._streak = "", 0
-            return self._none(now_s, f"{state}: every target met with room (under {self.calm:.2f}x)", now)
-        if best_p >= p_now * (1 - self.margin):
+            return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
+        # the cheaper knob first: the decode instances' local-prefill threshold, no role changes
+        if self.local_prefill_max_tokens is not None and p_now > 1 and "decode" in {v.role for v in live}:
+            best_t = min(self.thresholds, key=lambda t: (pressure(predict((), threshold=t)), abs(t - knob)))
+            p_t = pressure(predict((), threshold=best_t))
+            if best_t != knob and p_t <= 1:
+                self.local_prefill_max_tokens = best_t
+                return Decision(now_s, f"local-prefill threshold {knob} -> {best_t} tokens: predicted pressure "
+                                       f"{p_t:.2f}x vs {p_now:.2f}x, targets held without a role change; {state}",
+                                ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
+                                predicted_gain=(p_now - p_t) * self.horizon_s, predicted_cost=0.0,
+                                deadlines_met=met_now, local_prefill_max_tokens=best_t)
+        best_p, _, _, best, best_pred = scored[0]
+        overload = min(best_p, p_now) > 1
+        if overload:
+            # the lesser evil: rank by the deadlines the step model predicts each mix meets
+            by_met = max(scored, key=lambda x: (self.targets.deadlines_met(x[4]), -x[0]))
+            best_p, _, _, best, best_pred = by_met
+            met_best = self.targets.deadlines_met(best_pred)
+            if met_best <= met_now * (1 + self.margin):
+                self._wanted, self._streak = "", 0
+                return none("overload", f"{state}: no mix within reach meets the targets; holding {now.serving}, "
+                                        f"predicted to meet {met_now:.0%} of deadlines (best other: "
+                                        f"{best_pred.serving}, {met_best:.0%}, not {self.margin:.0%} more)", overload=True)
+        elif best_p >= p_now * (1 - self.margin):
             self._wanted, self._streak = "", 0
-            return self._none(now_s, f"{state}: no mix predicts {self.margin:.0%} less pressure (best: "
-                                     f"{best_pred.serving}, {best_p:.2f}x)", now)
+            return none("no better mix", f"{state}: no mix predicts {self.margin:.0%} less pressure (best: "
+                                         f"{best_pred.serving}, {best_p:.2f}x)")
         # the same mix (by what serves), whichever instances play which role in it
         self._streak = self._streak + 1 if best_pred.serving == self._wanted else 1
         self._wanted = best_pred.serving
         target = f"{best_pred.serving} ({self._describe(best_pred, best_p)})"
+        gain, cost, undo = self._gain_and_cost(best, predict, now, p_now, now_s)
+        numbers = dict(predicted_gain=gain, predicted_cost=cost, overload=overload)
         if self._since_change <= self.cooldown:
-            return self._none(now_s, f"{state}: {target} would be better, but the last change was "
-                                     f"{self._since_change} interval(s) ago (cooldown {self.cooldown})", now)
+            return none("cooldown", f"{state}: {target} would be better, but the last change was "
+                                    f"{self._since_change} interval(s) ago (cooldown {self.cooldown})", **numbers)
         if self._streak < self.patience:
-            return self._none(now_s, f"{state}: {target} better for {self._streak} of {self.patience} intervals",
-                              now)
+            return none("patience", f"{state}: {target} better for {self._streak} of {self.patience} intervals",
+                        **numbers)
+        if gain <= cost:
+            return none("cost", f"{state}: {target} predicted to gain {gain:.1f} pressure-s over the last "
+                                f"{self.horizon_s:.0f} s of demand, not more than its cost {cost:.1f}"
+                                f"{' (undoing a recent move: x' + format(self.undo_bar, 'g') + ')' if undo else ''}",
+                        **numbers)
         first = min((c for c in best if self.covered(views, c)),
                     key=lambda c: (pressure(predict((c,))), self._disruption(views, (c,)), c))
         rest = [c for c in best if c != first]
         self._follow = rest[0] if rest else None
         step = (f"first of two steps to {best_pred.serving}; {predict((first,)).serving} serves in between"
                 if rest else "")
-        return self._change(views, first, now, best_pred, now_s, step, model_text)
+        self._last_move = (now_s, now.serving, best_pred.serving)
+        self._follow_numbers = numbers
+        decision = self._change(views, first, now, best_pred, now_s, step, model_text)
+        return Decision(**{**decision.to_dict(), **numbers,
+                           "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s"})
+
+    def _gain_and_cost(self, changes: tuple[Change, ...], predict, now: Prediction, p_now: float,
+                       now_s: float) -> tuple[float, float, bool]:
+        """The move's predicted gain: the capped pressure it removes, averaged over the demand of the
+        last horizon (the future is taken to look like it: demand that alternates faster than the
+        horizon averages out, so a move good for one phase and bad for the next gains nothing),
+        times the horizon. Its cost: the measured seconds of a change per role change, times the
+        pressure then (at least 1), and undo_bar times that for undoing a move within the horizon."""
+        cap = self.pressure_cap
+        diffs = []
+        for _, d in self._history:
+            here, there = (min(self.targets.pressure(predict(c, d)), cap) for c in ((), changes))
+            diffs.append(here - there)
+        gain = statistics.fmean(diffs) * self.horizon_s
+        cost = self.move_cost_s() * len(changes) * max(min(p_now, cap), 1.0)
+        target = predict(changes).serving
+        undo = (self._last_move is not None and now_s - self._last_move[0] < self.horizon_s
+                and target == self._last_move[1] and now.serving == self._last_move[2])
+        return gain, cost * (self.undo_bar if undo else 1.0), undo
+
+
+    def record_change_cost(self, seconds: float) -> None:
+        """A role change took this long to commit (its drain): later moves are costed from the
+        measured ones (their mean, never below half the default: a stall outlasts the drain)."""
+        if seconds >= 0:
+            self._measured_costs = (self._measured_costs + [seconds])[-16:]
+
+    def move_cost_s(self) -> float:
+        if not self._measured_costs:
+            return self.change_cost_s
+        return max(statistics.fmean(self._measured_costs), self.change_cost_s / 2)
 
     def change_failed(self) -> None:
         """The last change was refused or failed: a second step planned after it is no longer due."""

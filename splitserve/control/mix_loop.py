@@ -2,7 +2,9 @@
 
 The frontend gives the callables: `views()` returns one InstanceView per instance,
 `change_role(instance_id, role)` (async) performs a live role change, and optionally `demand()`
-the Demand of the last few seconds (control/whatif.py). Every decision, change
+the Demand of the last few seconds (control/whatif.py) and `set_threshold(tokens)`, which moves
+the decode instances' local-prefill threshold (the controller's cheaper knob). How long each
+change took to commit goes back to the controller as the measured cost of the next ones. Every decision, change
 or not, goes to a bounded in-memory log that /metrics and the trial report can read.
 """
 from __future__ import annotations
@@ -23,11 +25,14 @@ class MixLoop:
     def __init__(self, controller: MixController, views: Callable[[], list[InstanceView]],
                  change_role: Callable[[str, str], Awaitable[object]], interval_s: float = 2.0,
                  max_log: int = 512, clock: Callable[[], float] = time.monotonic,
-                 demand: Callable[[], Demand] | None = None):
+                 demand: Callable[[], Demand] | None = None,
+                 set_threshold: Callable[[int], object] | None = None):
         if interval_s <= 0:
             raise ValueError(f"mix interval must be positive seconds, got {interval_s}")
         self.controller, self.views, self.change_role = controller, views, change_role
         self.interval_s, self.clock, self.demand = interval_s, clock, demand
+        self.set_threshold = set_threshold
+        self.num_threshold_moves = 0
         self.decisions: deque[dict] = deque(maxlen=max_log)
         self.num_role_changes = 0
         self.num_failed_changes = 0
@@ -37,9 +42,17 @@ class MixLoop:
         demand = self.demand() if self.demand is not None else None
         decision = self.controller.decide(self.views(), self.clock(), demand)
         entry = decision.to_dict()
+        if decision.local_prefill_max_tokens is not None and self.set_threshold is not None:
+            self.set_threshold(decision.local_prefill_max_tokens)
+            self.num_threshold_moves += 1
+            entry["applied"] = True
+            log.info("mix: %s", decision.reason)
         if decision.instance_id is not None:
             try:
+                started = time.monotonic()
                 await self.change_role(decision.instance_id, decision.to_role)
+                self.controller.record_change_cost(time.monotonic() - started)
+                entry["change_seconds"] = time.monotonic() - started
                 self.num_role_changes += 1
                 entry["applied"] = True
                 log.info("mix: %s", decision.reason)

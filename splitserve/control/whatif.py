@@ -122,15 +122,16 @@ class WhatIf:
         context = demand.mean_prompt + demand.mean_answer / 2
         return c, m.per_decode_seq_s + m.per_decode_kv_token_s * context, context
 
-    def predict(self, held: list[Held], demand: Demand) -> Prediction:
-        """held: one per live instance."""
+    def predict(self, held: list[Held], demand: Demand, local_max_tokens: int = 0) -> Prediction:
+        """held: one per live instance. local_max_tokens: a separated mix's decode instances prefill
+        prompts up to this long themselves (serve --disagg-policy threshold); 0: every prompt remote."""
         colocated = [h for h in held if h.role == "colocated"]
         if colocated:
             return self._colocated(colocated, demand)
         prefill, decode = [h for h in held if h.role == "prefill"], [h for h in held if h.role == "decode"]
         if not (prefill and decode):
             return Prediction(math.inf, math.inf, "no instance for a stage", ("prefill", "decode"))
-        return self._separated(prefill, decode, demand)
+        return self._separated(prefill, decode, demand, local_max_tokens)
 
     def _chunk(self, tokens: float) -> int:
         return int(min(self.chunk_budget, tokens))
@@ -162,20 +163,40 @@ class WhatIf:
         return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else (),
                           max(tpots))
 
-    def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand) -> Prediction:
+    def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand,
+                   local_max_tokens: int = 0) -> Prediction:
+        """Prompts up to local_max_tokens (by the window's prompt lengths) are prefilled on the decode
+        instances, in chunks beside their streams; the rest go through the prefill instances. The TTFT
+        is the one at the attainment share of requests (the faster group's if it holds that share)."""
         m = self.model
         c, a, context = self._per_token(demand)
-        prompt = max(int(demand.mean_prompt), 1)
+        local = [p for p in demand.prompts if p <= local_max_tokens] if local_max_tokens > 0 else []
+        share = len(local) / len(demand.prompts) if demand.prompts else 0.0
+        local_mean = sum(local) / len(local) if local else 0.0
+        remote_rate = max(demand.prompt_rate - demand.request_rate * share * local_mean, 0.0)
+        remote_mean = max(int((demand.prompt_rate - demand.request_rate * share * local_mean)
+                              / max(demand.request_rate * (1 - share), 1e-9)), 1) if share < 1 else 1
+        prompt = max(int(demand.mean_prompt), 1) if not local else remote_mean
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
-        u_prefill = (demand.prompt_rate * c + demand.request_rate * m.overhead_s) / len(prefill)
+        u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * m.overhead_s) / len(prefill)
         ttft = (service * (1 + _queueing(min(u_prefill, 1 - MIN_SLACK)))
                 + min(h.queued_prompt_tokens for h in prefill) * c)
         ld = demand.answer_rate / len(decode)
-        u_decode = ld * a
+        local_rate = demand.request_rate * share * local_mean / len(decode)  # prompt tokens/s on each
+        u_decode = ld * a + local_rate * c
         fluid_n = ld * m.overhead_s / max(1 - u_decode, MIN_SLACK)
-        gaps = []
+        gaps, local_ttfts = [], []
+        chunk = self._chunk(max(local)) if local else 0
         for h in decode:
             n = math.ceil(max(fluid_n, h.num_running))
-            gaps.append(m.step_s(0, 0.0, n, int(n * context)))
+            kv = int(n * context)
+            gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
+            if local:
+                lp = max(int(local_mean), 1)
+                local_ttfts.append(m.step_s(self._chunk(lp), prefill_attn_ktok2(0, self._chunk(lp)), n, kv)
+                                   * (1 + _queueing(min(u_decode, 1 - MIN_SLACK))))
+        if local:
+            fast, slow = sorted(((min(local_ttfts), share), (ttft, 1 - share)))
+            ttft = fast[0] if fast[1] >= self.attainment else slow[0]
         saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
         return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated, max(gaps))

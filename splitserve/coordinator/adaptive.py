@@ -22,7 +22,8 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from splitserve.control.mix import FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets
+from splitserve.control.mix import (FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets,
+                                    parse_slo_classes)
 from splitserve.control.mix_loop import MixLoop
 from splitserve.control.online_stepmodel import StepSample
 from splitserve.control.stepmodel import StepShape
@@ -57,6 +58,14 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-s", type=float, default=None,
                    help="--adaptive: mean seconds per output token target, how fast answers must stream "
                         "(an end-to-end deadline on long answers; default: none, only the gap and TTFT count)")
+    p.add_argument("--slo-classes", default=None,
+                   help="--adaptive: per-class targets, name:ttft_s:gap_s[:share] separated by commas (e.g. "
+                        "chat:2:0.25:0.8,document:8:0.5:0.2, as a trial's SLO classes have them); the mix must "
+                        "hold the strictest, and under overload it keeps the mix predicted to meet the most "
+                        "deadlines by share")
+    p.add_argument("--mix-horizon-s", type=float, default=None,
+                   help="--adaptive: a role change is made only if its predicted gain over this many seconds "
+                        "of demand like the last ones exceeds its measured cost (default 60)")
     p.add_argument("--mix-interval-s", type=float, default=None,
                    help="--adaptive: seconds between decisions (default 1)")
     p.add_argument("--profile", default=None,
@@ -69,6 +78,8 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag; fills the defaults."""
     given = [f for f, v in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
                             ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s),
+                            ("--slo-classes", getattr(args, "slo_classes", None)),
+                            ("--mix-horizon-s", getattr(args, "mix_horizon_s", None)),
                             ("--profile", args.profile)) if v is not None]
     if not args.adaptive:
         # the disaggregation policy `auto` weighs the same targets with the same step-time model
@@ -82,6 +93,14 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
     args.slo_ttft_s = 2.0 if args.slo_ttft_s is None else args.slo_ttft_s
     args.slo_gap_s = 0.25 if args.slo_gap_s is None else args.slo_gap_s
     args.mix_interval_s = 1.0 if args.mix_interval_s is None else args.mix_interval_s
+    args.mix_horizon_s = 60.0 if getattr(args, "mix_horizon_s", None) is None else args.mix_horizon_s
+    if not args.mix_horizon_s > 0:
+        raise ValueError(f"--mix-horizon-s must be positive seconds, got {args.mix_horizon_s}")
+    if getattr(args, "slo_classes", None) is not None:
+        try:
+            parse_slo_classes(args.slo_classes)
+        except ValueError as e:
+            raise ValueError(f"--slo-classes: {e}") from None
     for flag, value in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
                         ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s)):
         if value is not None and not value > 0:
@@ -119,7 +138,14 @@ class AdaptiveMix:
         self.client, self.metrics = client, metrics
         self.threads, self.default_threads = threads or {}, default_threads
         self.started_wall = time.time()
-        self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand)
+        policy = getattr(getattr(client, "dispatcher", None), "disagg_policy", None)
+        set_threshold = None
+        if policy is not None and policy.policy == "threshold":
+            # the cheaper knob: the controller starts from the threshold `serve` was given
+            controller.local_prefill_max_tokens = policy.local_max_tokens
+            set_threshold = self._set_threshold
+        self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand,
+                            set_threshold=set_threshold)
         for action in ACTIONS:
             metrics.mix_decisions.labels(action)  # present at 0 from the start
         self._task: asyncio.Task | None = None
@@ -129,6 +155,9 @@ class AdaptiveMix:
 
     def demand(self) -> Demand:
         return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S, PROMPT_WINDOW_S)
+
+    def _set_threshold(self, tokens: int) -> None:
+        self.client.dispatcher.disagg_policy.local_max_tokens = tokens
 
     async def _change_role(self, instance_id: str, role: str) -> None:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
@@ -147,7 +176,8 @@ class AdaptiveMix:
         entry = self.loop.decisions[-1]  # run_once logs every decision
         entry["wall_time"] = time.time()  # the trial lines the timeline up with its own clock
         # inf (a stage with no instance) is not JSON
-        for key in ("ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s", "predicted_gap_s"):
+        for key in ("ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s", "predicted_gap_s", "predicted_gain",
+                    "predicted_cost"):
             if entry.get(key) is not None and not math.isfinite(entry[key]):
                 entry[key] = None
         action = "none" if decision.instance_id is None else ("change" if entry.get("applied") else "refused")
@@ -176,7 +206,13 @@ class AdaptiveMix:
     def snapshot(self) -> dict:
         targets = self.loop.controller.targets
         return {"enabled": True, "interval_s": self.loop.interval_s,
-                "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s, "tpot_s": targets.tpot_s},
+                "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s, "tpot_s": targets.tpot_s,
+                            "classes": [{"name": c.name, "ttft_s": c.ttft_s, "gap_s": c.gap_s, "share": c.share}
+                                        for c in targets.classes]},
+                "horizon_s": self.loop.controller.horizon_s,
+                "change_cost_s": self.loop.controller.move_cost_s(),
+                "local_prefill_max_tokens": self.loop.controller.local_prefill_max_tokens,
+                "num_threshold_moves": self.loop.num_threshold_moves,
                 "started_wall_time": self.started_wall,
                 "roles": {v.instance_id: v.role for v in self.client.load_view()},
                 "model": self.loop.controller.last.get("model"),
@@ -196,6 +232,8 @@ def adaptive_from_args(args: argparse.Namespace, client: Coordinator, metrics: F
         print(f"splitserve: --adaptive with {num_instances} instance: there is no second instance to move "
               "between stages, so it serves colocated; instances added with POST /admin/instances join "
               "the mix", flush=True)
-    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s),
-                               chunk_budget=args.max_num_batched_tokens)
+    classes = parse_slo_classes(args.slo_classes) if getattr(args, "slo_classes", None) else ()
+    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s, classes),
+                               chunk_budget=args.max_num_batched_tokens,
+                               horizon_s=getattr(args, "mix_horizon_s", None) or 60.0)
     return AdaptiveMix(client, metrics, controller, args.mix_interval_s, default_threads=args.threads_per_instance or 1)

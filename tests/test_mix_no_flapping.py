@@ -1,0 +1,161 @@
+"""The mix controller's decisions on recorded demand, with an injected clock and synthetic load
+readings: it does not flap when demand alternates faster than its horizon, it makes at most one
+move per regime change when regimes outlast the horizon, it holds (and says so) when no mix meets
+the targets, and it moves the local-prefill threshold before changing a role when that holds the
+targets."""
+from __future__ import annotations
+
+from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
+from splitserve.control.stepmodel import StepModel
+from splitserve.control.whatif import Demand
+
+# a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
+MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
+                  per_decode_kv_token_s=1.4e-5)
+TARGETS = MixTargets(ttft_s=4.0, gap_s=0.5)
+
+
+def chats(rate: float) -> Demand:  # short prompts, long answers: one decode instance saturates
+    return Demand(rate, rate * 40, rate * 128, 40, 128, prompts=(20, 30, 40, 40, 50, 60))
+
+
+def documents(rate: float) -> Demand:  # long prompts: their chunks stall colocated streams
+    return Demand(rate, rate * 600, rate * 24, 600, 24, prompts=(600,) * 4)
+
+
+def mix_of(*roles: str) -> list[InstanceView]:
+    return [InstanceView(f"e{i}", role) for i, role in enumerate(roles)]
+
+
+def apply(views: list[InstanceView], decision) -> list[InstanceView]:
+    return [InstanceView(v.instance_id, decision.to_role) if v.instance_id == decision.instance_id else v
+            for v in views]
+
+
+def run_trace(ctrl: MixController, trace, views: list[InstanceView], interval_s: float = 1.0):
+    """trace: (seconds, demand) regimes in order. Returns every decision with a role change."""
+    moves, t = [], 0.0
+    for seconds, demand in trace:
+        end = t + seconds
+        while t < end:
+            d = ctrl.decide(views, t, demand)
+            if d.instance_id is not None:
+                moves.append(d)
+                views = apply(views, d)
+            t += interval_s
+    return moves
+
+
+def alternating(period_s: float, total_s: float):
+    regimes = (chats(1.4), documents(0.3))
+    return [(period_s, regimes[i % 2]) for i in range(int(total_s // period_s))]
+
+
+def first_steps(moves):  # a two-change move (2 colocated -> 1 prefill + 1 decode) is one move
+    return [d for d in moves if "second of two steps" not in d.reason]
+
+
+def test_the_two_regimes_want_different_mixes():
+    # the premise of the trace tests: each regime alone moves the controller
+    to_separated = run_trace(MixController(MODEL, TARGETS), [(30, documents(0.3))], mix_of("colocated", "colocated"))
+    assert {d.to_role for d in to_separated} == {"prefill", "decode"}
+    to_colocated = run_trace(MixController(MODEL, TARGETS), [(30, chats(1.4))], mix_of("prefill", "decode"))
+    assert to_colocated and {d.to_role for d in to_colocated} == {"colocated"}
+
+
+def test_demand_alternating_much_faster_than_the_horizon_moves_at_most_once():
+    # regimes of 10 s against a 60 s horizon, for 4 minutes (23 regime changes)
+    moves = run_trace(MixController(MODEL, TARGETS, horizon_s=60.0), alternating(10, 240),
+                      mix_of("colocated", "colocated"))
+    assert len(first_steps(moves)) <= 1, [d.reason for d in moves]
+
+
+def test_demand_alternating_a_little_faster_than_the_horizon_makes_at_most_one_move_per_regime_change():
+    trace = alternating(40, 320)  # 40 s regimes, 60 s horizon: 7 regime changes
+    moves = run_trace(MixController(MODEL, TARGETS, horizon_s=60.0), trace, mix_of("colocated", "colocated"))
+    assert len(first_steps(moves)) <= len(trace) - 1, [d.reason for d in moves]
+
+
+def test_regimes_longer_than_the_horizon_are_followed_once_each():
+    trace = alternating(150, 600)  # 150 s regimes, 60 s horizon: it should follow each, once
+    moves = run_trace(MixController(MODEL, TARGETS, horizon_s=60.0), trace, mix_of("colocated", "colocated"))
+    steps = first_steps(moves)
+    assert 1 <= len(steps) <= len(trace) - 1
+    for d in moves:
+        assert d.predicted_gain is not None and d.predicted_gain > d.predicted_cost
+
+
+def test_undoing_a_recent_move_needs_a_higher_bar():
+    ctrl = MixController(MODEL, TARGETS, horizon_s=60.0)
+    views = mix_of("colocated", "colocated")
+    moves = run_trace(ctrl, [(40, documents(0.3))], views)
+    assert moves
+    views = mix_of("prefill", "decode")
+    d = None
+    for t in range(40, 52):
+        d = ctrl.decide(views, float(t), chats(1.4))
+        if d.instance_id is not None:
+            break
+    assert d.instance_id is None and d.held == "cost" and "undoing a recent move" in d.reason
+
+
+def test_measured_change_times_are_the_cost():
+    ctrl = MixController(MODEL, TARGETS)
+    assert ctrl.move_cost_s() == ctrl.change_cost_s
+    ctrl.record_change_cost(20.0)
+    assert ctrl.move_cost_s() == 20.0
+    ctrl.record_change_cost(0.0)
+    ctrl.record_change_cost(0.0)
+    assert ctrl.move_cost_s() >= ctrl.change_cost_s / 2  # a stall outlasts the drain
+
+
+def test_overload_holds_the_mix_predicted_to_meet_the_most_deadlines_and_says_so():
+    ctrl = MixController(MODEL, TARGETS, horizon_s=60.0)
+    views = mix_of("colocated", "colocated")
+    flood = Demand(6.0, 6.0 * 600, 6.0 * 128, 600, 128, prompts=(40, 600, 600, 600))  # past every mix
+    decisions = [ctrl.decide(views, float(t), flood) for t in range(60)]
+    assert all(d.instance_id is None for d in decisions)
+    last = decisions[-1]
+    assert last.overload and last.held == "overload"
+    assert "no mix within reach meets the targets" in last.reason and "holding 2 colocated" in last.reason
+    assert last.deadlines_met is not None and last.deadlines_met < 1
+
+
+def test_per_class_targets_count_deadlines_by_share():
+    t = MixTargets(4.0, 0.5, classes=(SloClass("chat", 2.0, 0.25, 3.0), SloClass("doc", 10.0, 1.0, 1.0)))
+    from splitserve.control.whatif import Prediction
+    p = Prediction(ttft_s=5.0, gap_s=0.2, serving="x")
+    assert t.deadlines_met(p) == (3.0 * (2.0 / 5.0) + 1.0) / 4.0
+    assert t.pressure(p) == 2.5  # the strictest class
+
+
+def test_the_threshold_knob_moves_before_any_role_change_when_it_holds_the_targets():
+    # 1 prefill + 1 decode, documents queued on the prefill instance: every chat waits behind them
+    # there; prefilled on the decode instance instead, chats get their first token in time
+    views = [InstanceView("e0", "prefill", queued_prompt_tokens=3000), InstanceView("e1", "decode")]
+    ctrl = MixController(MODEL, TARGETS, local_prefill_max_tokens=0)
+    d = ctrl.decide(views, 0.0, chats(0.5))
+    assert d.instance_id is None and d.local_prefill_max_tokens is not None and d.local_prefill_max_tokens >= 64
+    assert ctrl.local_prefill_max_tokens == d.local_prefill_max_tokens
+    # without the knob the same reading asks for a role change (once patience is met)
+    plain = MixController(MODEL, TARGETS)
+    moved = [plain.decide(views, float(t), chats(0.5)) for t in range(3)]
+    assert any(x.instance_id is not None for x in moved)
+
+
+def test_the_loop_applies_the_threshold_and_logs_each_decision_with_its_numbers():
+    import asyncio
+
+    from splitserve.control.mix_loop import MixLoop
+    views = [InstanceView("e0", "prefill", queued_prompt_tokens=3000), InstanceView("e1", "decode")]
+    set_to, changed = [], []
+
+    async def change_role(instance_id, role):
+        changed.append((instance_id, role))
+
+    loop = MixLoop(MixController(MODEL, TARGETS, local_prefill_max_tokens=0), lambda: views, change_role,
+                   clock=lambda: 0.0, demand=lambda: chats(0.5), set_threshold=set_to.append)
+    asyncio.run(loop.run_once())
+    assert set_to and not changed and loop.num_threshold_moves == 1
+    entry = loop.decisions[-1]
+    assert entry["local_prefill_max_tokens"] == set_to[0] and entry["applied"] and entry["predicted_cost"] == 0.0
