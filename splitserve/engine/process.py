@@ -27,6 +27,7 @@ import time
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from splitserve.config import (DTYPES, PREFILL_POLICIES, ROLES, SCHEDULING_POLICIES, WEIGHT_FORMATS, CacheConfig,
                                EngineConfig, SchedulerConfig)
@@ -44,6 +45,11 @@ STATS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.25  # the frontend declares an engine dead after --engine-silence-timeout (1.5 s)
 PARENT_CHECK_INTERVAL_S = 1.0
 TRANSFER_POLL_S = 0.001
+
+
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                      zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(HANDSHAKE_FAILURES)
 
 
 def transfer_report(record, outcome: str | None) -> KVTransferReport | None:
@@ -141,6 +147,7 @@ class EngineProcess:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        self.refused: str | None = None  # why the frontend refused our handshake (we then leave)
         self.ctx = zmq.Context()
 
     def _socket(self, direction: str) -> zmq.Socket:
@@ -159,10 +166,39 @@ class EngineProcess:
                            mc.vocab_size, stats.num_blocks_total, stats.block_size,
                            self.core.config.scheduler.max_num_seqs, os.getpid())
 
+    def _refusal(self) -> str:
+        """What to tell a hand-started engine whose handshake the frontend refused."""
+        where = f"the frontend at {self.connect} refused this engine's handshake"
+        if self.link is None:
+            return (f"{where}: it requires the engine-link secret and this engine has none; start it "
+                    "with --engine-secret-file FILE, the file serve was given (a serve that generated "
+                    "its own secret admits only the engines it started)")
+        # A different secret means a different server key too, so it fails like a frontend without one
+        return (f"{where}: our engine-link secret is not the frontend's (or the frontend uses none); "
+                "give the same --engine-secret-file to serve and to this engine")
+
+    def _watch_handshake(self, monitor: zmq.Socket) -> bool:
+        """One monitor event -> whether to keep watching. Without this, a peer the frontend
+        refuses (no secret, another secret) would wait forever: ZMQ retries silently."""
+        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return False
+        if event in HANDSHAKE_FAILURES:
+            self.refused = self._refusal()
+            log.error("engine %s: %s", self.engine_id, self.refused)
+            self.stopping.set()
+            return False
+        return True
+
     def _input_thread(self) -> None:
         codec, sock = Codec(), self._socket("in")
+        monitor: zmq.Socket | None = sock.get_monitor_socket(HANDSHAKE_EVENTS)
         sock.send(codec.encode(self.hello()))  # after this the frontend may route to us
         while not self.stopping.is_set():
+            if monitor is not None and monitor.poll(0) and not self._watch_handshake(monitor):
+                sock.disable_monitor()
+                monitor.close()
+                monitor = None
             if not sock.poll(100):
                 continue
             payload = sock.recv()
@@ -170,6 +206,9 @@ class EngineProcess:
                 self.inbox.put(codec.to_engine.decode(payload))
             except msgspec.DecodeError as e:
                 log.warning("dropping an undecodable message (%d bytes): %s", len(payload), e)
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close()
         sock.close()
 
     def _output_thread(self) -> None:
@@ -359,4 +398,4 @@ def run(args: argparse.Namespace) -> int:
     process = EngineProcess(core, engine_id, args.connect, args.parent_pid, link)
     log.info("engine %s (%s) connecting to %s", engine_id, config.role, args.connect)
     process.run()
-    return 0
+    return 3 if process.refused else 0
