@@ -45,7 +45,7 @@ def test_prefill_and_decode_on_two_hosts_give_the_colocated_greedy_tokens(tiny, 
             assert [r["tokens"] for r in results] == colocated
             for r in results:
                 report = r["event"].kv_transfer
-                assert report["outcome"] == "ok" and report["transport"] == "tcp" and report["bytes"] > 0
+                assert report.outcome == "ok" and report.transport == "tcp" and report.num_bytes > 0
             await cluster.wait_idle()
 
     with NetBed(("a", "b"), LinkSpec.parse("1gbit")) as bed:
@@ -70,7 +70,7 @@ def test_overlapped_handover_streams_the_kv_during_the_prefill_and_keeps_the_gre
             results = await asyncio.gather(*(cluster.generate(prompt_of(n, seed), 24, request_id=f"r{i}")
                                              for i, (n, seed) in enumerate(PROMPTS)))
             assert [r["tokens"] for r in results] == colocated
-            assert all(r["event"].kv_transfer["outcome"] == "ok" for r in results)
+            assert all(r["event"].kv_transfer.outcome == "ok" for r in results)
             # the prompts longer than one 64-token chunk went over early, without a first token
             assert sorted(rid.split(".")[0] for _, rid, _ in early) == ["r0", "r2"]
             assert all(engine_id == "decode-0" and first == [] for engine_id, _, first in early)
@@ -89,7 +89,7 @@ def test_a_failed_stream_is_resumed_and_keeps_the_greedy_tokens(tiny, colocated)
         async with BedCluster(tiny, bed, PD, send_mode="overlap", decode_fault_rate=1.0) as cluster:
             result = await cluster.generate(prompt_of(150, 0), 24)
             assert result["tokens"] == colocated[0] and result["error"] is None
-            assert result["event"].kv_transfer["outcome"] == "recomputed"
+            assert result["event"].kv_transfer.outcome == "recomputed"
             await cluster.wait_idle()
 
     with NetBed(("a", "b")) as bed:
@@ -195,7 +195,7 @@ def test_a_kv_socket_off_loopback_refuses_a_peer_without_the_secret(tiny):
             assert isinstance(skipped, NetworkError) and "closed" in str(skipped), skipped  # no KV, no reply
             # the refusals cost the real peer nothing
             result = await cluster.generate(prompt_of(40, 1), 8)
-            assert result["event"].kv_transfer["outcome"] == "ok"
+            assert result["event"].kv_transfer.outcome == "ok"
 
     with NetBed(("a", "b")) as bed:
         asyncio.run(go(bed))
