@@ -193,3 +193,92 @@ def test_a_fixed_rate_run_is_a_comparison_only_with_enough_requests_of_every_cla
     assert fixed_rule(doc({"chat": 40, "document": 20}), 1.0) == (True, "")
     ok, why = fixed_rule(doc({"chat": 40, "document": 8}), 1.0)
     assert not ok and "document 8" in why
+
+
+def mixed_probe(rng, x, n, round_index, chat_cross, doc_cross, doc_share=0.15, probe_sd=0.0):
+    """A probe of chats and documents, each class with its own curve (documents fail first)."""
+    shift = rng.normal(0.0, probe_sd) if probe_sd else 0.0
+    good, classes = {}, {}
+    for i in range(n):
+        klass = "document" if rng.random() < doc_share else "chat"
+        p = truth(x, chat_cross if klass == "chat" else doc_cross)
+        p = 1 / (1 + math.exp(-(math.log(p / (1 - p)) + shift)))
+        good[i], classes[i] = bool(rng.random() < p), klass
+    return ProbeOutcomes(x, good, round_index, classes)
+
+
+def mixture_truth(chat_cross, doc_cross, doc_share=0.15):
+    """Where 0.85 * P(chat good) + 0.15 * P(document good) crosses the target (bisection in log x)."""
+    lo, hi = math.log(0.01), math.log(100.0)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        x = math.exp(mid)
+        share = (1 - doc_share) * truth(x, chat_cross) + doc_share * truth(x, doc_cross)
+        lo, hi = (mid, hi) if share >= TARGET else (lo, mid)
+    return math.exp(lo)
+
+
+def mixed_search(seed, chat_cross, doc_cross, n=40, max_probes=8, precision=0.2, probe_sd=0.0):
+    rng = np.random.default_rng(seed)
+    probes, x = [], 1.0
+    for k in range(max_probes):
+        probes.append(mixed_probe(rng, x, n, k, chat_cross, doc_cross, probe_sd=probe_sd))
+        found = capacity(probes, TARGET, rng)
+        if found.kind == "point" and found.width() < precision:
+            break
+        x = next_rate(probes, found, 2.0, precision)
+    return found, probes
+
+
+@pytest.mark.parametrize("chat_cross, doc_cross", [(8.0, 0.6), (1.2, 0.8)])
+def test_a_mix_whose_classes_fail_at_different_rates_is_fitted_class_by_class_and_covers_the_truth(chat_cross, doc_cross):
+    """Chats that hold far past the documents (the whole mix levels off near 85% good, the shape
+    1P1D showed: one prefill instance, documents' TTFT first) and two close curves. One logistic
+    through the whole mix bends the plateau into a slow slope and puts the crossing too high; per
+    class curves at their shares cross where the mix does."""
+    true = mixture_truth(chat_cross, doc_cross)
+    covered = points = 0
+    for seed in range(200):
+        found, _ = mixed_search(seed, chat_cross, doc_cross)
+        if found.kind != "point":
+            continue
+        points += 1
+        assert [q["class"] for q in found.components] == ["chat", "document"]
+        covered += found.lo <= true <= found.hi
+    assert points >= 180, points
+    assert covered >= 0.85 * points, (covered, points)
+
+
+def test_the_ratio_interval_is_drawn_from_the_same_replicates_as_each_capacity_and_never_contradicts_them():
+    """The ratio's interval lies within what the two capacities' own intervals allow (a 10% slack
+    for the Monte Carlo), mixtures of classes included."""
+    for seed in range(30):
+        rng = np.random.default_rng(500 + seed)
+        a = [mixed_probe(rng, x, 40, k, 8.0, 0.9) for k, x in enumerate((0.4, 0.7, 1.0, 1.4, 2.0))]
+        b = [mixed_probe(rng, x, 40, k, 0.7, 0.7) for k, x in enumerate((0.4, 0.7, 1.0, 1.4, 2.0))]
+        ca, cb = capacity(a, TARGET, rng), capacity(b, TARGET, rng)
+        r = paired_ratio(a, b, TARGET, rng)
+        if r is None:
+            continue
+        assert r["lo"] >= 0.9 * ca.lo / cb.hi, (seed, r, ca, cb)
+        assert r["hi"] <= 1.1 * ca.hi / cb.lo, (seed, r, ca, cb)
+
+
+def test_outcomes_that_go_together_on_the_same_requests_couple_the_two_bootstraps():
+    """Both arrangements fail the same hard requests: the measured correlation couples their
+    draws, and the ratio's interval is narrower than with the same outcomes shuffled apart."""
+    rng = np.random.default_rng(7)
+    a, b, b_shuffled = [], [], []
+    for k, x in enumerate((0.4, 0.6, 0.8, 1.0, 1.3, 1.7)):
+        hard = rng.random(60)                              # each request's own difficulty
+        pa, pb = truth(x, 1.0), truth(x, 0.7)
+        ga = {i: bool(hard[i] < pa) for i in range(60)}
+        gb = {i: bool(hard[i] < pb) for i in range(60)}    # fails the same requests first
+        a.append(ProbeOutcomes(x, ga, k))
+        b.append(ProbeOutcomes(x, gb, k))
+        order = rng.permutation(60)
+        b_shuffled.append(ProbeOutcomes(x, {i: gb[int(order[i])] for i in range(60)}, k))
+    together = paired_ratio(a, b, TARGET, np.random.default_rng(1))
+    apart = paired_ratio(a, b_shuffled, TARGET, np.random.default_rng(1))
+    assert together["coupling"] > 0.3 > apart["coupling"]
+    assert together["hi"] / together["lo"] < apart["hi"] / apart["lo"]

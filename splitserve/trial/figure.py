@@ -1,7 +1,7 @@
 """The headline figure: attainment against offered rate, per arrangement and per class.
 
 Each probe is a point (share of its decided requests good) with its 90% binomial (Wilson)
-interval; each arrangement's fitted logistic curve is drawn over the probed range; the target
+interval; each arrangement's fitted curve (a logistic, or a mixture of per-class logistics) is drawn over the probed range; the target
 is a horizontal line and each capacity's 90% interval a shaded band (a bound: an arrow-like
 marker at the bound). One panel for all requests, then one per class. Also the per-probe table:
 rate, requests, good, the host's disturbance and the machine's speed.
@@ -15,10 +15,17 @@ import math
 from splitserve.trial import curve
 
 
-def _curve_points(fit, lo: float, hi: float, ceiling: float = 1.0):
+def _logistic(fit, ceiling: float, x: float) -> float:
     a, b, c = fit
+    return ceiling / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c)))))
+
+
+def _curve_points(cap: dict, lo: float, hi: float):
+    """The fitted curve over [lo, hi]: one logistic, or a mixture's per-class curves at their shares."""
     xs = [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / 80) for i in range(81)]
-    return xs, [ceiling / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c))))) for x in xs]
+    if cap.get("components"):
+        return xs, [sum(q["weight"] * _logistic(q["fit"], q["ceiling"], x) for q in cap["components"]) for x in xs]
+    return xs, [_logistic(cap["fit"], cap.get("ceiling") or 1.0, x) for x in xs]
 
 
 def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
@@ -40,8 +47,8 @@ def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:
         above = [max(0.0, hi - y) for _, y, _, hi in pts]
         ax.errorbar(xs, [y for _, y, _, _ in pts], yerr=[below, above], fmt="o", color=color, alpha=0.8,
                     capsize=2, label=name)
-        if cap and cap.get("fit"):
-            cx, cy = _curve_points(cap["fit"], min(xs) / 1.3, max(xs) * 1.3, cap.get("ceiling") or 1.0)
+        if cap and (cap.get("fit") or cap.get("components")):
+            cx, cy = _curve_points(cap, min(xs) / 1.3, max(xs) * 1.3)
             ax.plot(cx, cy, color=color, lw=1.5)
         if cap and cap["kind"] == "point":
             ax.axvspan(cap["lo_rps"], cap["hi_rps"], color=color, alpha=0.15)
