@@ -202,7 +202,8 @@ def mixed_probe(rng, x, n, round_index, chat_cross, doc_cross, doc_share=0.15, p
     for i in range(n):
         klass = "document" if rng.random() < doc_share else "chat"
         p = truth(x, chat_cross if klass == "chat" else doc_cross)
-        p = 1 / (1 + math.exp(-(math.log(p / (1 - p)) + shift)))
+        if shift:
+            p = 1 / (1 + math.exp(-(math.log(p / (1 - p)) + shift)))
         good[i], classes[i] = bool(rng.random() < p), klass
     return ProbeOutcomes(x, good, round_index, classes)
 

@@ -103,3 +103,21 @@ def test_one_run_shows_a_winner_only_when_it_held_a_rate_the_other_failed():
     assert "no clear difference" in v and "failed only at 2.000 req/s, above the 1.300 req/s 1P1D held" in v
     doc["arrangements"][1]["capacity"][0]["failed_rps"] = 1.3      # failed where 1P1D held: clear
     assert "Separate prefill: yes" in verdict(doc)
+
+
+def test_a_bound_says_why_it_is_a_bound():
+    """"No rate probed held" only when that is so: a curve levelling off under the target (some
+    probes held, the mix did not hold reliably) and a crossing fitted above every probed rate
+    (some probes failed) each say their own reason."""
+    from splitserve.trial.verdict import _iv
+
+    held_then_plateau = {"kind": "at_most", "estimate_rps": 0.9, "ceiling": 0.86, "target": 0.9,
+                         "points": [{"n": 20, "good": 20}, {"n": 20, "good": 17}]}
+    assert "levels off at 86% good" in _iv(held_then_plateau) and "no rate probed held" not in _iv(held_then_plateau)
+    none_held = {"kind": "at_most", "estimate_rps": 0.9, "ceiling": 1.0, "points": [{"n": 20, "good": 3}]}
+    assert "no rate probed held" in _iv(none_held)
+    crossing_above = {"kind": "at_least", "estimate_rps": 1.2, "target": 0.9,
+                      "points": [{"n": 20, "good": 20}, {"n": 20, "good": 17}]}
+    assert "crosses above every rate probed" in _iv(crossing_above)
+    all_held = {"kind": "at_least", "estimate_rps": 1.2, "points": [{"n": 20, "good": 20}]}
+    assert "every rate probed held" in _iv(all_held)

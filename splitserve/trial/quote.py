@@ -77,7 +77,7 @@ def quote(doc: dict) -> dict | None:
         probes[a["name"]] = probes_of(a)
         found = curve.capacity(probes[a["name"]], target, rng)
         classes = sorted({c for p in probes[a["name"]] for c in p.classes.values()})
-        per[a["name"]] = {**found.to_dict(), "name": a["name"], "kind_of_arrangement": a["kind"],
+        per[a["name"]] = {**found.to_dict(), "name": a["name"], "kind_of_arrangement": a["kind"], "target": target,
                           "by_class": {c: curve.capacity([p.of_class(c) for p in probes[a["name"]]], target,
                                                          rng).to_dict() for c in classes},
                           "points": [_point(p) for p in probes[a["name"]]]}

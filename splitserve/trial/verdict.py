@@ -188,14 +188,28 @@ def _network(doc: dict) -> str:
 
 
 def _iv(c: dict) -> str:
-    """'0.70 req/s [0.62-0.78]', 'at least 0.70 req/s', 'at most 0.05 req/s'."""
+    """'0.70 req/s [0.62-0.78]', 'at least 0.70 req/s', 'at most 0.05 req/s', each bound with why."""
     if c["kind"] == "point":
         return f"{c['estimate_rps']:.2f} req/s [{c['lo_rps']:.2f}-{c['hi_rps']:.2f}]"
+    points = c.get("points") or []
     if c["kind"] == "at_least":
+        if any(p["n"] and p["good"] / p["n"] < _target(c) for p in points):
+            return f"at least {c['estimate_rps']:.2f} req/s (its fitted curve crosses above every rate probed)"
         return f"at least {c['estimate_rps']:.2f} req/s (every rate probed held)"
     if c["kind"] == "at_most":
+        ceiling = c.get("ceiling") or 1.0
+        if ceiling < 1.0 and any(p["n"] and p["good"] / p["n"] >= _target(c) for p in points):
+            return (f"at most {c['estimate_rps']:.2f} req/s (its curve levels off at {ceiling:.0%} good, under "
+                    f"the target, so no rate holds it reliably)")
+        if ceiling < 1.0 and not points:
+            return f"at most {c['estimate_rps']:.2f} req/s (its curve levels off at {ceiling:.0%} good, under the target)"
         return f"at most {c['estimate_rps']:.2f} req/s (no rate probed held)"
     return "not measured"
+
+
+def _target(c: dict) -> float:
+    """The attainment target a capacity was read against (quote() stores it per arrangement)."""
+    return c.get("target", 0.9)
 
 
 def _ratio(r: dict) -> str:
