@@ -331,3 +331,17 @@ def test_a_budget_that_affords_few_probes_per_arrangement_is_warned_about():
     enough = CapacitySpec(probe_requests=16, probe_seconds=30, precision=0.15, max_probes=6,
                           budget_s=budget_for(short, 4))
     assert affordable_probes(enough, 4) >= 5 and budget_warning(enough, 4) is None
+
+
+def test_the_budget_counts_the_tuning_grid_as_successive_halving_runs_it():
+    """A grid of three beside the base: three probes in round one, then the better half of the
+    four colocated settings (the base and one point) in round two, so four grid probes, as the
+    demo's runs took (session 11: 4 grid probes each); the warning's count follows."""
+    from splitserve.trial.method import CapacitySpec
+    from splitserve.trial.sidebyside import affordable_probes, budget_for, grid_probes
+
+    assert [grid_probes(n) for n in (0, 1, 2, 3, 4)] == [0, 1, 3, 4, 6]
+    demo = CapacitySpec(probe_requests=10, probe_seconds=30, precision=0.2, max_probes=8, budget_s=540)
+    assert 3 <= affordable_probes(demo, 2, 3) < 4
+    assert abs(affordable_probes(CapacitySpec(probe_requests=10, probe_seconds=30, precision=0.2, max_probes=8,
+                                              budget_s=budget_for(demo, 2, 3)), 2, 3) - 5) < 1e-9

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -98,11 +99,19 @@ class Search:
 def affordable_probes(cap, num_arrangements: int, num_grid: int = 0) -> float:
     """Probes per arrangement the search's share of budget_s pays for: each probe takes its
     probe_seconds of arrivals plus PROBE_OVERHEAD_S (the drain, the speed benchmark, the wait for
-    the server to drop the last run); the grid's points share the first TUNE_ROUNDS rounds."""
+    the server to drop the last run); the grid's probes (grid_probes) take their share first."""
     per_probe = (cap.probe_seconds or 30.0) + PROBE_OVERHEAD_S
     rounds = cap.budget_s * SEARCH_FRACTION / (per_probe * max(num_arrangements, 1))
-    tuning = min(rounds, TUNE_ROUNDS) * num_grid / max(num_arrangements, 1)
-    return max(rounds - tuning, 0.0)
+    return max(rounds - grid_probes(num_grid) / max(num_arrangements, 1), 0.0)
+
+
+def grid_probes(num_grid: int) -> int:
+    """Probes the tuning grid's points take: every point in the first round, then (successive
+    halving) the better half of the colocated settings, the base among them, in the rest."""
+    if num_grid <= 0:
+        return 0
+    survivors = max(math.ceil((num_grid + 1) / 2) - 1, 0)   # grid points beside the base
+    return num_grid + survivors * (TUNE_ROUNDS - 1)
 
 
 def budget_warning(cap, num_arrangements: int, num_grid: int = 0) -> str | None:
@@ -118,7 +127,7 @@ def budget_warning(cap, num_arrangements: int, num_grid: int = 0) -> str | None:
 def budget_for(cap, num_arrangements: int, num_grid: int = 0, probes: int | None = None) -> float:
     """The budget_s that affords `probes` (MIN_AFFORDED_PROBES) per arrangement."""
     per_probe = (cap.probe_seconds or 30.0) + PROBE_OVERHEAD_S
-    rounds = (probes or MIN_AFFORDED_PROBES) + TUNE_ROUNDS * num_grid / max(num_arrangements, 1)
+    rounds = (probes or MIN_AFFORDED_PROBES) + grid_probes(num_grid) / max(num_arrangements, 1)
     return rounds * per_probe * max(num_arrangements, 1) / SEARCH_FRACTION
 
 
