@@ -345,3 +345,34 @@ def test_the_budget_counts_the_tuning_grid_as_successive_halving_runs_it():
     assert 3 <= affordable_probes(demo, 2, 3) < 4
     assert abs(affordable_probes(CapacitySpec(probe_requests=10, probe_seconds=30, precision=0.2, max_probes=8,
                                               budget_s=budget_for(demo, 2, 3)), 2, 3) - 5) < 1e-9
+
+
+def test_a_disturbed_tuning_probe_is_counted_with_the_rest():
+    """The grid's points that stop keep no place in `arrangements`; their watched probes go to
+    `tuning_runs`, so a busy loop that lands on them is counted as detected and redone (a disturbed
+    demo run said "0 of 8 disturbed" while its grid probes were redone out of sight)."""
+    from types import SimpleNamespace
+
+    from splitserve.trial.quote import host_summary
+    from splitserve.trial.results import tuning_runs
+    from splitserve.trial.runner import ArrangementResult, RunResult
+
+    def probe(purpose, disturbed, attempt):
+        return RunResult(2.0, {"wall_s": 30.0, "attempt": attempt, "disturbed": disturbed, "speed_units_per_s": 1e3,
+                               "host": {"others_share": 0.5 if disturbed else 0.01}, "per_request": ["left out"]},
+                         [], {}, 0, purpose)
+
+    grid = ArrangementResult("base@128tok-2x1")
+    grid.runs = [probe("probe-disturbed", True, 0), probe("probe", False, 1)]
+    base = ArrangementResult("base")
+    base.runs = [probe("probe", False, 0)]
+    trial = SimpleNamespace(results={"base": base, "base@128tok-2x1": grid})
+    runs = tuning_runs(trial, {"base": None})
+    assert [(r["name"], r["purpose"]) for r in runs] == [("base@128tok-2x1", "probe-disturbed"),
+                                                          ("base@128tok-2x1", "probe")]
+    assert "per_request" not in runs[0]["summary"]            # the host's reading, not the requests
+    doc = {"arrangements": [{"runs": [{"purpose": r.purpose, "summary": r.summary} for r in base.runs]}],
+           "tuning_runs": runs}
+    got = host_summary(doc)
+    assert (got["probes"], got["disturbed"], got["redone"]) == (3, 1, 1)
+    assert host_summary({**doc, "tuning_runs": []})["disturbed"] == 0

@@ -113,22 +113,23 @@ SLOW_ENGINE = 2.0   # a run's median decode step past this many times its arrang
 
 def host_summary(doc: dict) -> dict:
     """How many probes and fixed-rate runs the watched host flagged, how many were redone, the
-    speed drift and the idle servers' CPU while another was probed."""
+    speed drift and the idle servers' CPU while another was probed; the tuning grid's probes
+    (`tuning_runs`) count with the rest."""
     probes, fixed, disturbed, redone, speeds, idle = 0, 0, 0, 0, [], []
     watched = False
-    for a in doc["arrangements"]:
-        for run in a["runs"]:
-            s = run["summary"]
-            if run.get("purpose") not in WATCHED or "attempt" not in s:
-                continue
-            probes += run["purpose"].startswith("probe")
-            fixed += run["purpose"].startswith("fixed")
-            watched = watched or bool(s.get("host"))
-            disturbed += bool(s.get("disturbed"))
-            redone += run["purpose"].endswith("-disturbed")
-            if s.get("speed_units_per_s"):
-                speeds.append(s["speed_units_per_s"])
-            idle.extend((s.get("idle_cpu_share") or {}).values())
+    runs = [run for a in doc["arrangements"] for run in a["runs"]] + list(doc.get("tuning_runs") or [])
+    for run in runs:
+        s = run["summary"]
+        if run.get("purpose") not in WATCHED or "attempt" not in s:
+            continue
+        probes += run["purpose"].startswith("probe")
+        fixed += run["purpose"].startswith("fixed")
+        watched = watched or bool(s.get("host"))
+        disturbed += bool(s.get("disturbed"))
+        redone += run["purpose"].endswith("-disturbed")
+        if s.get("speed_units_per_s"):
+            speeds.append(s["speed_units_per_s"])
+        idle.extend((s.get("idle_cpu_share") or {}).values())
     med = float(np.median(speeds)) if speeds else None
     return {"probes": probes, "fixed": fixed, "disturbed": disturbed, "redone": redone, "watched": watched,
             "speed_median": med,

@@ -32,6 +32,27 @@ def arrangement_kind(arr: Arrangement) -> str:
     return "external" if arr.url else "colocated"
 
 
+TUNING_RUN_FIELDS = ("offered_rate_rps", "num_requests", "num_good", "wall_s", "round", "host", "disturbed",
+                     "attempt", "speed_units_per_s", "idle_cpu_share")
+
+
+def tuning_runs(trial, named) -> list[dict]:
+    """The tuning grid's probes that did not join the trial (their capacities are in `tuning`):
+    what the host watch saw of each, so a disturbed grid probe and its redo are counted with the
+    rest (quote.host_summary), not lost with the points that stopped."""
+    if trial is None:
+        return []
+    out = []
+    for name, res in trial.results.items():
+        if name in named:
+            continue
+        for run in res.runs:
+            out.append({"name": name, "purpose": run.purpose, "rate_multiplier": run.rate_multiplier,
+                        "repeat": run.repeat,
+                        "summary": {k: run.summary.get(k) for k in TUNING_RUN_FIELDS if k in run.summary}})
+    return out
+
+
 def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) -> dict:
     """`trial` (a runner.Trial) adds the order, calibration, tuning and resources it enforced."""
     by_name = {a.name: a for a in (trial.arrangements if trial else spec.arrangements)}
@@ -59,6 +80,7 @@ def results_document(spec: TrialSpec, plan, results, sweep: bool, trial=None) ->
         "plan": [{"index": r.index, "class": r.class_name, "send_at_s": r.send_at_s,
                   "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens} for r in plan or []],
         "arrangements": [],
+        "tuning_runs": tuning_runs(trial, by_name),
     }
     for res in results:
         arr = by_name[res.name]
