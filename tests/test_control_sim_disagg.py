@@ -156,7 +156,7 @@ def test_bad_policy_settings_are_refused_naming_the_flag():
         DisaggSpec("always", local_prefill_max_tokens=64)
 
 
-def test_plan_tries_each_policy_on_separated_arrangements_and_launches_what_it_simulated(tmp_path):
+def test_plan_tries_each_policy_on_separated_arrangements_and_launches_what_it_simulated(tmp_path, capsys):
     spec = tmp_path / "spec.yaml"
     spec.write_text("""
 name: small
@@ -181,5 +181,10 @@ slo: {ttft_s: 8.0, gap_s: 0.5, max_pause_s: 1.5, e2e_s: 30.0}
         "--disagg-policy", "auto", "--slo-ttft-s", "8", "--slo-gap-s", "0.5"]
     assert by_name["1P1D-1t/1t-threshold"]["predicted"]["by_class"]["chat"]["prefill"]["local"] > 0
     assert by_name["1P1D-1t/1t"]["predicted"]["prefill"] == {"local": 0, "remote": 0}
+    rows = {line.split()[1]: line.split()[-1] for line in capsys.readouterr().out.splitlines()
+            if line[:3].strip().isdigit()}
+    share = by_name["1P1D-1t/1t-threshold"]["predicted"]["prefill"]
+    assert rows["1P1D-1t/1t-threshold"] == f"{share['local'] / (share['local'] + share['remote']):.0%}"
+    assert rows["1P1D-1t/1t"] == "-" and rows["colocated-chunked256-2x1t"] == "-"
     assert main(["plan", str(spec), "--profile", str(profile), "--disagg-policies", "always,sometimes",
                  "--no-capacity", "--out", str(out)]) == 2

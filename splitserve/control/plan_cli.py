@@ -50,8 +50,9 @@ def _positive(value, flag: str) -> None:
 
 
 def format_table(doc: dict, top: int) -> str:
+    from splitserve.trial.metrics import local_share
     head = (f"{'#':>3} {'arrangement':28} {'cores':>5} {'attain':>7} {'capacity':>9} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'gap p99':>8} {'pause p99':>9} {'worst SLO':>16}")
+            f"{'TTFT p99':>9} {'gap p99':>8} {'pause p99':>9} {'worst SLO':>16} {'local':>6}")
     repeated = (f": the spec's {doc['spec_num_requests']} repeated" if doc["num_requests"] > doc["spec_num_requests"]
                 else "")
     lines = [f"plan for {doc['spec']}: {doc['cores']} cores, {doc['rate_rps']:.2f} req/s "
@@ -63,9 +64,11 @@ def format_table(doc: dict, top: int) -> str:
     for i, a in enumerate(doc["arrangements"][:top], 1):
         p = a["predicted"]
         cap = (">=" if a["capacity_is_floor"] else "") + f"{a['capacity_rps']:.2f}/s" if a["capacity_rps"] else "-"
+        share = local_share(p.get("prefill"))  # prompts the decode instances prefilled (threshold, auto)
         lines.append(f"{i:3d} {a['name']:28} {a['cores']:5d} {p['attainment']:7.0%} {cap:>9} "
                      f"{s(p['ttft_s']['p50']):>9} {s(p['ttft_s']['p99']):>9} {s(p['gap_s']['p99']):>8} "
-                     f"{s(p['longest_pause_s']['p99']):>9} {p['worst_slo'] or '-':>16}")
+                     f"{s(p['longest_pause_s']['p99']):>9} {p['worst_slo'] or '-':>16} "
+                     f"{'-' if share is None else f'{share:.0%}':>6}")
     if len(doc["arrangements"]) > top:
         lines.append(f"    ... {len(doc['arrangements']) - top} more in the plan file")
     lines.append(doc["recommendation"]["reason"])
