@@ -51,6 +51,19 @@ def complete(base_url: str, body: dict) -> dict:
     return r.json()
 
 
+def streamed_usage(base_url: str, path: str, body: dict) -> dict | None:
+    """The usage of a streamed answer's final chunk."""
+    async def read() -> dict | None:
+        usage = None
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", base_url + path, json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        usage = httpx.Response(200, content=line[6:]).json().get("usage") or usage
+        return usage
+    return asyncio.run(read())
+
+
 def test_short_prompt_is_prefilled_on_the_decode_instance_with_colocated_tokens(servers):
     body = completion_body(list(range(40, 60)), 12, stream=False)
     expected = complete(servers("colocated").base_url, body)
@@ -103,25 +116,34 @@ def test_cached_tokens_are_reported_on_every_kind_of_answer(servers):
     warm = complete(base, completion_body(prompt, 2, stream=False))
     assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
-    async def streamed_usage(path: str, body: dict) -> dict:
-        usage = None
-        async with httpx.AsyncClient(timeout=60) as client:
-            async with client.stream("POST", base + path, json=body) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: {"):
-                        usage = httpx.Response(200, content=line[6:]).json().get("usage") or usage
-        return usage
-
-    assert asyncio.run(streamed_usage("/v1/completions", completion_body(prompt, 2, stream=True)))[
+    assert streamed_usage(base, "/v1/completions", completion_body(prompt, 2, stream=True))[
         "prompt_tokens_details"] == {"cached_tokens": 32}
     chat = {"messages": [{"role": "user", "content": "hello there, " * 8}], "max_tokens": 2, "temperature": 0}
     r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    usage = asyncio.run(streamed_usage("/v1/chat/completions", {**chat, "stream": True,
-                                                               "stream_options": {"include_usage": True}}))
+    usage = streamed_usage(base, "/v1/chat/completions", {**chat, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
     assert usage["prompt_tokens_details"]["cached_tokens"] == r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cached_tokens_are_counted_on_whichever_instance_prefilled_the_prompt(servers):
+    remote = servers("auto").base_url  # every prompt prefilled on the prefill instance
+    prompt = list(range(220, 260))  # 2 full blocks once cached
+    cold = complete(remote, completion_body(prompt, 3, stream=False))
+    assert cold["splitserve"]["prefill"]["where"] == "remote"
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    warm = complete(remote, completion_body(prompt, 3, stream=False))
+    assert warm["splitserve"]["prefill"]["where"] == "remote"
+    assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # the prefill instance's hit
+    assert streamed_usage(remote, "/v1/completions", completion_body(prompt, 3, stream=True))[
+        "prompt_tokens_details"] == {"cached_tokens": 32}
+    local = servers("threshold").base_url
+    chat = list(range(60, 80))  # short: the decode instance prefills it, 1 full block
+    assert complete(local, completion_body(chat, 3, stream=False))["splitserve"]["prefill"]["where"] == "local"
+    assert streamed_usage(local, "/v1/completions", completion_body(chat, 3, stream=True))[
+        "prompt_tokens_details"] == {"cached_tokens": 16}  # the decode instance's own hit
 
 
 def test_client_leaving_a_locally_prefilled_stream_frees_every_block(servers):

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and powers of two); with a profile of one accelerator per instance, use 1")
     parser.add_argument("--budgets", default="64,128,256,512,1024", help="chunk budgets to try for colocated engines")
     parser.add_argument("--transport", default="shm", help="KV transport of separated arrangements (default shm)")
+    parser.add_argument("--disagg-policies", default="always,threshold,auto",
+                        help="where separated arrangements prefill each prompt, each tried (serve --disagg-policy; "
+                             "auto with the spec's TTFT and gap targets). Default: always,threshold,auto")
     parser.add_argument("--max-instances", type=int, default=64, help="most engine instances in one arrangement")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool per instance (default: the spec's kv_cache_memory split between an "
@@ -47,8 +50,9 @@ def _positive(value, flag: str) -> None:
 
 
 def format_table(doc: dict, top: int) -> str:
+    from splitserve.trial.metrics import local_share
     head = (f"{'#':>3} {'arrangement':28} {'cores':>5} {'attain':>7} {'capacity':>9} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'gap p99':>8} {'pause p99':>9} {'worst SLO':>16}")
+            f"{'TTFT p99':>9} {'gap p99':>8} {'pause p99':>9} {'worst SLO':>16} {'local':>6}")
     repeated = (f": the spec's {doc['spec_num_requests']} repeated" if doc["num_requests"] > doc["spec_num_requests"]
                 else "")
     lines = [f"plan for {doc['spec']}: {doc['cores']} cores, {doc['rate_rps']:.2f} req/s "
@@ -60,9 +64,11 @@ def format_table(doc: dict, top: int) -> str:
     for i, a in enumerate(doc["arrangements"][:top], 1):
         p = a["predicted"]
         cap = (">=" if a["capacity_is_floor"] else "") + f"{a['capacity_rps']:.2f}/s" if a["capacity_rps"] else "-"
+        share = local_share(p.get("prefill"))  # prompts the decode instances prefilled (threshold, auto)
         lines.append(f"{i:3d} {a['name']:28} {a['cores']:5d} {p['attainment']:7.0%} {cap:>9} "
                      f"{s(p['ttft_s']['p50']):>9} {s(p['ttft_s']['p99']):>9} {s(p['gap_s']['p99']):>8} "
-                     f"{s(p['longest_pause_s']['p99']):>9} {p['worst_slo'] or '-':>16}")
+                     f"{s(p['longest_pause_s']['p99']):>9} {p['worst_slo'] or '-':>16} "
+                     f"{'-' if share is None else f'{share:.0%}':>6}")
     if len(doc["arrangements"]) > top:
         lines.append(f"    ... {len(doc['arrangements']) - top} more in the plan file")
     lines.append(doc["recommendation"]["reason"])
@@ -72,7 +78,7 @@ def format_table(doc: dict, top: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from splitserve.config import parse_size
     from splitserve.control.planner import enumerate_arrangements, evaluate, plan_document
-    from splitserve.control.predict import offered_rate, requests_from_spec, tile
+    from splitserve.control.predict import DisaggSpec, offered_rate, requests_from_spec, tile
     from splitserve.control.profile_file import ProfileError, load_profile
     from splitserve.trial.spec import SpecError, load_spec
 
@@ -91,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
             threads = [int(t) for t in args.threads.split(",") if t.strip()] if args.threads else None
         except ValueError:
             raise ValueError(f"--threads: comma-separated whole numbers like 1,2; got {args.threads!r}") from None
+        policies = [p.strip() for p in args.disagg_policies.split(",") if p.strip()]
+        if not policies or len(set(policies)) < len(policies):
+            raise ValueError(f"--disagg-policies: distinct names from always, threshold, auto; got "
+                             f"{args.disagg_policies!r}")
         profile = load_profile(args.profile)
         profile.transfer_s(args.transport, 1)  # fails now, naming the field, if the profile lacks it
         spec = load_spec(args.spec)
@@ -105,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
         # more (a 2-core spec's 1 GiB split 64 ways would not hold one long prompt per instance).
         kv_total_bytes = parse_size(kv_total) * max(1, cores // spec_cores) if kv_total else None
         multiplier = args.rate_multiplier or (args.rate / offered_rate(requests) if args.rate else 1.0)
+        # auto weighs serve's targets: the spec's TTFT and gap deadlines
+        disagg = tuple(DisaggSpec(p, slo_ttft_s=spec.slo.ttft_s, slo_gap_s=spec.slo.gap_s) if p == "auto" else
+                       DisaggSpec(p) for p in policies)
         arrangements = enumerate_arrangements(cores, budgets, args.transport, args.max_instances,
                                               parse_size(args.kv_cache_memory or "1GiB"), threads=threads,
-                                              kv_total_bytes=kv_total_bytes)
+                                              kv_total_bytes=kv_total_bytes, disagg=disagg)
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
                           with_capacity=not args.no_capacity)

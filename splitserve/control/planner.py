@@ -3,7 +3,8 @@
 Arrangements (as DistServe searches placements and Dynamo sizes pools from a profile):
   colocated  k instances x t threads (k * t = N), whole prefill or chunked with each budget;
   separated  x prefill instances of tp threads + y decode instances of td threads
-             (x * tp + y * td = N; thread counts that divide N or are powers of two).
+             (x * tp + y * td = N; thread counts that divide N or are powers of two), once per
+             disaggregation policy asked for (serve --disagg-policy; 1P1D-1t/1t-auto).
 Each is simulated at the spec's rate (times a multiplier) and scored with the spec's SLOs;
 its capacity is the highest rate at which attainment still meets the target. The ranking
 puts arrangements that meet the target first, by capacity, then the rest by attainment.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.control.predict import (DEFAULT_KV_CACHE_BYTES, Arrangement, capacity, name_of, offered_rate,
-                                        predict)
+from splitserve.control.predict import (DEFAULT_KV_CACHE_BYTES, Arrangement, DisaggSpec, capacity, name_of,
+                                        offered_rate, predict)
 from splitserve.control.profile_file import Profile
 from splitserve.control.simulator import InstanceSpec, SimRequest
 from splitserve.trial.spec import SLO
@@ -31,10 +32,12 @@ def thread_options(cores: int) -> list[int]:
 def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str = "shm",
                            max_instances: int = MAX_INSTANCES, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                            prefill_budget: int = 256, threads: list[int] | None = None,
-                           kv_total_bytes: int | None = None) -> list[Arrangement]:
+                           kv_total_bytes: int | None = None,
+                           disagg: tuple[DisaggSpec, ...] = (DisaggSpec(),)) -> list[Arrangement]:
     """threads: the per-instance thread counts to consider (default: divisors of `cores` and powers of two).
     kv_total_bytes: one KV pool per arrangement split between its instances (the trial's
-    `kv_cache_memory`), instead of kv_cache_bytes for every instance."""
+    `kv_cache_memory`), instead of kv_cache_bytes for every instance. disagg: the policies each
+    separated arrangement is tried with."""
 
     def kv(instances: tuple) -> int:
         return kv_total_bytes // len(instances) if kv_total_bytes else kv_cache_bytes
@@ -62,7 +65,8 @@ def enumerate_arrangements(cores: int, budgets=DEFAULT_BUDGETS, transport: str =
                     continue
                 instances = ((InstanceSpec("prefill", tp, "chunked", prefill_budget),) * x
                              + (InstanceSpec("decode", td, "chunked", prefill_budget),) * (rest // td))
-                out.append(Arrangement(name_of(instances), instances, transport, kv(instances)))
+                out += [Arrangement(name_of(instances, d.policy), instances, transport, kv(instances), d)
+                        for d in disagg]
     return out
 
 

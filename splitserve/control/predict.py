@@ -8,6 +8,7 @@ requests meeting all four.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 from dataclasses import dataclass
@@ -17,10 +18,57 @@ import numpy as np
 from splitserve.config import parse_size
 from splitserve.control.profile_file import Profile
 from splitserve.control.simulator import MAX_QUEUED_REQUESTS, Instance, InstanceSpec, Simulation, SimRequest
+from splitserve.coordinator.disagg_policy import POLICIES, DisaggPolicy, check_disagg_args, disagg_policy_from_args
+from splitserve.trial.metrics import prefill_counts
 from splitserve.trial.spec import SLO, TrialSpec
 from splitserve.trial.workload import spec_shapes
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # serve's --kv-cache-memory default, per engine
+
+
+DISAGG_FLAGS = (("--local-prefill-max-tokens", "local_prefill_max_tokens"),  # serve flag, DisaggSpec field
+                ("--prefill-queue-max-tokens", "prefill_queue_max_tokens"),
+                ("--local-prefill-chunk-tokens", "local_prefill_chunk_tokens"),
+                ("--slo-ttft-s", "slo_ttft_s"), ("--slo-gap-s", "slo_gap_s"))
+
+
+@dataclass(slots=True, frozen=True)
+class DisaggSpec:
+    """A separated arrangement's `serve --disagg-policy` and its settings (None: serve's default)."""
+
+    policy: str = "always"
+    local_prefill_max_tokens: int | None = None
+    prefill_queue_max_tokens: int | None = None
+    local_prefill_chunk_tokens: int | None = None
+    slo_ttft_s: float | None = None  # auto's targets (serve takes them for --adaptive alone otherwise)
+    slo_gap_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--disagg-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_disagg_args(self._args(256, 16, 1))  # serve's own checks, naming the flag
+
+    def _args(self, budget: int, block_size: int, threads: int) -> argparse.Namespace:
+        return argparse.Namespace(disagg_policy=self.policy, profile=None, threads_per_instance=threads,
+                                  max_num_batched_tokens=budget, block_size=block_size,
+                                  **{field: getattr(self, field) for _, field in DISAGG_FLAGS})
+
+    def serve_args(self) -> list[str]:
+        if self.policy == "always":
+            return []
+        out = ["--disagg-policy", self.policy]
+        for flag, field in DISAGG_FLAGS:
+            value = getattr(self, field)
+            if value is not None and (self.policy == "auto" or not field.startswith("slo")):
+                out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return out
+
+    def build(self, budget: int, block_size: int, threads: int, steps) -> tuple[DisaggPolicy, int | None]:
+        """The coordinator's policy object as serve builds it, `auto` weighing `steps`, and the
+        decode instances' local-prefill chunk (None under `always`, as serve leaves it)."""
+        args = self._args(budget, block_size, threads)
+        policy = disagg_policy_from_args(args, steps=steps)
+        return policy, args.local_prefill_chunk_tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,6 +77,7 @@ class Arrangement:
     instances: tuple[InstanceSpec, ...]
     transport: str = "shm"
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    disagg: DisaggSpec = DisaggSpec()  # separated arrangements: where each prompt is prefilled
 
     @property
     def cores(self) -> int:
@@ -53,10 +102,13 @@ class Arrangement:
             args += ["--threads-per-instance", str(first.threads)]
         if self.kv_cache_bytes != DEFAULT_KV_CACHE_BYTES:
             args += ["--kv-cache-memory", str(self.kv_cache_bytes)]
+        if self.kind == "separated":
+            args += self.disagg.serve_args()
         return args + ["--prefill-policy", first.policy, "--max-num-batched-tokens", str(first.budget)]
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "cores": self.cores, "transport": self.transport,
+                **({"disagg_policy": self.disagg.policy} if self.kind == "separated" else {}),
                 "instances": [{"role": i.role, "threads": i.threads, "policy": i.policy, "budget": i.budget,
                                "max_num_seqs": i.max_num_seqs} for i in self.instances],
                 "serve_args": self.serve_args(), "launchable_with_serve": self.launchable_with_serve}
@@ -80,7 +132,21 @@ def arrangement_from_serve_args(name: str, args: list[str], cores: int | None) -
     kv = _flag(args, "--kv-cache-memory", None)
     return Arrangement(name, tuple(InstanceSpec(r, per, policy, budget, seqs, scheduling) for r in roles),
                        transport=_flag(args, "--kv-transport", "shm"),
-                       kv_cache_bytes=parse_size(kv) if kv else DEFAULT_KV_CACHE_BYTES)
+                       kv_cache_bytes=parse_size(kv) if kv else DEFAULT_KV_CACHE_BYTES,
+                       disagg=disagg_from_serve_args(args))
+
+
+def disagg_from_serve_args(args: list[str]) -> DisaggSpec:
+    """--disagg-policy and its settings (the rest of serve's flags ignored; the SLO targets are
+    auto's only under auto)."""
+    policy = _flag(args, "--disagg-policy", "always")
+
+    def number(flag: str, field: str):
+        value = _flag(args, flag, None)
+        if value is None or (field.startswith("slo") and policy != "auto"):
+            return None
+        return float(value) if field.startswith("slo") else int(value)
+    return DisaggSpec(policy, *(number(flag, field) for flag, field in DISAGG_FLAGS))
 
 
 def requests_from_spec(spec: TrialSpec) -> list[SimRequest]:
@@ -130,13 +196,18 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     multiplier); max_queued_requests: the frontend's admission limit per instance, past
     max_num_seqs (serve's --max-queued-requests)."""
     num_blocks = arrangement.kv_cache_bytes // (profile.kv_bytes_per_token * profile.block_size)
-    instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size)
+    disagg, chunk = None, None
+    if arrangement.kind == "separated":
+        decode = next(s for s in arrangement.instances if s.role == "decode")
+        disagg, chunk = arrangement.disagg.build(decode.budget, profile.block_size, decode.threads, profile.steps)
+    instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size,
+                          chunk if s.role == "decode" else None)
                  for i, s in enumerate(arrangement.instances)]
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
                         r.priority) for r in requests]
     transport = arrangement.transport
     sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention,
-                     max_queued_requests)
+                     max_queued_requests, disagg)
     return sim.run(fresh), instances
 
 
@@ -213,11 +284,13 @@ def score(requests: list[SimRequest], instances: list[Instance], slo: SLO,
     for name in sorted({r.class_name for r in requests}):
         idx = [i for i, r in enumerate(requests) if r.class_name == name]
         by_class[name] = {"num_requests": len(idx), "attainment": sum(good[i] for i in idx) / len(idx),
-                          "ttft_s": _pcts([ttft[i] for i in idx])}
+                          "ttft_s": _pcts([ttft[i] for i in idx]),
+                          "prefill": prefill_counts([requests[i] for i in idx])}
     return {"num_requests": len(requests), "attainment": sum(good) / len(requests),
             "goodput_rps": sum(good) / duration if duration > 0 else 0.0, "duration_s": duration,
             "ttft_s": _pcts(ttft), "gap_s": all_gaps, "e2e_s": _pcts(e2e),
             "longest_pause_s": {**_pcts(longest), "max": max(longest)}, "by_class": by_class,
+            "prefill": prefill_counts(requests),  # where the disaggregation policy put each prompt
             "utilization": {i.name: round(i.busy_s / duration, 3) if duration > 0 else 0.0 for i in instances},
             "num_preemptions": sum(i.num_preemptions for i in instances),
             "missed": {k: v / len(requests) for k, v in misses.items()},
@@ -266,13 +339,15 @@ def capacity(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     return lo
 
 
-def name_of(instances: tuple[InstanceSpec, ...]) -> str:
-    """colocated-chunked256-2x1t, colocated-whole-1x2t, 1P1D-1t/1t (prefill threads / decode threads)."""
+def name_of(instances: tuple[InstanceSpec, ...], disagg_policy: str = "always") -> str:
+    """colocated-chunked256-2x1t, colocated-whole-1x2t, 1P1D-1t/1t (prefill threads / decode threads),
+    1P1D-1t/1t-auto (its prompts placed by `--disagg-policy auto`)."""
     if all(i.role == "colocated" for i in instances):
         first = instances[0]
         policy = f"chunked{first.budget}" if first.policy == "chunked" else "whole"
         return f"colocated-{policy}-{len(instances)}x{first.threads}t"
     p = [i for i in instances if i.role == "prefill"]
     d = [i for i in instances if i.role == "decode"]
-    return f"{len(p)}P{len(d)}D-{p[0].threads}t/{d[0].threads}t"
+    policy = "" if disagg_policy == "always" else f"-{disagg_policy}"
+    return f"{len(p)}P{len(d)}D-{p[0].threads}t/{d[0].threads}t{policy}"
 

@@ -12,7 +12,9 @@ This file adds only what the model runner and the KV transfer would do:
     instance marks requests remote_decode and keeps their blocks until the decode side has
     pulled them; a decode instance queues arriving KV (most urgent first under the priority
     policy, as the KV receiver), takes blocks through engine.connectors.take_blocks_for_kv (the
-    scheduler may preempt for them) and, when the transfer ends, lands it with kv_landed.
+    scheduler may preempt for them) and, when the transfer ends, lands it with kv_landed; a prompt
+    sent to it without a handover (the disaggregation policy kept it local) it prefills itself, its
+    steps' prompt tokens capped as the engine's DecodeConnector caps them.
 Prompts are token ids unique to each request (a trial cuts each prompt from its own place of a
 long text, so requests share no prefix), which still lets a preempted request find its own
 freed blocks in the prefix cache when it is recomputed, as on the engine.
@@ -28,6 +30,7 @@ from splitserve.engine.connectors import ColocatedConnector, kv_landed, take_blo
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
 from splitserve.kv_transfer.config import KVTransferConfig
+from splitserve.protocol import EngineStats
 from splitserve.sampling import SamplingParams
 from splitserve.stepfeatures import step_shape
 
@@ -106,8 +109,9 @@ class SimDecodeConnector(ColocatedConnector):
 
     role = "decode"
 
-    def __init__(self, blocks: BlockManager, scheduler: Scheduler):
+    def __init__(self, blocks: BlockManager, scheduler: Scheduler, prompt_tokens_per_step: int | None = None):
         self.blocks, self.scheduler = blocks, scheduler
+        self.prompt_tokens_per_step = prompt_tokens_per_step  # a prompt it prefills itself: chunks this small
         self.by_priority = scheduler.by_priority
         self.pending: dict[str, tuple[Request, str]] = {}  # insertion order = arrival order
         self.active: dict[str, str] = {}  # transferring: request id -> its source instance
@@ -156,13 +160,17 @@ class SimDecodeConnector(ColocatedConnector):
 class SimEngine:
     """What EngineCore.step does with a batch, minus the model: schedule, time, sample, retire."""
 
-    def __init__(self, name: str, spec: InstanceSpec, model: StepModel, num_blocks: int, block_size: int):
+    def __init__(self, name: str, spec: InstanceSpec, model: StepModel, num_blocks: int, block_size: int,
+                 local_prefill_chunk_tokens: int | None = None):
+        """local_prefill_chunk_tokens: a decode instance's prompt tokens per step when it prefills a
+        prompt itself (EngineConfig.local_prefill_chunk_tokens; serve's disaggregation policy sizes it)."""
         self.name, self.spec, self.model, self.role = name, spec, model, spec.role
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True, block_hash=_block_hash)
         self.scheduler = Scheduler(spec.scheduler_config(), self.blocks)
         self.connector = (SimPrefillConnector(self.blocks) if spec.role == "prefill" else
-                          SimDecodeConnector(self.blocks, self.scheduler) if spec.role == "decode" else
-                          ColocatedConnector())
+                          SimDecodeConnector(self.blocks, self.scheduler, local_prefill_chunk_tokens)
+                          if spec.role == "decode" else ColocatedConnector())
+        self.scheduler.prompt_tokens_per_step = self.connector.prompt_tokens_per_step  # as EngineCore does
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
@@ -180,6 +188,13 @@ class SimEngine:
         source instance's name), the scheduler queues the rest."""
         if not self.connector.on_add(request, source):
             self.scheduler.add(request)
+
+    def stats(self) -> EngineStats:
+        """What the engine would report now (the counters a disaggregation policy reads)."""
+        sched, blocks = self.scheduler, self.blocks
+        return EngineStats(self.name, self.role, len(sched.waiting), len(sched.running), blocks.num_blocks,
+                           blocks.num_free_blocks, block_size=blocks.block_size,
+                           num_queued_prompt_tokens=sched.num_queued_prompt_tokens)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(getattr(self.connector, "landed", None))

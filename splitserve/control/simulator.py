@@ -11,6 +11,12 @@ start (the receiver's order and limits), the KV lands the profiled transfer time
 request joins its batch at the step after (so the link sits in each separated answer's first gap,
 as in a trial); the prefill instance's blocks are freed then.
 
+Separated arrangements ask the coordinator's own DisaggPolicy (serve --disagg-policy) after the
+router's pick, as the dispatcher does: a prompt it keeps local goes to the decode instance, which
+prefills it beside its streams, and no transfer is charged for it. The policy reads each instance's
+counters as the engine would report them; `auto` weighs the step model the simulation runs on
+(what its online refit learns from the engines' steps).
+
 Left out: the frontend's own latency, the engines' stats delay (the router learns a decode
 instance's free blocks at each of its step ends, not every 0.25 s), prefix affinity, stop
 strings, failures. Admission limits are the frontend's (max_num_seqs + 256 queued per instance):
@@ -25,8 +31,9 @@ from dataclasses import dataclass, field
 
 from splitserve.config import ROLES
 from splitserve.control.sim_engine import SAMPLED_TOKEN, InstanceSpec, SimEngine, sim_request
-from splitserve.engine.request import RequestStatus
+from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, Router, prefix_key
+from splitserve.engine.request import RequestStatus
 from splitserve.stepfeatures import prefill_attn_ktok2
 
 __all__ = ["ROLES", "Instance", "InstanceSpec", "SimRequest", "Simulation"]
@@ -53,6 +60,23 @@ class SimRequest:
     gaps: list[float] = field(default_factory=list)
     refused: bool = False
     decode_instance: str | None = None  # where the router sends it after its prefill
+    prefill: str | None = None  # "local" | "remote" where the disaggregation policy reported it (as a trial's record)
+
+
+class _PolicyView:
+    """An instance as the disaggregation policy reads it (the engine link's Instance): its counters
+    now, and no measured steps, so `auto` keeps the step model it was given."""
+
+    alive = True
+    num_step_samples = 0
+    step_samples = ()
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    @property
+    def stats(self):
+        return self.engine.stats()
 
 
 class Simulation:
@@ -61,7 +85,8 @@ class Simulation:
     fast_forward = True  # run stretches of decode-only steps at once (tests turn it off to compare)
 
     def __init__(self, instances: list[SimEngine], transfer_s=lambda n: 0.0, contention: float = 1.0,
-                 max_queued_requests: int = MAX_QUEUED_REQUESTS):
+                 max_queued_requests: int = MAX_QUEUED_REQUESTS, disagg: DisaggPolicy | None = None):
+        """disagg: where a separated arrangement's prompts are prefilled (None: always remote)."""
         self.instances = instances
         self.by_name = {i.name: i for i in instances}
         roles = {i.role for i in instances}
@@ -71,6 +96,9 @@ class Simulation:
         self.router = Router()
         for inst in instances:
             self.router.add_instance(inst.name, inst.role, inst.spec.max_num_seqs + max_queued_requests)
+        self.disagg = disagg
+        self._views = {i.name: _PolicyView(i) for i in instances}
+        self.num_transfers = 0
         self.transfer_s = transfer_s
         # a step that starts while another instance on the host is busy runs `contention` times its
         # profiled time (shared memory bandwidth and cache; bench/host_contention.py measures it).
@@ -95,16 +123,23 @@ class Simulation:
     def _arrive(self, req: SimRequest, unique: int) -> None:
         rid = str(unique)
         request = sim_request(rid, unique, req.prompt_tokens, req.answer_tokens, req.priority, req.arrival_s)
-        routable = RoutableRequest(rid, req.prompt_tokens, req.answer_tokens, prefix_key(request.prompt_token_ids))
+        prompt = request.prompt_token_ids
+        routable = RoutableRequest(rid, req.prompt_tokens, req.answer_tokens, prefix_key(prompt), prompt)
         try:
             plan = self.router.pick(routable)
         except NoInstanceAvailable:
             req.refused = True  # 429: every instance's queue is full
             return
+        if self.disagg is not None:
+            plan, placement = self.disagg.place(plan, routable, self._views, self.router)
+            if placement is not None:
+                req.prefill = "local" if placement.local else "remote"
         target = self.by_name[plan.prefill_instance_id or plan.instance_id]
         blocks = target.blocks
         if blocks.blocks_needed(req.prompt_tokens + req.answer_tokens) > blocks.num_blocks:
             req.refused = True  # 400, as EngineCore.validate: no cache here could ever hold it
+            if self.disagg is not None:
+                self.disagg.on_prefilled(target.name, rid)  # as the dispatcher releases a failed request
             return
         self.router.on_start(plan, routable)
         req.decode_instance = plan.instance_id if plan.prefill_instance_id is not None else None
@@ -123,6 +158,7 @@ class Simulation:
         now, contended = self.now, self.contention != 1.0
         while True:
             for request, source in inst.begin_step():
+                self.num_transfers += 1
                 self._push(now + self.transfer_s(request.num_prompt_tokens), _TRANSFER_END, (inst, request, source))
             horizon = self._next_arrival_s
             if not self.colocated_only and self.events:
@@ -202,6 +238,8 @@ class Simulation:
             first = req.first_s is None
             if first:
                 req.first_s = now
+                if self.disagg is not None:
+                    self.disagg.on_prefilled(inst.name, rid)
             else:
                 req.gaps.append(now - req.last_s)
             req.last_s = now

@@ -296,10 +296,14 @@ def sized_chunk_tokens(model: StepModel, gap_s: float, budget: int, num_streams:
     return min(best, budget)
 
 
-def disagg_policy_from_args(args: argparse.Namespace, metrics=None) -> DisaggPolicy:
-    """Also fills args.local_prefill_chunk_tokens, which the decode instances' configs carry."""
-    steps = None
-    if args.disagg_policy == "auto":
+def disagg_policy_from_args(args: argparse.Namespace, metrics=None,
+                            steps: StepModels | StepModel | None = None) -> DisaggPolicy:
+    """Also fills args.local_prefill_chunk_tokens, which the decode instances' configs carry.
+    steps: the step-time model `auto` weighs (the simulator passes the one its steps run on);
+    default the --profile's, else mix.FALLBACK_STEP_MODEL. The other policies use none."""
+    if args.disagg_policy != "auto":
+        steps = None
+    elif steps is None:
         from splitserve.control.mix import FALLBACK_STEP_MODEL
         steps = FALLBACK_STEP_MODEL
         if args.profile is not None:

@@ -307,12 +307,11 @@ class EngineCore:
         bm, sched = self.block_manager, self.scheduler
         samples = list(self._step_samples)
         self._step_samples.clear()
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
         return EngineStats(
             self.config.instance_id, self.role, len(sched.waiting), len(sched.running), bm.num_blocks,
             bm.num_free_blocks, prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
             num_steps=self.num_steps, kv=self.connector.stats(), block_size=bm.block_size,
-            num_queued_prompt_tokens=queued, step_seconds=self.step_seconds, step_tokens=self.step_tokens,
+            num_queued_prompt_tokens=sched.num_queued_prompt_tokens, step_seconds=self.step_seconds,
+            step_tokens=self.step_tokens,
             num_role_changes=self.num_role_changes, step_samples=samples)

@@ -120,6 +120,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled)
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens waiting or not yet prefilled (EngineStats; the disaggregation policy reads it)."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return queued + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+
     def remove(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks (abort)."""
         if request in self.running:
