@@ -6,10 +6,15 @@ current `trial/quote.py` reads them, beside what the run itself said, so both ar
 probe placement of those runs followed the estimator they ran with, which this cannot redo.
 
     python bench/requote.py bench/results/quote_s11/quiet/run*/results.json [--json out.json]
+    python bench/requote.py --pool bench/results/quote_s11/quiet/run*/results.json
+
+`--pool` reads several runs of one spec as the repeats of one trial (each run's rounds kept apart,
+as `--repeat N` keeps its repeats): what N runs' probes say together.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -39,11 +44,32 @@ def _ratio(r: dict | None) -> str:
     return f"at most {r['hi']:.2f}x"
 
 
+def pooled(docs: list[dict]) -> dict:
+    """One results document whose arrangements carry every run's probes, run k as repeat k."""
+    out = copy.deepcopy(docs[0])
+    out["tuning_runs"] = []
+    for arr in out["arrangements"]:
+        arr["runs"] = []
+        for k, doc in enumerate(docs):
+            same = next((a for a in doc["arrangements"] if a["name"] == arr["name"]), None)
+            for run in (same or {}).get("runs", []):
+                arr["runs"].append({**run, "repeat": k})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--pool", action="store_true", help="read the runs as the repeats of one trial")
     args = ap.parse_args()
+    if args.pool:
+        now = quote(pooled([json.loads(p.read_text()) for p in args.results]))
+        for n, c in now["arrangements"].items():
+            print(f"  {n:28s} {_iv(c):26s} ({len(c['points'])} probes)")
+        print(f"  ratio {_ratio(now['ratio'])} ({now['decision']})")
+        print(fitted_verdict(now))
+        return 0
     rows = []
     for path in args.results:
         doc = json.loads(path.read_text())
