@@ -130,13 +130,14 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     multiplier); max_queued_requests: the frontend's admission limit per instance, past
     max_num_seqs (serve's --max-queued-requests)."""
     num_blocks = arrangement.kv_cache_bytes // (profile.kv_bytes_per_token * profile.block_size)
-    instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size)
-                 for i, s in enumerate(arrangement.instances)]
+    # several instances fill the host's cores: their steps as timed beside busy engines, when profiled
+    models, contention = profile.instance_models([s.threads for s in arrangement.instances])
+    instances = [Instance(f"{s.role}-{i}", s, model, num_blocks, profile.block_size)
+                 for i, (s, model) in enumerate(zip(arrangement.instances, models))]
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
                         r.priority) for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention,
-                     max_queued_requests)
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), contention, max_queued_requests)
     return sim.run(fresh), instances
 
 
