@@ -122,3 +122,33 @@ def test_one_kv_budget_per_arrangement_is_split_between_its_instances():
     arrangements = enumerate_arrangements(4, budgets=(256,), kv_total_bytes=4 << 30)
     assert {len(a.instances) for a in arrangements} == {1, 2, 3, 4}
     assert all(a.kv_cache_bytes == (4 << 30) // len(a.instances) for a in arrangements)
+
+
+def test_two_instances_on_two_cores_are_simulated_with_the_steps_timed_beside_a_busy_engine():
+    contended = {"overhead_s": 0.09, "per_prefill_token_s": 0.0054, "per_prefill_attn_s": 0.002,
+                 "per_decode_seq_s": 0.01, "per_decode_kv_token_s": 3e-5}  # twice the lone step
+    raw = json.loads(json.dumps(PROFILE))
+    raw["threads"]["1"]["contended"] = {"step_model": contended}
+    raw["host_contention"] = {"factor": 1.5}  # measured steps beside neighbours replace the factor
+    profile = parse_profile(raw)
+    lone = parse_profile(PROFILE).steps.for_threads(1)
+    pair = Arrangement("2x1t", (InstanceSpec("colocated", 1),) * 2)
+    separated = Arrangement("1P1D", (InstanceSpec("prefill", 1), InstanceSpec("decode", 1)))
+    single = Arrangement("1x1t", (InstanceSpec("colocated", 1),))
+    request = [SimRequest(0, 0.0, 100, 2)]
+    for arrangement in (pair, separated):
+        done, instances = simulate(arrangement, profile, request)
+        assert all(i.model == profile.contended[1] for i in instances)
+    done, instances = simulate(pair, profile, request)
+    # one request alone on the pair: still the contended 100-token step (0.09 + 0.54 + attention)
+    assert done[0].first_s == pytest.approx(profile.contended[1].step_s(100, 100 * 50 / 1000))
+    done, instances = simulate(single, profile, request)
+    assert instances[0].model == lone and done[0].first_s == pytest.approx(lone.step_s(100, 100 * 50 / 1000))
+
+
+def test_the_plan_says_which_step_times_several_instances_use(files, capsys):
+    spec, profile, out = files()
+    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "2", "--no-capacity",
+                 "--out", str(out)]) == 0
+    assert "no step times measured beside busy engines" in json.loads(out.read_text())["step_times_beside_neighbours"]
+    assert "Step times: the profile has no step times measured beside busy engines" in capsys.readouterr().out

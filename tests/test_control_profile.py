@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
 from splitserve.cli import main
-from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile
+from splitserve.control.profile import num_neighbours
+from splitserve.control.profile_file import FORMAT, ProfileError, load_profile, parse_profile
+from splitserve.control.stepmodel import StepModel
 from tiny_models import write_tiny_checkpoint
 
 HAND_WRITTEN = {
@@ -36,6 +39,82 @@ def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_pa
     assert doc["model"]["weight_format"] == "fp32"  # an HF checkpoint: no GGUF blocks to keep
     profile = parse_profile(doc)
     assert profile.steps.for_threads(1).per_prefill_token_s >= 0
+    # the box holds a second 1-thread instance: the grid again beside a busy engine
+    if (os.cpu_count() or 1) >= 2:
+        contended = doc["threads"]["1"]["contended"]
+        assert [(s["kind"], s["prefill_tokens"], s["decode_seqs"]) for s in contended["samples"]] == \
+            [(s["kind"], s["prefill_tokens"], s["decode_seqs"]) for s in doc["threads"]["1"]["samples"]]
+        assert contended["neighbours"]["count"] == (os.cpu_count() or 1) - 1
+        assert set(contended["slowdown_median_by_kind"]) == kinds
+        assert 1 in profile.contended
+    else:
+        assert "contended" not in doc["threads"]["1"] and not profile.contended
+
+
+def test_profile_without_contended_steps_skips_the_neighbours(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "m")
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(model), "--quick", "--threads", "1", "--contended", "off",
+                 "--transports", "shm", "--out", str(out)]) == 0
+    assert "contended" not in json.loads(out.read_text())["threads"]["1"]
+
+
+def test_a_thread_count_fills_the_cores_with_neighbours_of_its_size():
+    assert num_neighbours(1, 2, "auto") == 1
+    assert num_neighbours(2, 2, "auto") == 0  # one 2-thread instance fills a 2-core box: no one beside it
+    assert num_neighbours(2, 8, "auto") == 3
+    assert num_neighbours(1, 8, "off") == 0
+
+
+CONTENDED = {"overhead_s": 0.008, "per_prefill_token_s": 3e-5, "per_decode_seq_s": 1.5e-4,
+             "per_decode_kv_token_s": 1e-8}
+
+
+def test_profile_with_contended_steps_round_trips_and_serves_several_instances_with_them():
+    doc = copy.deepcopy(HAND_WRITTEN)
+    doc["threads"]["1"]["contended"] = {"step_model": CONTENDED, "neighbours": {"count": 1}}
+    profile = parse_profile(json.loads(json.dumps(doc)))
+    assert profile.contended[1] == StepModel(**CONTENDED)
+    assert profile.steps.for_threads(1) == StepModel(**HAND_WRITTEN["threads"]["1"]["step_model"])  # lone unchanged
+    models, factor = profile.instance_models([1, 1])
+    assert models == [StepModel(**CONTENDED)] * 2 and factor == 1.0
+    models, _ = profile.instance_models([1])  # one instance: nobody beside it
+    assert models == [profile.steps.for_threads(1)]
+    assert "measured beside busy engines" in profile.contention_note([1])
+
+
+def test_profile_without_contended_steps_falls_back_to_its_factor_and_says_so():
+    profile = parse_profile({**HAND_WRITTEN, "host_contention": {"factor": 1.2}})
+    assert not profile.contended
+    models, factor = profile.instance_models([1, 1])
+    assert models == [profile.steps.for_threads(1)] * 2 and factor == 1.2
+    assert "no step times measured beside busy engines" in profile.contention_note([1])
+    assert "x1.20" in profile.contention_note([1])
+    # contended steps for 1 thread only: an arrangement with a 2-thread instance falls back as a whole
+    doc = copy.deepcopy(HAND_WRITTEN)
+    doc["threads"]["1"]["contended"] = {"step_model": CONTENDED}
+    partial = parse_profile(doc)
+    assert partial.instance_models([1, 2])[0] == [partial.steps.for_threads(1), partial.steps.for_threads(2)]
+    assert "for 1 thread(s) only" in partial.contention_note([1, 2])
+
+
+def test_the_bundled_profiles_from_before_contended_steps_still_load_and_fall_back():
+    import pathlib
+    paths = sorted(pathlib.Path(__file__).parents[1].glob("bench/results/profile_*.json"))
+    old = [p for p in paths if all("contended" not in e for e in json.loads(p.read_text())["threads"].values())]
+    assert old
+    for path in old:
+        profile = load_profile(path)
+        assert not profile.contended
+        assert profile.instance_models([1, 1]) == ([profile.steps.for_threads(1)] * 2, profile.host_contention)
+        assert "no step times measured beside busy engines" in profile.contention_note([1])
+
+
+def test_a_trial_calibration_drops_the_contended_steps():
+    doc = copy.deepcopy(HAND_WRITTEN)
+    doc["threads"]["1"]["contended"] = {"step_model": CONTENDED}
+    doc["trial_calibration"] = {"threads": {"1": {"step_model": CONTENDED}}}
+    assert not parse_profile(doc).contended  # a trial's steps ran beside their neighbours already
 
 
 @pytest.mark.parametrize("args, field", [
@@ -80,6 +159,10 @@ def _broken(path: str, value):
     ("serial_fraction", 1.5, "serial_fraction"),
     ("host_contention", {"factor": 0.8}, "host_contention.factor"),
     ("host_contention", 1.2, "host_contention"),
+    ("threads.1.contended", 1.2, "threads.1.contended"),
+    ("threads.1.contended", {"step_model": {"overhead_s": -1, "per_prefill_token_s": 0}},
+     "threads.1.contended.step_model.overhead_s"),
+    ("threads.1.contended", {}, "threads.1.contended"),
 ])
 def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
     with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):

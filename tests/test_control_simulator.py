@@ -125,6 +125,17 @@ def test_batched_decode_steps_give_the_same_timeline_as_one_step_at_a_time(specs
         assert sum(preempted for _, preempted, _, _ in fast[1]) > 0
 
 
+def test_a_prompt_one_token_past_the_budget_gets_its_first_token_in_the_fast_path_too():
+    # 65 tokens at a 64-token budget: a 64-token chunk (0.074 s), then the last prompt token runs
+    # as a decode (the scheduler's is_prefilling is false) and samples the first token at 0.089 s.
+    # The fast path used to count that step as a gap from t=0 (a 0.09 s "pause") and the first
+    # token as arriving at the end of the stretch.
+    req = SimRequest(0, 0.0, prompt_tokens=65, answer_tokens=4)
+    run([req], InstanceSpec(budget=64))
+    assert token_times(req) == pytest.approx([0.089, 0.104, 0.119, 0.134])
+    assert len(req.gaps) == 3
+
+
 def test_steps_beside_a_busy_instance_take_the_host_contention_factor_longer():
     # two instances, both start a 100-token prefill at t=0: each 0.11 s step doubles to 0.22 s.
     # The second request then finishes, so the first's decodes run alone at the profiled 0.015 s.

@@ -72,6 +72,7 @@ def format_table(doc: dict, top: int) -> str:
     if len(doc["arrangements"]) > top:
         lines.append(f"    ... {len(doc['arrangements']) - top} more in the plan file")
     lines.append(doc["recommendation"]["reason"])
+    lines.append(f"Step times: {doc['step_times_beside_neighbours']}.")
     return "\n".join(lines)
 
 

@@ -176,5 +176,7 @@ def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimR
                           "capacity_is_floor": _is_floor(c, rate_multiplier)}
                          for c in ranked],
         "recommendation": recommendation(ranked, target, base, rate_multiplier),
+        "step_times_beside_neighbours": profile.contention_note(
+            sorted({i.threads for c in ranked if len(c.arrangement.instances) > 1 for i in c.arrangement.instances})),
         "profile": profile.raw,
     }

@@ -200,13 +200,15 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     if arrangement.kind == "separated":
         decode = next(s for s in arrangement.instances if s.role == "decode")
         disagg, chunk = arrangement.disagg.build(decode.budget, profile.block_size, decode.threads, profile.steps)
-    instances = [Instance(f"{s.role}-{i}", s, profile.steps.for_threads(s.threads), num_blocks, profile.block_size,
+    # several instances fill the host's cores: their steps as timed beside busy engines, when profiled
+    models, contention = profile.instance_models([s.threads for s in arrangement.instances])
+    instances = [Instance(f"{s.role}-{i}", s, model, num_blocks, profile.block_size,
                           chunk if s.role == "decode" else None)
-                 for i, s in enumerate(arrangement.instances)]
+                 for i, (s, model) in enumerate(zip(arrangement.instances, models))]
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
                         r.priority) for r in requests]
     transport = arrangement.transport
-    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), profile.host_contention,
+    sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), contention,
                      max_queued_requests, disagg)
     return sim.run(fresh), instances
 

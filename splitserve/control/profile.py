@@ -9,7 +9,13 @@ abort_request) runs steps whose contents we control, each timed `repeats` times:
   decode    B running requests at context L (one prompt shared through the prefix cache, so
             setting up B x L tokens costs one prefill of L), several steps each;
   mixed     B decodes plus a new prompt's whole prefill in one step (budget >= n + B).
-Also KV transfer per transport (control/kv_profile.py), the model load and engine start
+Then, for a thread count of which the box holds more than one instance (2 x threads <= cores),
+the same grid once more while cores / threads - 1 other engine processes run steps without pause
+(control/profile_neighbour.py: 8 requests in flight, fresh prompts in 256-token chunks, short
+answers, as a trial's busy instance): the `contended` steps, which the planner uses for
+arrangements of several instances on one host (a trial's prompt steps ran 9-35% longer than the
+lone profile said). The processes are not pinned, as a trial's engines are not. `--contended off`
+skips it. Also KV transfer per transport (control/kv_profile.py), the model load and engine start
 times, and the machine. Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
@@ -18,11 +24,14 @@ fastest repeat (load only ever adds time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import time
 
@@ -48,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenMP threads between parallel regions: sleep (passive, default: how `serve` runs every "
                              "engine whose threads fill the cores, so every multi-thread arrangement a plan proposes) "
                              "or spin (active). An OMP_WAIT_POLICY already in the environment wins")
+    parser.add_argument("--contended", choices=("auto", "off"), default="auto",
+                        help="also time each thread count beside busy engines on the other cores (auto: where "
+                             "2 x threads <= cores; the planner uses those steps for arrangements of several "
+                             "instances); off: lone steps only")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -95,10 +108,10 @@ def machine_info() -> dict:
 class StepTimer:
     """Drives one EngineCore and records (shape, seconds) per controlled step."""
 
-    def __init__(self, core, repeats: int, log):
+    def __init__(self, core, repeats: int, log, seed: int = 0):
         self.core, self.repeats, self.log = core, repeats, log
         self.vocab = core.model_config.vocab_size
-        self.rng = random.Random(0)
+        self.rng = random.Random(seed)  # another seed, other prompts: no prefix-cache hit on an earlier pass's
         self.samples: list[dict] = []
         self._next = 0
 
@@ -186,7 +199,72 @@ class StepTimer:
         self._record("mixed" if new_prompt else "decode", shape, seconds)
 
 
-def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats: int, log) -> dict:
+def run_grid(timer: StepTimer, grid: dict) -> list[dict]:
+    timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
+    timer.samples.clear()
+    for n in grid["prefill"]:
+        timer.measure_prefill(n)
+    for cached, chunk in grid["chunks"]:
+        timer.measure_chunk(cached, chunk)
+    for context in grid["decode_context"]:
+        for batch in grid["decode_batch"]:
+            timer.measure_decode(batch, context, grid["decode_steps"])
+    for batch, n in grid["mixed"]:
+        timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
+    return timer.samples
+
+
+def num_neighbours(threads: int, cores: int, mode: str) -> int:
+    """Engines of `threads` threads that fill the rest of the cores beside the timed one."""
+    return max(cores // threads - 1, 0) if mode == "auto" else 0
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[int]):
+    """`count` engine processes running steps without pause (control/profile_neighbour.py) for the
+    length of the block; each is killed at its end."""
+    cmd = [sys.executable, "-m", "splitserve.control.profile_neighbour", "--threads", str(threads),
+           "--prompts", ",".join(map(str, prompts))] + (["--model", model] if model else [])
+    procs = []
+    try:
+        for i in range(count):
+            procs.append(subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                proc.kill()
+                raise RuntimeError(f"profile: a busy neighbour engine did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(1.0)  # past its first steps' lazy initialization
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log) -> dict:
+    report = fit_step_model(*step_samples(busy, "contended.samples"))
+    by_kind = {}  # the same step (kind and shape) alone and beside the neighbours, fastest repeats
+    for a, b in zip(lone, busy):
+        if (a["kind"], a["prefill_tokens"], a["decode_seqs"]) == (b["kind"], b["prefill_tokens"], b["decode_seqs"]):
+            by_kind.setdefault(a["kind"], []).append(min(b["seconds"]) / min(a["seconds"]))
+    slowdown = {kind: round(statistics.median(rs), 3) for kind, rs in by_kind.items()}
+    log(f"  beside busy engines: fit median |error| {report.median_abs_rel_error:.1%}; slowdown (fastest repeats, "
+        f"median by kind) " + ", ".join(f"{k} x{v:.2f}" for k, v in slowdown.items()))
+    if any(v < 0.95 for v in slowdown.values()):  # a neighbour never speeds a step up: the lone pass was hit
+        log("  WARNING: steps ran faster beside busy engines than alone: other processes disturbed the lone pass; "
+            "profile again on a quieter box")
+    return {"samples": busy, "step_model": report.model.to_dict(),
+            "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
+                    "max_abs_rel_error": report.max_abs_rel_error},
+            "slowdown_median_by_kind": slowdown,
+            "lone_pass_disturbed": any(v < 0.95 for v in slowdown.values()),
+            "neighbours": {"count": count, "threads_each": threads, "pinned": False,
+                           "work": "8 requests in flight: fresh prompts in 256-token chunks, 16-48-token answers"}}
+
+
+def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats: int, log,
+                    neighbours: int = 0) -> dict:
     import torch
 
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -204,30 +282,28 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
                                    scheduler=SchedulerConfig(max_num_seqs=max_batch + 2, max_num_batched_tokens=budget)),
                       loaded)
     engine_s = time.perf_counter() - start
+    contended = None
     try:
-        timer = StepTimer(core, repeats, log)
-        timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
-        timer.samples.clear()
-        for n in grid["prefill"]:
-            timer.measure_prefill(n)
-        for cached, chunk in grid["chunks"]:
-            timer.measure_chunk(cached, chunk)
-        for context in grid["decode_context"]:
-            for batch in grid["decode_batch"]:
-                timer.measure_decode(batch, context, grid["decode_steps"])
-        for batch, n in grid["mixed"]:
-            timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
+        samples = run_grid(StepTimer(core, repeats, log), grid)
+        report = fit_step_model(*step_samples(samples))
+        log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
+        if neighbours:
+            log(f"threads={threads} beside {neighbours} busy engine(s) of {threads} thread(s)")
+            with busy_neighbours(neighbours, threads, model, grid["prefill"]):
+                busy = run_grid(StepTimer(core, repeats, log, seed=1), grid)
+            contended = contended_entry(samples, busy, neighbours, threads, log)
     finally:
         core.close()
-    report = fit_step_model(*step_samples(timer.samples))
-    log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
-    return {"samples": timer.samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
-            "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
-                    "max_abs_rel_error": report.max_abs_rel_error}}
+    entry = {"samples": samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
+             "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
+                     "max_abs_rel_error": report.max_abs_rel_error}}
+    if contended is not None:
+        entry["contended"] = contended
+    return entry
 
 
 def measure(model: str | None, threads: list[int], quick: bool, repeats: int | None,
-            transports: list[str], log=print) -> dict:
+            transports: list[str], log=print, contended: str = "auto") -> dict:
     import torch
 
     from splitserve.control.kv_profile import measure_kv_transfer
@@ -250,7 +326,8 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
            "machine": machine, "threads": {}, "startup_s": {"load_model": load_s, "engine": {}}}
     for t in threads:
         log(f"threads={t}")
-        doc["threads"][str(t)] = profile_threads(loaded, model, t, grid, repeats, log)
+        doc["threads"][str(t)] = profile_threads(loaded, model, t, grid, repeats, log,
+                                                 num_neighbours(t, os.cpu_count() or 1, contended))
         doc["startup_s"]["engine"][str(t)] = doc["threads"][str(t)].pop("engine_start_s")
     torch.set_num_threads(1)
     log("KV transfer")
@@ -276,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--out: folder {str(out.parent)!r} does not exist")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         set_omp_wait_policy(args.omp_wait_policy)
-        doc = measure(args.model, threads, args.quick, args.repeats, transports, log)
+        doc = measure(args.model, threads, args.quick, args.repeats, transports, log, args.contended)
     except (ProfileError, ValueError, FileNotFoundError) as exc:
         print(f"splitserve profile: {exc}", file=sys.stderr)
         return 2

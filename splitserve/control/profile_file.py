@@ -5,7 +5,9 @@
      "machine": {"cpu_model": "...", "num_cores": 2, ...},          # free-form, for the reader
      "threads": {"1": {"samples": [{"kind": "prefill", "prefill_tokens": 512, "prefill_attn_ktok2": 131.1,
                                     "decode_seqs": 0, "decode_kv_tokens": 0, "seconds": [0.9, 0.95]}, ...],
-                       "step_model": {"overhead_s": ..., ...}},     # fitted; or alone, by hand
+                       "step_model": {"overhead_s": ..., ...},      # fitted; or alone, by hand
+                       "contended": {"samples": [...], "step_model": {...},   # optional: the same steps
+                                     "neighbours": {"count": 1, ...}}},       # beside busy engines
                  "2": {...}},
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
@@ -17,13 +19,20 @@ Samples are the truth when present: the step model is refitted from them on load
 profile gives `step_model` alone. `trial_calibration` (written by `python -m splitserve.control.compare
 ... --calibrate-out`) holds, per thread count, the step model refitted on a trial's own engine steps
 with this profile as the prior; it replaces that thread count's model, and `host_contention` is then
-not applied, since a trial's steps already ran beside their neighbours. Every mistake raises ProfileError naming the field.
+not applied, since a trial's steps already ran beside their neighbours.
+
+`contended` (since issue 28 part 3) holds a thread count's steps timed while other engine processes
+ran steps on the rest of the cores (`splitserve profile` measures it when the box holds a second
+instance of that many threads). An arrangement of several instances, each on its own cores of one
+host, is simulated with these step times (Profile.instance_models); a profile without them (every
+profile before it) falls back to its lone step times and `host_contention`, and says so
+(contention_note). Every mistake raises ProfileError naming the field.
 """
 from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.control.stepmodel import COEFFICIENTS, StepModel, StepModels, StepShape, fit_step_model
 
@@ -54,6 +63,35 @@ class Profile:
     machine: dict
     raw: dict
     host_contention: float = 1.0  # a step beside a busy instance on the same host takes this many times longer
+    contended: dict[int, StepModel] = field(default_factory=dict)  # threads -> steps beside busy engines
+
+    def instance_models(self, threads: list[int]) -> tuple[list[StepModel], float]:
+        """Each instance's step model and the simulator's neighbour factor, for an arrangement of
+        instances with these thread counts on one host. One instance: its lone steps. Several: the
+        steps measured beside busy engines when the profile has them for every instance's thread
+        count, with no factor on top (they ran beside neighbours already); otherwise the lone steps,
+        slowed by host_contention whenever a neighbour is busy (1.0 where it was not measured)."""
+        if len(threads) > 1 and all(t in self.contended for t in threads):
+            return [self.contended[t] for t in threads], 1.0
+        return [self.steps.for_threads(t) for t in threads], self.host_contention
+
+    def contention_note(self, threads: list[int]) -> str:
+        """What instance_models does for arrangements of several instances with these thread
+        counts, in words (the plan prints it)."""
+        if not threads:
+            return "every arrangement is one instance, timed alone as profiled"
+        have = sorted(t for t in set(threads) if t in self.contended)
+        lack = sorted(t for t in set(threads) if t not in self.contended)
+        factor = (f"x{self.host_contention:.2f} (the profile's host_contention) while a neighbour is busy"
+                  if self.host_contention != 1.0 else "with no contention modelled (no host_contention either)")
+        if not lack:
+            return (f"arrangements of several instances use step times measured beside busy engines "
+                    f"({', '.join(map(str, have))} thread(s))")
+        if not have:
+            return ("the profile has no step times measured beside busy engines (profiled before they were, or "
+                    f"on too few cores): arrangements of several instances use the lone step times {factor}")
+        return (f"step times beside busy engines exist for {', '.join(map(str, have))} thread(s) only: an "
+                f"arrangement with a {', '.join(map(str, lack))}-thread instance uses the lone step times {factor}")
 
     def transfer_s(self, transport: str, num_tokens: int) -> float:
         if transport not in self.transfer:
@@ -85,6 +123,15 @@ def _step_model(raw, path: str) -> StepModel:
         if name not in raw:
             raise ProfileError(f"{path}.{name}: required field is missing")
     return StepModel(**{k: _number(v, f"{path}.{k}") for k, v in raw.items()})
+
+
+def _thread_model(entry: dict, path: str) -> StepModel:
+    """One thread count's step model: refitted from its samples when present, else as written."""
+    if "samples" in entry:
+        return fit_step_model(*step_samples(entry["samples"], f"{path}.samples")).model
+    if "step_model" in entry:
+        return _step_model(entry["step_model"], f"{path}.step_model")
+    raise ProfileError(f"{path}: give samples (measured) or step_model (coefficients)")
 
 
 def step_samples(raw, path: str = "samples") -> tuple[list[StepShape], list[float]]:
@@ -123,7 +170,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     threads = _mapping(doc.get("threads"), "threads")
     if not threads:
         raise ProfileError("threads: profile at least one thread count")
-    models = {}
+    models, contended = {}, {}
     for key, entry in threads.items():
         path = f"threads.{key}"
         try:
@@ -133,12 +180,9 @@ def parse_profile(doc, source: str = "profile") -> Profile:
         if count < 1:
             raise ProfileError(f"{path}: a thread count must be >= 1")
         entry = _mapping(entry, path)
-        if "samples" in entry:
-            models[count] = fit_step_model(*step_samples(entry["samples"], f"{path}.samples")).model
-        elif "step_model" in entry:
-            models[count] = _step_model(entry["step_model"], f"{path}.step_model")
-        else:
-            raise ProfileError(f"{path}: give samples (measured) or step_model (coefficients)")
+        models[count] = _thread_model(entry, path)
+        if entry.get("contended") is not None:
+            contended[count] = _thread_model(_mapping(entry["contended"], f"{path}.contended"), f"{path}.contended")
     serial = doc.get("serial_fraction")
     if serial is not None and not 0 <= _number(serial, "serial_fraction") <= 1:
         raise ProfileError(f"serial_fraction: a fraction in [0, 1], got {serial}")
@@ -160,10 +204,11 @@ def parse_profile(doc, source: str = "profile") -> Profile:
                 raise ProfileError(f"{path}: calibrates a thread count the profile has no model for "
                                    f"(it has {sorted(models)})")
             models[int(key)] = _step_model(_mapping(entry, path).get("step_model"), f"{path}.step_model")
-        contention = 1.0
+        contention, contended = 1.0, {}  # a trial's steps ran beside their neighbours already
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
-                   machine=doc.get("machine") or {}, raw=doc, host_contention=contention)
+                   machine=doc.get("machine") or {}, raw=doc, host_contention=contention,
+                   contended=contended)
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:

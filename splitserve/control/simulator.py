@@ -222,11 +222,15 @@ class Simulation:
         tail = [b - a for a, b in zip(ends, ends[1:])]
         for request in decodes:
             req = self._live[request.request_id]
-            req.gaps.append(ends[0] - req.last_s)
+            first = req.first_s is None  # a prompt whose last token runs as a decode samples its first here
+            if first:
+                req.first_s = ends[0]
+            else:
+                req.gaps.append(ends[0] - req.last_s)
             req.gaps.extend(tail)
             req.last_s = end
             req.outputs += k
-            self.router.on_progress(inst.name, request.request_id, 0, k)
+            self.router.on_progress(inst.name, request.request_id, req.prompt_tokens if first else 0, k)
         return end
 
     def _finish_step(self, inst: SimEngine, batch, now: float) -> None:
