@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cluster_support import Cluster, prompt_of
-from splitserve.engine.connectors import CARRIED_CHUNK_TOKENS
+from splitserve.config import CARRIED_CHUNK_TOKENS
 from splitserve.sampling import SamplingParams
 from tiny_models import write_tiny_checkpoint
 

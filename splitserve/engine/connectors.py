@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from splitserve.config import EngineConfig
+from splitserve.config import CARRIED_CHUNK_TOKENS, EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,
@@ -49,10 +49,6 @@ from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVS
 from splitserve.protocol import KVStats
 
 FAILURE_POLICIES = ("recompute", "fail")
-# A prefill instance's prompt tokens per step while streams it inherited from an earlier role still
-# decode there, unless the config's local_prefill_chunk_tokens says otherwise: the decode role's
-# default chunk (coordinator/disagg_policy.py DEFAULT_CHUNK_TOKENS)
-CARRIED_CHUNK_TOKENS = 64
 MakeRoom = Callable[[Request, int], bool]  # (request, num_tokens) -> may its blocks be allocated now
 
 
