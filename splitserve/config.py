@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from splitserve.kv_transfer.config import KVTransferConfig
 from splitserve.roles import ROLES
 
+# A prefill instance's prompt tokens per step while streams it inherited from an earlier role
+# (colocated or decode) still decode there: the decode role's default local-prefill chunk
+# (coordinator/disagg_policy.py DEFAULT_CHUNK_TOKENS), which keeps such steps near a decode step.
+CARRIED_CHUNK_TOKENS = 64
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_POLICIES = ("chunked", "whole")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -144,7 +149,8 @@ class EngineConfig:
     link_secret: bytes | None = field(default=None, repr=False)
     dtype: str = "float32"  # of weights, activations and the KV pool: one of DTYPES
     # decode role: prompt tokens per step when it prefills a prompt itself (serve --disagg-policy
-    # threshold | auto); None: max_num_batched_tokens alone bounds them
+    # threshold | auto); None: max_num_batched_tokens alone bounds them. Prefill role: the same
+    # beside streams it inherited from an earlier role; None: CARRIED_CHUNK_TOKENS
     local_prefill_chunk_tokens: int | None = None
     # auto: the C++ CPU kernels where they are built and apply; off: the pure-torch path (serve
     # --kernels off, the engine before issue 16, for before/after trials)

@@ -10,7 +10,7 @@ Only msgspec structs cross a socket; nothing on an input path evaluates code.
 
 Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)
-    frontend -> GenerateRequest | AbortRequests | SetRole | Shutdown  (to /in)
+    frontend -> GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown  (to /in)
     engine -> StepOutputs | EngineStats | RoleChanged | Heartbeat     (from /out)
 
 The engine's settings cross the process boundary once, at start: `serve` builds and checks an
@@ -35,9 +35,9 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 8  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 9  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
-# 8: a step sample's loop time
+# 8: a step sample's loop time; 9: SetChunkTokens
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -111,6 +111,13 @@ class SetRole(msgspec.Struct, tag="set_role", frozen=True):
     """Swap the connector once the old one has nothing in flight; answered with RoleChanged."""
 
     role: str
+
+
+class SetChunkTokens(msgspec.Struct, tag="set_chunk_tokens", frozen=True):
+    """The prompt tokens a step may carry beside streams that answer there, from now on and under
+    any later role (the mix controller's chunk-budget knob); 0: each role's own again. No answer."""
+
+    tokens: int
 
 
 # ---- engine -> frontend -------------------------------------------------------------------
@@ -326,7 +333,7 @@ ToCoordinator = ApiHello | ApiSubmit | ApiAbort | ApiForward
 FromCoordinator = ApiInstances | ApiSubmitted | ApiEvents | ApiForwardReply
 
 
-ToEngine = GenerateRequest | AbortRequests | SetRole | Shutdown | ResendHello
+ToEngine = GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown | ResendHello
 FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Heartbeat
 
 

@@ -40,10 +40,10 @@ class Cluster:
     def __init__(self, model_dir, roles: dict[str, str], *, transport: str = "shm", kv="2MiB", max_num_seqs=16,
                  heartbeat_timeout_s: float = 1.0, retry_on_engine_failure: int = 1, lease_s: float = 30.0,
                  orphan_grace_s: float = 10.0, bind: str = "tcp://127.0.0.1:0", link=None,
-                 max_queued_requests: int = 256) -> None:
+                 max_queued_requests: int = 256, max_num_batched_tokens: int = 64) -> None:
         self.model_dir, self.roles = str(model_dir), roles
         self.kv_config = KVTransferConfig(transport=transport, lease_s=lease_s)
-        self.kv, self.max_num_seqs = kv, max_num_seqs
+        self.kv, self.max_num_seqs, self.max_num_batched_tokens = kv, max_num_seqs, max_num_batched_tokens
         self.link = link  # EngineLinkSecurity: needed when `bind` is not loopback
         self.client = EngineClient(load_renderer(self.model_dir), Router(), FrontendMetrics(), bind=bind, link=link,
                                    heartbeat_timeout_s=heartbeat_timeout_s,
@@ -56,7 +56,8 @@ class Cluster:
     def _config(self, engine_id: str, role: str) -> EngineConfig:
         return EngineConfig(model=self.model_dir, instance_id=engine_id, role=role, kv_transfer=self.kv_config,
                             cache=CacheConfig(kv_cache_memory=self.kv),
-                            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=64))
+                            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                                      max_num_batched_tokens=self.max_num_batched_tokens))
 
     def start_engine(self, engine_id: str, role: str) -> None:
         process = EngineProcess(EngineCore(self._config(engine_id, role), self._loaded), engine_id,

@@ -196,3 +196,22 @@ def test_no_decision_fights_a_role_change_under_way_and_the_log_stays_valid_json
         assert mix.snapshot()["decisions"][-1]["gap_estimate_s"] is None
         json.dumps(mix.snapshot(), allow_nan=False)
     asyncio.run(go())
+
+
+def test_the_chunk_budget_knob_reaches_every_engine_and_shows_in_the_snapshot(tiny):
+    async def go():
+        async with Cluster(tiny, {"c0": "colocated", "d0": "decode"}) as cluster:
+            args = serve_args("--adaptive", "--threads-per-instance", "1")
+            mix = adaptive_from_args(args, cluster.client, cluster.client.metrics, 2)
+            mix.loop.set_chunk_tokens(16)  # as the loop applies a decision that moved it
+            deadline = time.monotonic() + 10
+            while any(e.core.connector.chunk_tokens != 16 for e in cluster.engines.values()):
+                assert time.monotonic() < deadline, "SetChunkTokens did not reach every engine"
+                await asyncio.sleep(0.02)
+            snapshot = mix.snapshot()
+            assert snapshot["chunk_tokens"] is None and snapshot["num_chunk_moves"] == 0  # set by hand here
+            cluster.client.set_chunk_tokens(None)  # each role's own again
+            while any(e.core.connector.chunk_tokens == 16 for e in cluster.engines.values()):
+                assert time.monotonic() < deadline, "SetChunkTokens(0) did not reach every engine"
+                await asyncio.sleep(0.02)
+    asyncio.run(go())

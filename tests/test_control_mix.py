@@ -323,3 +323,63 @@ def test_the_gap_covers_the_stream_at_the_attainment_target_not_the_median_strea
     assert lenient.predict(held(["colocated"] * 2), third).gap_s < 0.045 + 2 * 0.005 + 40 * 0.0026 + 1e-9
     chats = Demand(0.4, 0.4 * 40, 0.4 * 100, 40, 100, prompts=(40,) * 12)
     assert strict.predict(held(["colocated"] * 2), chats).gap_s < 0.3  # no long prompt: no long step
+
+
+def test_the_chunk_budget_moves_before_any_role_change_when_it_holds_the_targets():
+    # documents among two colocated instances: 256-token chunks stretch every stream's gap past the
+    # target; 64-token ones keep it, at a longer TTFT that still holds, so no role needs to change
+    ctl = controller(patience=1, chunk_knob=True)
+    views = mix_of("colocated", "colocated")
+    d = ctl.decide(views, 0.0, documents(0.3))
+    assert d.instance_id is None and d.chunk_tokens is not None and d.chunk_tokens < 256
+    assert ctl.chunk_tokens == d.chunk_tokens and "chunk budget 256 -> " in d.reason
+    assert d.predicted_cost == 0.0 and d.predicted_gain > 0 and d.local_prefill_max_tokens is None
+    # and nothing else moves while the documents keep coming
+    later = [ctl.decide(views, float(t), documents(0.3)) for t in range(1, 10)]
+    assert all(x.instance_id is None and x.chunk_tokens is None for x in later), [x.reason for x in later]
+    # without the knob the same demand moves two instances to 1 prefill + 1 decode
+    plain = controller(patience=1)
+    assert plain.decide(views, 0.0, documents(0.3)).instance_id is not None
+
+
+def test_a_role_changes_only_when_no_chunk_budget_holds_the_targets():
+    # tighter targets: small chunks miss the TTFT, large ones the gap; 1 prefill + 1 decode holds both
+    ctl = MixController(MODEL, MixTargets(ttft_s=2.5, gap_s=0.2), patience=1, chunk_knob=True)
+    views = mix_of("colocated", "colocated")
+    d = ctl.decide(views, 0.0, documents(0.2))
+    assert d.chunk_tokens is None and d.instance_id is not None and d.to_role in ("prefill", "decode")
+    assert ctl.chunk_tokens is None
+    # a separated mix whose decode instance saturates on chats: no chunk helps it, the role moves
+    ctl = controller(patience=1, chunk_knob=True)
+    d = ctl.decide(mix_of("prefill", "decode"), 0.0, chats(1.4))
+    assert d.chunk_tokens is None and d.to_role == "colocated"
+
+
+def test_a_change_that_would_stall_the_streams_an_instance_carries_into_prefill_is_not_made():
+    # documents queue on the prefill instance; one of two decode instances should turn prefill. d0's
+    # 30 streams step at 0.45 s now; kept on a prefill instance beside 64-token chunks they would
+    # step at 0.62 s, past the 0.5 s gap target, so d1 (2 streams) turns instead, though d0 turning
+    # would leave the decode stage to the lighter instance
+    views = [InstanceView("p0", "prefill", queued_prompt_tokens=6000),
+             InstanceView("d0", "decode", num_running=30, decode_kv_tokens=30 * 600),
+             InstanceView("d1", "decode", num_running=2, decode_kv_tokens=2 * 600)]
+    d = controller(patience=1).decide(views, 0.0, documents(0.3))
+    assert (d.instance_id, d.to_role) == ("d1", "prefill") and "mix(es) left out" in d.reason, d.reason
+    # carried beside 1-token chunks, d0's streams would keep their gaps: then d0 is the one to turn
+    d = controller(patience=1, carry_chunk_tokens=1).decide(views, 0.0, documents(0.3))
+    assert (d.instance_id, d.to_role) == ("d0", "prefill") and "left out" not in d.reason, d.reason
+
+
+def test_loop_applies_a_chunk_budget_and_logs_it_with_its_numbers():
+    set_to, changed = [], []
+
+    async def change_role(instance_id, role):
+        changed.append((instance_id, role))
+
+    loop = MixLoop(controller(patience=1, chunk_knob=True), lambda: mix_of("colocated", "colocated"), change_role,
+                   clock=lambda: 0.0, demand=lambda: documents(0.3), set_chunk_tokens=set_to.append)
+    asyncio.run(loop.run_once())
+    assert set_to and set_to[0] < 256 and not changed and loop.num_chunk_moves == 1
+    entry = loop.decisions[-1]
+    assert entry["chunk_tokens"] == set_to[0] and entry["applied"] and entry["predicted_cost"] == 0.0
+    assert entry["predicted_gain"] > 0 and "chunk budget 256 -> " in entry["reason"]

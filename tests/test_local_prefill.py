@@ -116,3 +116,30 @@ def test_abort_during_a_local_prefill_frees_every_block(tiny):
     run_to_end(engine)
     assert_all_free(engine)
     engine.close()
+
+
+def test_a_chunk_budget_set_live_caps_every_step_beside_streams_and_outlives_a_role_change(tiny):
+    config = EngineConfig(model=str(tiny), cache=CacheConfig(block_size=16, kv_cache_memory="2MiB"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64), role="colocated",
+                          kv_transfer=KVTransferConfig(transport="tcp"), instance_id="c-knob")
+    engine = EngineCore(config, load_model(str(tiny)))
+    engine.add_request("stream", [5, 6, 7], greedy(60))
+    for _ in range(3):
+        engine.step()
+    engine.set_chunk_tokens(CHUNK)  # the mix controller's knob (SetChunkTokens)
+    engine.stats()
+    engine.add_request("doc", list(range(10, 130)), greedy(2))
+    shapes = []
+    while engine.requests["doc"].num_output_tokens == 0:
+        engine.step()
+        shapes += engine.stats().step_samples
+    assert max(s.prefill_tokens for s in shapes) == CHUNK  # 64 before the knob moved
+    engine.change_role("decode")
+    assert engine.try_swap_role() and engine.connector.chunk_tokens == CHUNK
+    engine.set_chunk_tokens(None)  # each role's own again: this config gives a decode instance none
+    assert engine.connector.chunk_tokens is None
+    with pytest.raises(ValueError, match="positive"):
+        engine.set_chunk_tokens(0)
+    run_to_end(engine)
+    assert_all_free(engine)
+    engine.close()

@@ -159,3 +159,17 @@ def test_the_loop_applies_the_threshold_and_logs_each_decision_with_its_numbers(
     assert set_to and not changed and loop.num_threshold_moves == 1
     entry = loop.decisions[-1]
     assert entry["local_prefill_max_tokens"] == set_to[0] and entry["applied"] and entry["predicted_cost"] == 0.0
+
+
+def test_with_the_chunk_budget_knob_alternating_demand_moves_the_knob_once_and_no_role():
+    # 64-token chunks hold the documents' gaps on two colocated instances and cost the chats nothing
+    ctrl = MixController(MODEL, TARGETS, horizon_s=60.0, chunk_knob=True)
+    views, knob_moves, t = mix_of("colocated", "colocated"), [], 0.0
+    for seconds, demand in alternating(40, 320):
+        for _ in range(seconds):
+            d = ctrl.decide(views, t, demand)
+            assert d.instance_id is None, d.reason
+            if d.chunk_tokens is not None:
+                knob_moves.append(d)
+            t += 1.0
+    assert len(knob_moves) == 1 and knob_moves[0].predicted_cost == 0.0 and ctrl.chunk_tokens == 64

@@ -26,9 +26,15 @@ so a move that helps one phase and hurts the next gains nothing and is not made.
 move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass:
 the mix must hold the strictest). When no mix within reach meets them (overload), mixes are
 ranked by the share of deadlines the step model predicts each meets, and the mix as it is held
-unless another meets `margin` more: the decision says "held (overload)". With `serve
---disagg-policy threshold` the decode instances' local-prefill threshold is the cheaper knob,
-moved before any role change whenever a threshold alone is predicted to hold the targets. Each
+unless another meets `margin` more: the decision says "held (overload)". Two cheaper knobs move
+before any role change, whenever a setting of them alone is predicted to hold the targets: the
+decode instances' local-prefill threshold (`serve --disagg-policy threshold`) and the chunk budget,
+the prompt tokens a step carries beside running streams on every instance (a colocated instance's
+chunks, a decode instance's local prefills, a prefill instance's inherited streams; engine
+message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. A change that
+turns an instance with running streams into a prefill one keeps them there, stepping beside
+chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
+past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
 decision carries its predicted gain and cost, and `held` says in a word why nothing moved.
 
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
@@ -45,6 +51,7 @@ import itertools
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from splitserve.config import CARRIED_CHUNK_TOKENS
 from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
 from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
@@ -163,6 +170,7 @@ class Decision:
     overload: bool = False                   # no mix within reach is predicted to meet the targets
     deadlines_met: float | None = None       # the predicted share of deadlines met by the mix as it is
     local_prefill_max_tokens: int | None = None  # the threshold knob set by this decision (None: unchanged)
+    chunk_tokens: int | None = None  # the chunk-budget knob set by this decision (None: unchanged)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -201,6 +209,13 @@ class MixController:
     # cheaper knob (None: no such knob), and the values it may set
     local_prefill_max_tokens: int | None = None
     thresholds: tuple[int, ...] = (0, 64, 128, 256, 512)
+    # the chunk-budget knob (serve --adaptive): the prompt tokens a step carries beside running
+    # streams, on every instance; chunk_tokens is what it last set (None: each role's own, a colocated
+    # instance's chunk_budget), chunk_choices the values it may take
+    chunk_knob: bool = False
+    chunk_tokens: int | None = None
+    chunk_choices: tuple[int, ...] = (32, 64, 128, 256)
+    carry_chunk_tokens: int = CARRIED_CHUNK_TOKENS  # a prefill instance's, beside streams it inherited
     _history: list = field(default_factory=list)  # (time, demand) over the horizon
     _measured_costs: list = field(default_factory=list)
     _last_move: tuple | None = None   # (time, serving before, serving after)
@@ -283,13 +298,13 @@ class MixController:
             return self._rescue(views, now_s)
         live = [v for v in views if v.alive]
         model, info, model_text = self._model(views)
-        whatif = WhatIf(model, self.chunk_budget)
-        knob = self.local_prefill_max_tokens or 0
+        knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
-        def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob) -> Prediction:
+        def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
+                    chunk: int = chunk_now) -> Prediction:
             moved = dict(changes)
-            return whatif.predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens, v.num_running)
-                                   for v in live], d, threshold)
+            return WhatIf(model, chunk).predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens,
+                                                      v.num_running) for v in live], d, threshold)
 
         def pressure(p: Prediction) -> float:
             return self.targets.pressure(p)
@@ -297,11 +312,18 @@ class MixController:
         now = predict(())
         p_now = pressure(now)
         met_now = self.targets.deadlines_met(now)
+        # streams an instance turning prefill keeps must not step slower than the target (or than now)
+        gap_bar = max(self._gap_target(), now.gap_s)
+        candidates, stalling = [], []
+        for c in self._candidates(views):
+            (stalling if self._carried_gap(views, c, model) > gap_bar else candidates).append(c)
         scored = sorted(((pressure(p), len(c), self._disruption(views, c), c, p)
-                         for c in self._candidates(views) for p in [predict(c)]), key=lambda x: x[:4])
+                         for c in candidates for p in [predict(c)]), key=lambda x: x[:4])
         self.last = {"now": now, "scale": info.get("scale", 1.0), "model": info,
                      "candidates": [(x[3], x[4]) for x in scored]}
-        state = f"now {self._describe(now, p_now)}; {demand.describe()}; {model_text}"
+        left_out = (f"; {len(stalling)} mix(es) left out: they would step the streams an instance turning "
+                    f"prefill carries past {_fmt(gap_bar)} (the gap target, or the worst gap now)") if stalling else ""
+        state = f"now {self._describe(now, p_now)}; {demand.describe()}; {model_text}{left_out}"
 
         def none(held: str, reason: str, **kw) -> Decision:
             if kw.get("overload") and held != "overload":
@@ -315,26 +337,35 @@ class MixController:
         if self._follow is not None:
             follow, self._follow = self._follow, None
             after = predict((follow,))
-            if self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin):
+            if (self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin)
+                    and self._carried_gap(views, (follow,), model) <= gap_bar):
                 decision = self._change(views, follow, now, after, now_s, "second of two steps", model_text)
                 return Decision(**{**decision.to_dict(), **self._follow_numbers})
             self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
-        if not scored:
+        if not scored and not stalling:
             return none("no other mix", f"{state}: no other mix keeps both stages covered")
         if p_now < self.calm:
             self._wanted, self._streak = "", 0
             return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
-        # the cheaper knob first: the decode instances' local-prefill threshold, no role changes
-        if self.local_prefill_max_tokens is not None and p_now > 1 and "decode" in {v.role for v in live}:
-            best_t = min(self.thresholds, key=lambda t: (pressure(predict((), threshold=t)), abs(t - knob)))
-            p_t = pressure(predict((), threshold=best_t))
-            if best_t != knob and p_t <= 1:
-                self.local_prefill_max_tokens = best_t
-                return Decision(now_s, f"local-prefill threshold {knob} -> {best_t} tokens: predicted pressure "
-                                       f"{p_t:.2f}x vs {p_now:.2f}x, targets held without a role change; {state}",
-                                ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
-                                predicted_gain=(p_now - p_t) * self.horizon_s, predicted_cost=0.0,
-                                deadlines_met=met_now, local_prefill_max_tokens=best_t)
+        # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
+        knobs = self._move_knobs(live, predict, pressure, p_now)
+        if knobs is not None:
+            (threshold, chunk), p_k = knobs
+            moved = []
+            if threshold != knob:
+                self.local_prefill_max_tokens = threshold
+                moved.append(f"local-prefill threshold {knob} -> {threshold} tokens")
+            if chunk != chunk_now:
+                self.chunk_tokens = chunk
+                moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
+            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, targets "
+                                   f"held without a role change; {state}",
+                            ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
+                            predicted_gain=(p_now - p_k) * self.horizon_s, predicted_cost=0.0, deadlines_met=met_now,
+                            local_prefill_max_tokens=threshold if threshold != knob else None,
+                            chunk_tokens=chunk if chunk != chunk_now else None)
+        if not scored:
+            return none("stall", f"{state}: no other mix keeps both stages covered without stalling streams")
         best_p, _, _, best, best_pred = scored[0]
         overload = min(best_p, p_now) > 1
         if overload:
@@ -378,7 +409,41 @@ class MixController:
         self._follow_numbers = numbers
         decision = self._change(views, first, now, best_pred, now_s, step, model_text)
         return Decision(**{**decision.to_dict(), **numbers,
-                           "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s"})
+                           "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s{left_out}"})
+
+    def _move_knobs(self, live: list[InstanceView], predict, pressure, p_now: float):
+        """((threshold, chunk), pressure) of the knob setting that holds the targets with the least
+        pressure (ties: the fewest knobs moved, the nearest values), or None when none does or the
+        knobs are where they are best. Only while the targets are missed (p_now > 1)."""
+        if p_now <= 1:
+            return None
+        roles = {v.role for v in live}
+        knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
+        thresholds = self.thresholds if self.local_prefill_max_tokens is not None and "decode" in roles else (knob,)
+        chunks = (chunk_now,)
+        if self.chunk_knob and roles & {"colocated", "decode"}:
+            chunks = tuple(sorted({c for c in self.chunk_choices if c <= self.chunk_budget} | {chunk_now}))
+        settings = [(t, c) for t in thresholds for c in chunks]
+        if settings == [(knob, chunk_now)]:
+            return None
+        scored = [(pressure(predict((), threshold=t, chunk=c)), (t != knob) + (c != chunk_now), abs(t - knob),
+                   abs(c - chunk_now), (t, c)) for t, c in settings]
+        best = min(scored)
+        if best[4] == (knob, chunk_now) or best[0] > 1:
+            return None
+        return best[4], best[0]
+
+    def _gap_target(self) -> float:
+        return min([self.targets.gap_s] + [c.gap_s for c in self.targets.classes])
+
+    def _carried_gap(self, views: list[InstanceView], changes: tuple[Change, ...], model: StepModel) -> float:
+        """The longest step a change predicts for the streams an instance turning prefill keeps: they
+        step there beside chunks of carry_chunk_tokens (the chunk knob's, if set) until they end."""
+        by_id = {v.instance_id: v for v in views}
+        carry = self.chunk_tokens or self.carry_chunk_tokens
+        return max([model.step_s(carry, prefill_attn_ktok2(0, carry), v.num_running, v.decode_kv_tokens)
+                    for i, r in changes for v in [by_id[i]]
+                    if r == "prefill" and v.role != "prefill" and v.num_running], default=0.0)
 
     def _gain_and_cost(self, changes: tuple[Change, ...], predict, now: Prediction, p_now: float,
                        now_s: float) -> tuple[float, float, bool]:

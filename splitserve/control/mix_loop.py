@@ -3,7 +3,8 @@
 The frontend gives the callables: `views()` returns one InstanceView per instance,
 `change_role(instance_id, role)` (async) performs a live role change, and optionally `demand()`
 the Demand of the last few seconds (control/whatif.py) and `set_threshold(tokens)`, which moves
-the decode instances' local-prefill threshold (the controller's cheaper knob). How long each
+the decode instances' local-prefill threshold, and `set_chunk_tokens(tokens)`, which moves every
+instance's prompt tokens per step beside its streams (the controller's cheaper knobs). How long each
 change took to commit goes back to the controller as the measured cost of the next ones. Every decision, change
 or not, goes to a bounded in-memory log that /metrics and the trial report can read.
 """
@@ -26,13 +27,14 @@ class MixLoop:
                  change_role: Callable[[str, str], Awaitable[object]], interval_s: float = 2.0,
                  max_log: int = 512, clock: Callable[[], float] = time.monotonic,
                  demand: Callable[[], Demand] | None = None,
-                 set_threshold: Callable[[int], object] | None = None):
+                 set_threshold: Callable[[int], object] | None = None,
+                 set_chunk_tokens: Callable[[int], object] | None = None):
         if interval_s <= 0:
             raise ValueError(f"mix interval must be positive seconds, got {interval_s}")
         self.controller, self.views, self.change_role = controller, views, change_role
         self.interval_s, self.clock, self.demand = interval_s, clock, demand
-        self.set_threshold = set_threshold
-        self.num_threshold_moves = 0
+        self.set_threshold, self.set_chunk_tokens = set_threshold, set_chunk_tokens
+        self.num_threshold_moves = self.num_chunk_moves = 0
         self.decisions: deque[dict] = deque(maxlen=max_log)
         self.num_role_changes = 0
         self.num_failed_changes = 0
@@ -46,6 +48,11 @@ class MixLoop:
             self.set_threshold(decision.local_prefill_max_tokens)
             self.num_threshold_moves += 1
             entry["applied"] = True
+        if decision.chunk_tokens is not None and self.set_chunk_tokens is not None:
+            self.set_chunk_tokens(decision.chunk_tokens)
+            self.num_chunk_moves += 1
+            entry["applied"] = True
+        if entry.get("applied"):
             log.info("mix: %s", decision.reason)
         if decision.instance_id is not None:
             try:

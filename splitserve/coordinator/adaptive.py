@@ -3,6 +3,8 @@
     every --mix-interval-s:  Coordinator.load_view() --mix_views--> [InstanceView]
                              Coordinator.arrivals (last DEMAND_WINDOW_S) --> Demand
         --MixController.decide--> Decision --(a change)--> Coordinator.change_role(id, role)
+                                           --(a knob)--> the disaggregation policy's threshold,
+                                                         Coordinator.set_chunk_tokens(tokens)
     every decision, change or not, with its reason -> the bounded log behind GET /admin/mix,
     splitserve_mix_decisions_total{action} and the per-instance role gauge on /metrics.
 
@@ -22,6 +24,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from splitserve.config import CARRIED_CHUNK_TOKENS
 from splitserve.control.mix import (FALLBACK_STEP_MODEL, Decision, InstanceView, MixController, MixTargets,
                                     parse_slo_classes)
 from splitserve.control.mix_loop import MixLoop
@@ -144,8 +147,10 @@ class AdaptiveMix:
             # the cheaper knob: the controller starts from the threshold `serve` was given
             controller.local_prefill_max_tokens = policy.local_max_tokens
             set_threshold = self._set_threshold
+        # the other cheap knob: every instance's prompt tokens per step beside its streams
+        controller.chunk_knob = True
         self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand,
-                            set_threshold=set_threshold)
+                            set_threshold=set_threshold, set_chunk_tokens=self._set_chunk_tokens)
         for action in ACTIONS:
             metrics.mix_decisions.labels(action)  # present at 0 from the start
         self._task: asyncio.Task | None = None
@@ -158,6 +163,9 @@ class AdaptiveMix:
 
     def _set_threshold(self, tokens: int) -> None:
         self.client.dispatcher.disagg_policy.local_max_tokens = tokens
+
+    def _set_chunk_tokens(self, tokens: int) -> None:
+        self.client.set_chunk_tokens(tokens)
 
     async def _change_role(self, instance_id: str, role: str) -> None:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
@@ -213,6 +221,7 @@ class AdaptiveMix:
                 "change_cost_s": self.loop.controller.move_cost_s(),
                 "local_prefill_max_tokens": self.loop.controller.local_prefill_max_tokens,
                 "num_threshold_moves": self.loop.num_threshold_moves,
+                "chunk_tokens": self.loop.controller.chunk_tokens, "num_chunk_moves": self.loop.num_chunk_moves,
                 "started_wall_time": self.started_wall,
                 "roles": {v.instance_id: v.role for v in self.client.load_view()},
                 "model": self.loop.controller.last.get("model"),
@@ -235,5 +244,7 @@ def adaptive_from_args(args: argparse.Namespace, client: Coordinator, metrics: F
     classes = parse_slo_classes(args.slo_classes) if getattr(args, "slo_classes", None) else ()
     controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s, classes),
                                chunk_budget=args.max_num_batched_tokens,
-                               horizon_s=getattr(args, "mix_horizon_s", None) or 60.0)
+                               horizon_s=getattr(args, "mix_horizon_s", None) or 60.0,
+                               carry_chunk_tokens=getattr(args, "local_prefill_chunk_tokens", None)
+                               or CARRIED_CHUNK_TOKENS)
     return AdaptiveMix(client, metrics, controller, args.mix_interval_s, default_threads=args.threads_per_instance or 1)

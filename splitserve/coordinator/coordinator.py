@@ -24,6 +24,7 @@ from splitserve.coordinator.request_state import EventSink, Instance, TokenStrea
 from splitserve.coordinator.role_change import InstanceLoadView
 from splitserve.coordinator.router import Router
 from splitserve.link_security import EngineLinkSecurity
+from splitserve.protocol import SetChunkTokens
 from splitserve.sampling import SamplingParams
 
 
@@ -115,6 +116,12 @@ class Coordinator(ServedInstances):
     async def change_role(self, instance_id: str, role: str) -> None:
         """Live role change; raises role_change.RoleChangeRefused (with .status) when it cannot be made."""
         await self.roles.change_role(instance_id, role)
+
+    def set_chunk_tokens(self, tokens: int | None) -> None:
+        """Every live instance's prompt tokens per step beside its streams (None: each role's own)."""
+        for engine_id, inst in self.instances.items():
+            if inst.alive:
+                self.link.send(engine_id, SetChunkTokens(tokens or 0))
 
     def load_view(self) -> list[InstanceLoadView]:
         return self.roles.load_view()

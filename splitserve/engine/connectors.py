@@ -12,6 +12,8 @@ The engine loop and the scheduler never ask which role they play; they ask the c
                                  instance keeps a prompt's blocks under a lease and returns the
                                  TransferDescriptor the frontend forwards to a decode instance.
     abort(request_id)            the connector's own share of an abort (held blocks, a transfer).
+    prompt_tokens_per_step(streams_here)  the cap on a step's prompt tokens (None: the step budget
+                                 alone), given whether streams that answer here are decoding.
     has_unfinished() / stats() / close()
 
 Three connectors, one per role:
@@ -23,7 +25,10 @@ Three connectors, one per role:
                         engine reports: ok | recomputed | failed.
 
 A live role change (EngineCore.change_role) waits until the old connector has nothing in flight,
-closes it and makes the new one: requests already decoding keep running under any connector.
+closes it and makes the new one: requests already decoding keep running under any connector. A
+prefill connector that inherits such streams (from a colocated or decode role) gives them steps of
+at most `chunk_tokens` prompt tokens until the last one ends, so they keep the gaps a decode
+instance's local prefill keeps (issue 31), instead of meeting whole step budgets of prompts.
 
 Everything here runs on the engine loop thread (the KV server and the pullers keep their own
 threads inside kv_transfer/).
@@ -35,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from splitserve.config import EngineConfig
+from splitserve.config import CARRIED_CHUNK_TOKENS, EngineConfig
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.kv_transfer import (DestinationBlocks, KVReceiver, KVSender, KVServer,
@@ -68,7 +73,13 @@ class Arrivals:
 
 class ColocatedConnector:
     role = "colocated"
-    prompt_tokens_per_step: int | None = None  # the scheduler's cap on a step's prompt tokens (None: none)
+    # prompt tokens a step carries beside streams that answer here (None: max_num_batched_tokens
+    # alone); EngineCore.set_chunk_tokens moves it live (the mix controller's chunk-budget knob)
+    chunk_tokens: int | None = None
+
+    def prompt_tokens_per_step(self, streams_here: bool) -> int | None:
+        """The scheduler's cap on this step's prompt tokens (None: none besides the step budget)."""
+        return self.chunk_tokens
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         if descriptor is not None:
@@ -114,8 +125,14 @@ class PrefillConnector(ColocatedConnector):
         self.prefilling: set[str] = set()  # requests that will hand their KV over when their prompt is done
         self.held: dict[str, Request] = {}  # handed over; blocks kept until confirmed, expired or aborted
         self.overlap = config.kv_transfer.send_mode == "overlap"
+        self.chunk_tokens = default_chunk_tokens(self.role, config)  # for streams inherited from an earlier role
         # overlap mode: requests handed over mid-prompt -> (block ids, tokens whose KV is final, descriptor)
         self.streaming: dict[str, tuple[list[int], int, TransferDescriptor]] = {}
+
+    def prompt_tokens_per_step(self, streams_here: bool) -> int | None:
+        # its own prompts (remote_decode) end on their first token and care only for TTFT: whole
+        # budgets; streams inherited from an earlier role answer here and would stall behind them
+        return self.chunk_tokens if streams_here else None
 
     def on_add(self, request: Request, descriptor: TransferDescriptor | None) -> bool:
         super().on_add(request, descriptor)
@@ -221,7 +238,7 @@ class DecodeConnector(ColocatedConnector):
             raise ValueError(f"kv failure policy must be one of {FAILURE_POLICIES}, got {config.kv_failure_policy!r}")
         self.failure_policy = config.kv_failure_policy
         # a prompt sent here to prefill (conditional disaggregation) shares its steps with running streams
-        self.prompt_tokens_per_step = config.local_prefill_chunk_tokens
+        self.chunk_tokens = default_chunk_tokens(self.role, config)
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.blocks = block_manager
         # the scheduler's say on taking blocks for arriving KV (it may preempt lower priorities)
@@ -324,3 +341,10 @@ def make_connector(role: str, config: EngineConfig, kv: torch.Tensor, block_mana
     if role == "decode":
         return DecodeConnector(config, kv, block_manager, network, make_room)
     raise ValueError(f"role must be one of colocated, prefill, decode; got {role!r}")
+
+
+def default_chunk_tokens(role: str, config: EngineConfig) -> int | None:
+    """A role's own chunk_tokens, as its connector starts with it."""
+    if role == "prefill":
+        return config.local_prefill_chunk_tokens or CARRIED_CHUNK_TOKENS
+    return config.local_prefill_chunk_tokens if role == "decode" else None

@@ -18,7 +18,7 @@ from splitserve import kernels
 from splitserve.config import PRIORITY_BOUNDS, ROLES, EngineConfig, ModelConfig
 from splitserve.devices import check_device, torch_dtype
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.connectors import allocate_kv_cache, make_connector
+from splitserve.engine.connectors import allocate_kv_cache, default_chunk_tokens, make_connector
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request, RequestOutput, RequestStatus
 from splitserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -67,6 +67,7 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self._kv_network = kv_network
+        self.chunk_tokens: int | None = None  # set live (set_chunk_tokens); None: each role's own
         self.connector = self._make_connector(config.role)
         self.pending_role: str | None = None
         self.num_role_changes = 0
@@ -82,8 +83,19 @@ class EngineCore:
         shm_name = self._pool_handle.name if self._pool_handle is not None else ""
         connector = make_connector(role, self.config, self.runner.kv_cache, self.block_manager, shm_name,
                                    self._kv_network, self.scheduler.make_room_for_kv)
-        self.scheduler.prompt_tokens_per_step = connector.prompt_tokens_per_step
+        if self.chunk_tokens is not None:
+            connector.chunk_tokens = self.chunk_tokens
+        self.scheduler.prompt_tokens_per_step = connector.prompt_tokens_per_step(self.scheduler.has_streams())
         return connector
+
+    def set_chunk_tokens(self, tokens: int | None) -> None:
+        """The prompt tokens a step may carry beside streams that answer here, from now on and
+        under any later role; None: each role's own (its config). ValueError if not positive."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0):
+            raise ValueError(f"chunk tokens must be a positive whole number or None, got {tokens!r}")
+        self.chunk_tokens = tokens
+        default = default_chunk_tokens(self.connector.role, self.config)
+        self.connector.chunk_tokens = default if tokens is None else tokens
 
     @property
     def role(self) -> str:
@@ -218,6 +230,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._poll_connector()
+        self.scheduler.prompt_tokens_per_step = self.connector.prompt_tokens_per_step(self.scheduler.has_streams())
         batch = self.scheduler.schedule()
         if not batch:
             return outputs

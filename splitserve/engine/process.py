@@ -35,8 +35,8 @@ from splitserve.devices import check_device
 from splitserve.link_security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
-                                 ResendHello, RoleChanged, SetRole, Shutdown, StepOutputs, TokenOutput,
-                                 decode_engine_config, socket_identity)
+                                 ResendHello, RoleChanged, SetChunkTokens, SetRole, Shutdown, StepOutputs,
+                                 TokenOutput, decode_engine_config, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -275,6 +275,11 @@ class EngineProcess:
                     log.exception("engine %s: aborting request %s failed", self.engine_id, request_id)
         elif isinstance(message, SetRole):
             self._set_role(message.role)
+        elif isinstance(message, SetChunkTokens):
+            try:
+                self.core.set_chunk_tokens(message.tokens or None)
+            except ValueError as e:
+                log.error("engine %s: chunk tokens not changed: %s", self.engine_id, e)
         elif isinstance(message, ResendHello):
             log.warning("engine %s: the frontend does not know us (it restarted); dropping %d requests "
                         "and saying hello again", self.engine_id, len(self.core.requests))

@@ -71,8 +71,9 @@ class Scheduler:
         self.prefilled: deque[Request] = deque()  # KV received from a prefill instance
         self.num_preemptions = 0
         # Prompt tokens one step may carry besides its decodes (None: only max_num_batched_tokens
-        # bounds them). The connector sets it: a decode instance prefilling a prompt itself keeps
-        # its chunks small, so its running streams' steps stay near their gap target.
+        # bounds them). The engine sets it from its connector before each step: a decode instance
+        # prefilling a prompt itself keeps its chunks small, so its running streams' steps stay
+        # near their gap target, and so does a prefill instance while streams it inherited decode.
         self.prompt_tokens_per_step: int | None = None
         # the waiting requests short enough to jump the queue (step (2)), in queue order, and a
         # lower bound on their sizes: a step scans them alone, and stops once its short budget is
@@ -125,6 +126,10 @@ class Scheduler:
         """Prompt tokens waiting or not yet prefilled (EngineStats; the disaggregation policy reads it)."""
         queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         return queued + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+
+    def has_streams(self) -> bool:
+        """Some running request decodes its answer here (not one that ends on its first token)."""
+        return any(not r.remote_decode and not r.is_prefilling for r in self.running)
 
     def remove(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks (abort)."""
