@@ -154,3 +154,130 @@ def test_a_trial_kills_the_decode_engine_and_its_replacement_rejoins(tmp_path):
         assert all(r["error_kind"] is None and r["num_tokens"] == 24 for r in after)
         assert fault["recovery_s"] is not None
     assert "faults: lost" in (out / "report.html").read_text()
+
+
+# ---- a rolling update (`restart: all`) ----------------------------------------------------------
+
+def test_a_rolling_restart_fault_is_read_and_mixed_or_unknown_ones_are_refused():
+    spec = parse_spec(base_spec(faults=[{"at_s": 3, "restart": "all"},
+                                        {"at_s": 4, "restart": "all", "drain_deadline_s": 5}]))
+    assert [(f.at_s, f.restart, f.kill, f.drain_deadline_s) for f in spec.faults] == [
+        (3, "all", None, 60.0), (4, "all", None, 5.0)]
+    cases = [
+        ([{"at_s": 2, "restart": "everything"}], r"faults\[0\].restart: must be one of 'all'"),
+        ([{"at_s": 2, "restart": "all", "kill": "decode"}], "not both"),
+        ([{"at_s": 2, "restart": "all", "restart_after_s": 1}], "not both"),
+        ([{"at_s": 2, "restart": "all", "drain_deadline_s": 0}], r"faults\[0\].drain_deadline_s"),
+        ([{"at_s": 12, "restart": "all"}], r"faults\[0\].at_s"),
+        ([{"at_s": 2, "restart": "all", "when": 1}], r"faults\[0\]"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(SpecError, match=match):
+            parse_spec(base_spec(faults=bad))
+
+
+def fake_admin(monkeypatch, refuse: str | None = None) -> list:
+    """A server whose admin API lists three instances (one dead) and restarts what it is asked."""
+    import httpx
+
+    asked = []
+    rows = [{"id": "prefill-0", "role": "prefill", "alive": True, "draining": False},
+            {"id": "decode-9", "role": "decode", "alive": False, "draining": False},
+            {"id": "decode-0", "role": "decode", "alive": True, "draining": False}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"instances": rows})
+        engine_id = request.url.path.split("/")[3]
+        asked.append((engine_id, json.loads(request.content)))
+        if engine_id == refuse:
+            return httpx.Response(409, json={"error": {"message": "not serving"}})
+        return httpx.Response(200, json={"id": engine_id, "replacement": f"{engine_id}.r1", "role": "x",
+                                         "ready_s": 1.0, "seconds": 2.0, "resumed_requests": 1, "exit_code": 0})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    return asked
+
+
+def test_a_rolling_restart_asks_for_every_serving_instance_in_turn(monkeypatch):
+    import asyncio
+    import time
+
+    asked = fake_admin(monkeypatch)
+    fault = FaultSpec(at_s=0.01, restart="all", drain_deadline_s=7.0)
+    event = asyncio.run(faults.inject_fault("http://127.0.0.1:9", fault, time.perf_counter()))
+    assert asked == [("prefill-0", {"drain_deadline_s": 7.0}), ("decode-0", {"drain_deadline_s": 7.0})]
+    assert event["error"] is None and [i["replacement"] for i in event["instances"]] == ["prefill-0.r1", "decode-0.r1"]
+    assert event["began_s"] <= event["instances"][0]["requested_s"] <= event["ended_s"]
+
+
+def test_a_refused_restart_stops_the_update_and_says_why(monkeypatch):
+    import asyncio
+    import time
+
+    asked = fake_admin(monkeypatch, refuse="prefill-0")
+    event = asyncio.run(faults.inject_fault("http://127.0.0.1:9", FaultSpec(at_s=0.01, restart="all"),
+                                            time.perf_counter()))
+    assert [a for a, _ in asked] == ["prefill-0"] and event["instances"] == []
+    assert "restart of prefill-0 refused: HTTP 409" in event["error"] and event["ended_s"] is not None
+
+
+def test_slo_misses_during_a_rolling_restart_are_counted_beside_the_rest_of_the_run():
+    strict = SLO(ttft_s=0.5, gap_s=5, e2e_s=20, max_pause_s=5)
+    late = rec(2, 2.5)
+    late.token_times_s = [3.4, 3.5, 3.6, 3.7]  # a first token 0.9 s after it was sent: an SLO miss
+    records = [
+        rec(0, 0.0),                       # over before the restart
+        rec(1, 1.8),                       # in flight when it began (2.0): during it
+        late,                              # during, late
+        rec(3, 4.0, tokens=0, error="http_error"),  # during, failed
+        rec(4, 7.0),                       # after it ended (6.0)
+    ]
+    update = {"at_s": 2.0, "restart": "all", "began_s": 2.0, "ended_s": 6.0, "error": None,
+              "instances": [{"id": "e0", "resumed_requests": 1}, {"id": "e1", "resumed_requests": 0}]}
+    [row] = fault_outcomes([update], records, strict, 0.5)
+    assert (row["lost_in_flight"], row["failed_after"]) == (0, 1)
+    assert (row["requests_during"], row["slo_missed_during"]) == (3, 2)
+    assert (row["requests_outside"], row["slo_missed_outside"]) == (2, 0)
+    assert (row["seconds"], row["num_restarted"], row["resumed_requests"]) == (4.0, 2, 1)
+    assert row["recovery_s"] == pytest.approx(5.0)  # the first request sent after the failure: at 7.0
+    from splitserve.trial.report import fault_cell
+    assert fault_cell([row]).startswith("restart all (2 instances in 4.0 s): 0 / 1 / 5.0 s; SLO missed by 2 of 3")
+    [row] = fault_outcomes([{**update, "began_s": None, "ended_s": None, "error": "no instance serves"}],
+                           records, strict, 0.5)
+    assert fault_cell([row]) == "not injected (no instance serves)"
+
+
+@pytest.mark.timeout(420)
+def test_a_trial_restarts_every_instance_under_load_and_fails_nothing(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "tiny", arch="llama")
+    spec = {
+        "name": "update", "seed": 3, "model": str(model), "warmup_requests": 1,
+        "workload": {"classes": {"chat": {"prompt_tokens": {"dist": "uniform", "min": 16, "max": 48},
+                                          "answer_tokens": 16}}},
+        "arrivals": {"pattern": "constant", "rate": 3.0, "duration_s": 6},
+        "slo": {"ttft_s": 10.0, "gap_s": 2.0, "max_pause_s": 5.0, "e2e_s": 60.0},
+        "request_timeout_s": 120,
+        "faults": [{"at_s": 1.0, "restart": "all"}],
+        "arrangements": [{"name": "one", "serve": [
+            "--instances", "1", "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--log-level", "warning"]}],
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out)]) == 0
+    [arr] = json.loads((out / "results.json").read_text())["arrangements"]
+    assert arr["error"] is None, arr["error"]
+    summary = arr["runs"][0]["summary"]
+    [update] = summary["faults"]
+    assert update["error"] is None, update
+    [done] = update["instances"]
+    assert (done["id"], done["replacement"]) == ("engine-0", "engine-0.r1")
+    assert update["seconds"] > 0 and update["requests_during"] >= 1
+    requests = arr["runs"][0]["requests"]
+    assert update["requests_during"] + update["requests_outside"] == len(requests)
+    # a rolling restart fails nothing: every answer complete, none lost in flight
+    assert all(r["error_kind"] is None and r["num_tokens"] == 16 for r in requests), requests
+    assert (update["lost_in_flight"], update["failed_after"]) == (0, 0)
+    assert "restart all (1 instance in" in (out / "report.html").read_text()

@@ -32,6 +32,7 @@ from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
 from splitserve.link_security import add_engine_link_arguments, engine_link_from_args, own_engine_secrets
 from splitserve.entrypoints.api_hub import stop_processes
+from splitserve.entrypoints.state_file import ArrangementWatcher, check_state_path, restore_arrangement
 from splitserve.api.tool_parsers import TOOL_PARSERS
 from splitserve.entrypoints.topology import hand_start_command, load_topology
 from splitserve.kv_transfer import kv_config_from_args
@@ -81,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HTTP processes behind the one port, each rendering, tokenizing and detokenizing "
                         "(SO_REUSEPORT spreads connections over them); this process stays the only one "
                         "that talks to the engines, and the others hand it token ids")
+    p.add_argument("--state-file", default=None, metavar="PATH",
+                   help="keep the arrangement (instances and roles, as the admin API and the mix controller "
+                        "change it) in this JSON file, and start from it when it exists and is for the same "
+                        "model, instead of the command line's (default: none, nothing kept)")
     add_api_key_arguments(p)
     add_http_guard_arguments(p)
     add_limit_arguments(p)
@@ -133,6 +138,8 @@ def check_common(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.threads_per_instance is not None and args.threads_per_instance < 1:
         raise ValueError(f"--threads-per-instance must be >= 1, got {args.threads_per_instance}")
+    if args.state_file is not None:
+        check_state_path(args.state_file)
 
 
 def core_sets(instances: int, threads: int) -> list[str]:
@@ -207,6 +214,9 @@ async def serve(args: argparse.Namespace) -> int:
     roles = engine_roles(args)
     spec = args.topology_spec
     remote = spec.remote if spec is not None and args.ray is None else []
+    if args.state_file is not None:
+        roles = restore_arrangement(args.state_file, args.model, roles, {i.id for i in remote}, args.kv_port)
+    owned = {engine_id for engine_id, _ in roles}  # the state file's arrangement is made of these
     if args.threads_per_instance is None and roles:
         # Unset, every engine would start one torch thread per core and they would fight over
         # them; split the cores this process may use evenly instead.
@@ -226,12 +236,13 @@ async def serve(args: argparse.Namespace) -> int:
               f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
     placement: RayPlacement | None = None
-    mix = hub = None
+    mix = hub = watcher = None
 
     ray_hosts = {i.id: i.host for i in spec.remote} if spec is not None else {}
 
     def place(engine_id: str, role: str, cores: str | None = None) -> None:
         config = engine_config_from_args(args, role, engine_id)
+        owned.add(engine_id)
         if placement is not None:
             placement.start(config, ray_hosts.get(engine_id))
             return
@@ -256,12 +267,15 @@ async def serve(args: argparse.Namespace) -> int:
         counters: dict[str, int] = {}
 
         def spawn_engine(role: str, engine_id: str | None = None) -> str:  # POST /admin/instances, a restart
-            if engine_id is None:
-                counters[role] = counters.get(role, 0) + 1
+            while engine_id is None or engine_id in owned or engine_id in client.instances:
+                counters[role] = counters.get(role, 0) + 1  # a restored arrangement may hold earlier ones
                 engine_id = f"{role}-added-{counters[role]}"
             place(engine_id, role)
             return engine_id
 
+        if args.state_file is not None:
+            watcher = ArrangementWatcher(client, args.state_file, args.model, owned)
+            watcher.start()
         mix = adaptive_from_args(args, client, metrics, len(engine_ids))
         app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix)
         sockets = None
@@ -294,6 +308,8 @@ async def serve(args: argparse.Namespace) -> int:
         await server.serve(sockets=sockets)
         announcer.cancel()
     finally:
+        if watcher is not None:
+            await watcher.stop()  # before the engines stop: their exits change nothing
         if hub is not None:
             await hub.close()
         if mix is not None:

@@ -15,6 +15,14 @@ against the request records:
   requests still failed at the end of the run.
 A colocated arrangement has no separate stages: `kill: prefill` or `decode` hits its
 colocated instance there, which does both.
+
+A rolling update (`restart: all`) kills nothing: at its second the injector lists the serving
+instances and asks the server to restart each in turn (POST /admin/instances/{id}/restart, one
+answered before the next is asked: what `splitserve admin restart --all` does), stopping at the
+first refusal. Its window runs from the first request to the server until the last answer;
+lost in flight, failed after and time to recover are counted from its start as for a kill, and
+beside them the requests whose time in the system overlapped the window that missed the SLO
+(failed or late), with the same count for the rest of the run to compare with.
 """
 from __future__ import annotations
 
@@ -26,12 +34,13 @@ from typing import Callable
 
 import httpx
 
-from splitserve.trial.metrics import RequestRecord, request_metrics
+from splitserve.trial.metrics import RequestRecord, is_good, request_metrics, slo_of
 from splitserve.trial.spec import SLO, FaultSpec
 
 ADMIN_POLL_S = 0.05
 OUT_OF_ROTATION_TIMEOUT_S = 30.0   # a server that never notices a dead engine must not hang the trial
 REJOIN_TIMEOUT_S = 300.0
+RESTART_TIMEOUT_S = 900.0  # one instance: its replacement loads (300 s at most), then the old one drains
 
 
 def pick_victim(instances: list[dict], kill: str) -> dict | None:
@@ -49,7 +58,10 @@ def pick_victim(instances: list[dict], kill: str) -> dict | None:
 async def inject_fault(base_url: str, fault: FaultSpec, t0: float, multiplier: float = 1.0,
                        clock: Callable[[], float] = time.perf_counter) -> dict:
     """Wait until the fault's second, kill, watch the instance leave, optionally restart one.
-    Returns the event timeline in seconds after t0 (the replay's zero)."""
+    Returns the event timeline in seconds after t0 (the replay's zero). `restart:` faults go
+    to inject_restart."""
+    if fault.restart is not None:
+        return await inject_restart(base_url, fault, t0, multiplier, clock)
     event: dict = {"at_s": fault.at_s / multiplier, "kill": fault.kill, "instance": None, "pid": None,
                    "killed_s": None, "out_of_rotation_s": None, "restart_requested_s": None,
                    "replacement": None, "rejoined_s": None, "error": None}
@@ -94,6 +106,41 @@ async def inject_fault(base_url: str, fault: FaultSpec, t0: float, multiplier: f
     return event
 
 
+async def inject_restart(base_url: str, fault: FaultSpec, t0: float, multiplier: float = 1.0,
+                         clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Wait until the fault's second, then restart every serving instance, one at a time."""
+    event: dict = {"at_s": fault.at_s / multiplier, "restart": fault.restart, "instances": [],
+                   "began_s": None, "ended_s": None, "error": None}
+    await asyncio.sleep(max(0.0, t0 + event["at_s"] - clock()))
+    async with httpx.AsyncClient(timeout=RESTART_TIMEOUT_S) as http:
+        try:
+            rows = (await _instances(http, base_url))["instances"]
+            ids = [i["id"] for i in rows if i.get("alive") and not i.get("draining")]
+            if not ids:
+                event["error"] = "no instance serves"
+                return event
+            event["began_s"] = clock() - t0
+            for engine_id in ids:
+                asked = clock() - t0
+                resp = await http.post(f"{base_url}/admin/instances/{engine_id}/restart",
+                                       json={"drain_deadline_s": fault.drain_deadline_s})
+                if resp.status_code != 200:
+                    event["error"] = f"restart of {engine_id} refused: HTTP {resp.status_code}: {resp.text[:200]}"
+                    break
+                event["instances"].append({**resp.json(), "requested_s": asked, "answered_s": clock() - t0})
+        except (httpx.HTTPError, OSError, KeyError, ValueError) as exc:
+            event["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if event["began_s"] is not None:
+                event["ended_s"] = clock() - t0
+    return event
+
+
+def fault_start(event: dict) -> float | None:
+    """When a fault hit: the kill, or a rolling restart's first request to the server."""
+    return event.get("began_s") if event.get("restart") else event.get("killed_s")
+
+
 async def _instances(http: httpx.AsyncClient, base_url: str) -> dict:
     resp = await http.get(f"{base_url}/admin/instances")
     resp.raise_for_status()
@@ -106,11 +153,13 @@ async def _is_out(http: httpx.AsyncClient, base_url: str, instance_id: str) -> b
 
 
 def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
-                   pause_threshold_s: float) -> list[dict]:
+                   pause_threshold_s: float, class_slos: dict[str, SLO] | None = None) -> list[dict]:
     """Per fault: requests lost and time to recover (see the module docstring). A fault's
-    window runs from its kill to the next fault's kill."""
-    failed = {r.index: request_metrics(r, slo, pause_threshold_s).failure is not None for r in records}
-    kills = [e.get("killed_s") for e in events]
+    window runs from its kill (or a restart's start) to the next fault's."""
+    per = {r.index: request_metrics(r, slo_of(r, slo, class_slos), pause_threshold_s) for r in records}
+    failed = {i: m.failure is not None for i, m in per.items()}
+    good = {r.index: is_good(per[r.index], slo_of(r, slo, class_slos)) for r in records}
+    kills = [fault_start(e) for e in events]
     sent = sorted((r for r in records if r.sent_s is not None), key=lambda r: r.sent_s)
     out = []
     for n, event in enumerate(events):
@@ -119,6 +168,8 @@ def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
         if start is None:
             out.append(row)
             continue
+        if event.get("restart"):
+            row.update(update_window(event, sent, good))
         end = next((k for k in kills[n + 1:] if k is not None), float("inf"))
         row["lost_in_flight"] = sum(1 for r in sent if r.sent_s < start and failed[r.index]
                                     and (r.finished_s is None or r.finished_s >= start))
@@ -132,3 +183,16 @@ def fault_outcomes(events: list[dict], records: list[RequestRecord], slo: SLO,
             row["recovery_s"] = later[0].sent_s - start if later else None
         out.append(row)
     return out
+
+
+def update_window(event: dict, sent: list[RequestRecord], good: dict[int, bool]) -> dict:
+    """A rolling restart's length, and the SLO misses among the requests in the system during it
+    (sent before it ended, not finished before it began) beside those of the rest of the run."""
+    began, ended = event["began_s"], event["ended_s"]
+    during = [r for r in sent if r.sent_s < ended and (r.finished_s is None or r.finished_s > began)]
+    inside = {r.index for r in during}
+    outside = [r for r in sent if r.index not in inside]
+    return {"seconds": ended - began, "num_restarted": len(event["instances"]),
+            "resumed_requests": sum(i.get("resumed_requests", 0) for i in event["instances"]),
+            "requests_during": len(during), "slo_missed_during": sum(not good[r.index] for r in during),
+            "requests_outside": len(outside), "slo_missed_outside": sum(not good[r.index] for r in outside)}

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from splitserve.trial.class_report import classes_html
+from splitserve.trial.faults import fault_start
 from splitserve.trial.metrics import local_share
 from splitserve.trial.mix_timeline import timeline_cell, timeline_html
 from splitserve.trial.results import equal_rate, fmt_capacity, fmt_seconds, fmt_spread, main_summary, stats_at
@@ -60,15 +61,24 @@ ROWS = [
 ]
 
 def fault_cell(faults: list[dict] | None) -> str:
-    """One line per scheduled fault: requests lost in flight, failed after the kill, time to recover."""
+    """One line per scheduled fault: requests lost in flight, failed after the kill (or the start of a
+    rolling restart), time to recover; for a restart also its length and SLO misses during it."""
     if not faults:
         return "-"
     parts = []
     for f in faults:
-        if f.get("killed_s") is None:
+        if fault_start(f) is None:
             parts.append(f"not injected ({f.get('error')})")
             continue
         recovery = "not recovered" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
+        if f.get("restart"):
+            stopped = f" (stopped: {f['error']})" if f.get("error") else ""
+            n = f["num_restarted"]
+            parts.append(f"restart {f['restart']} ({n} instance{'' if n == 1 else 's'} in {f['seconds']:.1f} s"
+                         f"{stopped}): {f['lost_in_flight']} / {f['failed_after']} / {recovery}; SLO missed by "
+                         f"{f['slo_missed_during']} of {f['requests_during']} during it, "
+                         f"{f['slo_missed_outside']} of {f['requests_outside']} outside")
+            continue
         parts.append(f"{f['kill']} {f['instance']}: {f['lost_in_flight']} / {f['failed_after']} / {recovery}")
     return "; ".join(parts)
 

@@ -450,7 +450,8 @@ class Trial:
                             class_slos=self.spec.class_slos)
         if faults:
             fault_events.sort(key=lambda e: e["at_s"])
-            summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s)
+            summary["faults"] = fault_outcomes(fault_events, records, self.spec.slo, self.spec.pause_threshold_s,
+                                               self.spec.class_slos)
         summary["abandoned_work"]["server"] = server_aborted_work(counters)
         summary["rate_multiplier"] = multiplier
         summary["wall_s"] = wall

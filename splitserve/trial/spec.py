@@ -84,12 +84,16 @@ class Arrangement:
 
 @dataclass(slots=True)
 class FaultSpec:
-    """Kill one engine process (SIGKILL) of the running arrangement `at_s` seconds into the
-    replay; optionally start a replacement `restart_after_s` later through POST /admin/instances."""
+    """`at_s` seconds into the replay, either kill one engine process (SIGKILL) of the running
+    arrangement, optionally starting a replacement `restart_after_s` later through POST
+    /admin/instances; or (`restart: all`) replace every instance in turn, a rolling update
+    through POST /admin/instances/{id}/restart, each drain given `drain_deadline_s`."""
 
     at_s: float
-    kill: str                              # prefill | decode | any (colocated instances do both)
+    kill: str | None = None                # prefill | decode | any (colocated instances do both)
     restart_after_s: float | None = None
+    restart: str | None = None             # all: a rolling restart of every serving instance
+    drain_deadline_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -354,14 +358,23 @@ def _read_arrangements(raw_list: list) -> list[Arrangement]:
 
 
 FAULT_TARGETS = ("prefill", "decode", "any")
+RESTART_TARGETS = ("all",)  # "coordinator" (serve itself) is not built yet: issue 27 part 2
 
 
 def _read_faults(raw_list: list) -> list[FaultSpec]:
     faults = []
     for i, raw in enumerate(raw_list or []):
         sec = Section(raw, f"faults[{i}]")
-        faults.append(FaultSpec(at_s=sec.float("at_s", positive=True), kill=sec.choice("kill", FAULT_TARGETS),
-                                restart_after_s=sec.float("restart_after_s", default=None, minimum=0.0)))
+        if isinstance(raw, dict) and "restart" in raw:
+            if "kill" in raw or "restart_after_s" in raw:
+                raise SpecError(f"faults[{i}]: a fault either kills (kill, restart_after_s) or restarts "
+                                "(restart, drain_deadline_s), not both; make them two faults")
+            fault = FaultSpec(at_s=sec.float("at_s", positive=True), restart=sec.choice("restart", RESTART_TARGETS),
+                              drain_deadline_s=sec.float("drain_deadline_s", default=60.0, positive=True))
+        else:
+            fault = FaultSpec(at_s=sec.float("at_s", positive=True), kill=sec.choice("kill", FAULT_TARGETS),
+                              restart_after_s=sec.float("restart_after_s", default=None, minimum=0.0))
+        faults.append(fault)
         sec.finish()
     times = [f.at_s for f in faults]
     if times != sorted(times):
