@@ -118,7 +118,7 @@ def fake_client(**roles):
 def test_the_watcher_keeps_what_serve_started_and_did_not_drain_dead_or_alive(tmp_path):
     path = tmp_path / "state.json"
     client = fake_client(**{"prefill-0": "prefill", "decode-0": "decode", "by-hand": "decode"})
-    owned = {"prefill-0", "decode-0"}
+    owned = dict.fromkeys(["prefill-0", "decode-0"])  # as serve keeps them: in the order it started them
     watcher = ArrangementWatcher(client, str(path), "m", owned)
     watcher.save_if_changed()
     assert read_arrangement(str(path), "m") == COMMAND_LINE  # the hand-started engine is not ours
@@ -126,7 +126,7 @@ def test_the_watcher_keeps_what_serve_started_and_did_not_drain_dead_or_alive(tm
     client.instances["decode-0"].alive = False  # died: serve would start it again
     client.instances["added-1"] = FakeInstance(SimpleNamespace(role="decode"))
     client.router.instances["added-1"] = SimpleNamespace(draining=False)
-    owned.add("added-1")
+    owned["added-1"] = None
     watcher.save_if_changed()
     assert read_arrangement(str(path), "m") == [("prefill-0", "colocated"), ("decode-0", "decode"), ("added-1", "decode")]
     client.router.instances["added-1"].draining = True  # DELETE /admin/instances/added-1
@@ -134,9 +134,32 @@ def test_the_watcher_keeps_what_serve_started_and_did_not_drain_dead_or_alive(tm
     assert read_arrangement(str(path), "m") == [("prefill-0", "colocated"), ("decode-0", "decode")]
 
 
+def test_nothing_is_written_before_every_started_instance_said_hello_and_rows_keep_serves_order(tmp_path):
+    """A file written when only the decode instance had said hello would bring back half the
+    arrangement after a restart; and the hellos' order (a race) must not reorder the file."""
+    path = tmp_path / "state.json"
+    client = fake_client(**{"decode-0": "decode"})            # prefill-0 has not said hello yet
+    watcher = ArrangementWatcher(client, str(path), "m", dict.fromkeys(["prefill-0", "decode-0"]))
+    watcher.save_if_changed()
+    assert not path.exists()
+    client.instances["prefill-0"] = FakeInstance(SimpleNamespace(role="prefill"))
+    client.router.instances["prefill-0"] = SimpleNamespace(draining=False)
+    watcher.save_if_changed()
+    assert read_arrangement(str(path), "m") == COMMAND_LINE   # serve's order, not the hellos'
+    client.instances["prefill-0"].hello.role = "colocated"    # a live role change is saved
+    watcher.save_if_changed()
+    assert read_arrangement(str(path), "m") == [("prefill-0", "colocated"), ("decode-0", "decode")]
+    del client.instances["decode-0"]                          # gone after its hello: the rest is saved
+    watcher.save_if_changed()
+    assert read_arrangement(str(path), "m") == [("prefill-0", "colocated")]
+    client.instances["prefill-0"].hello.role = "prefill"      # no decode stage left: not restorable,
+    watcher.save_if_changed()                                 # so the last one that is stays
+    assert read_arrangement(str(path), "m") == [("prefill-0", "colocated")]
+
+
 def test_a_state_file_that_cannot_be_written_is_logged_once_and_serving_goes_on(tmp_path, caplog):
     client = fake_client(**{"engine-0": "colocated"})
-    watcher = ArrangementWatcher(client, str(tmp_path / "gone" / "state.json"), "m", {"engine-0"})
+    watcher = ArrangementWatcher(client, str(tmp_path / "gone" / "state.json"), "m", dict.fromkeys(["engine-0"]))
     with caplog.at_level(logging.ERROR):
         watcher.save_if_changed()
         watcher.save_if_changed()

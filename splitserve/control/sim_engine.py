@@ -109,9 +109,9 @@ class SimDecodeConnector(ColocatedConnector):
 
     role = "decode"
 
-    def __init__(self, blocks: BlockManager, scheduler: Scheduler, prompt_tokens_per_step: int | None = None):
+    def __init__(self, blocks: BlockManager, scheduler: Scheduler, chunk_tokens: int | None = None):
         self.blocks, self.scheduler = blocks, scheduler
-        self.prompt_tokens_per_step = prompt_tokens_per_step  # a prompt it prefills itself: chunks this small
+        self.chunk_tokens = chunk_tokens  # a prompt it prefills itself: chunks this small (as DecodeConnector)
         self.by_priority = scheduler.by_priority
         self.pending: dict[str, tuple[Request, str]] = {}  # insertion order = arrival order
         self.active: dict[str, str] = {}  # transferring: request id -> its source instance
@@ -170,7 +170,7 @@ class SimEngine:
         self.connector = (SimPrefillConnector(self.blocks) if spec.role == "prefill" else
                           SimDecodeConnector(self.blocks, self.scheduler, local_prefill_chunk_tokens)
                           if spec.role == "decode" else ColocatedConnector())
-        self.scheduler.prompt_tokens_per_step = self.connector.prompt_tokens_per_step  # as EngineCore does
+        self._cap_prompt_tokens()
         self.busy = False  # a step is in flight
         self.num_steps = 0
         self.busy_s = 0.0
@@ -206,7 +206,12 @@ class SimEngine:
         arrivals = self.connector.poll()
         for request in arrivals.decode:
             self.scheduler.add_prefilled(request)
+        self._cap_prompt_tokens()
         return self.connector.start() if self.role == "decode" else []
+
+    def _cap_prompt_tokens(self) -> None:
+        """The connector's cap on this step's prompt tokens, asked before each step as EngineCore.step does."""
+        self.scheduler.prompt_tokens_per_step = self.connector.prompt_tokens_per_step(self.scheduler.has_streams())
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         return self.model.step_s(*step_shape(batch))

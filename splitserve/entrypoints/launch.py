@@ -216,7 +216,8 @@ async def serve(args: argparse.Namespace) -> int:
     remote = spec.remote if spec is not None and args.ray is None else []
     if args.state_file is not None:
         roles = restore_arrangement(args.state_file, args.model, roles, {i.id for i in remote}, args.kv_port)
-    owned = {engine_id for engine_id, _ in roles}  # the state file's arrangement is made of these
+    # the state file's arrangement is made of these, in the order serve started them (a dict as an ordered set)
+    owned = dict.fromkeys(engine_id for engine_id, _ in roles)
     if args.threads_per_instance is None and roles:
         # Unset, every engine would start one torch thread per core and they would fight over
         # them; split the cores this process may use evenly instead.
@@ -242,7 +243,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     def place(engine_id: str, role: str, cores: str | None = None) -> None:
         config = engine_config_from_args(args, role, engine_id)
-        owned.add(engine_id)
+        owned[engine_id] = None
         if placement is not None:
             placement.start(config, ray_hosts.get(engine_id))
             return

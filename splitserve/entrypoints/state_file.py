@@ -159,25 +159,39 @@ def write_arrangement(path: str, model: str, roles: list[tuple[str, str]]) -> No
 
 class ArrangementWatcher:
     """Writes the arrangement whenever it changed (see the module docstring). `owned` holds the
-    ids this process started; serve adds each one it starts."""
+    ids this process started, in the order it started them; serve adds each one it starts. No
+    file is written while one of them has not yet said hello: a restart then would bring back
+    part of the arrangement. The rows keep serve's start order, not the order of the hellos."""
 
-    def __init__(self, client, path: str, model: str, owned: set[str]) -> None:
+    def __init__(self, client, path: str, model: str, owned: dict[str, None]) -> None:
         self.client, self.path, self.model, self.owned = client, path, model, owned
+        self._seen: set[str] = set()   # owned ids that said hello at least once
         self._written: list[tuple[str, str]] | None = None
         self._failing: str | None = None
         self._task: asyncio.Task | None = None
 
-    def arrangement(self) -> list[tuple[str, str]]:
+    def arrangement(self) -> list[tuple[str, str]] | None:
+        """The owned instances serving now, or None while one of them has not said hello yet."""
         rows = []
-        for engine_id, inst in self.client.instances.items():
+        for engine_id in list(self.owned):
+            inst = self.client.instances.get(engine_id)
+            if inst is None:
+                if engine_id not in self._seen:
+                    return None
+                continue
+            self._seen.add(engine_id)
             load = self.client.router.instances.get(engine_id)
-            if engine_id in self.owned and not inst.removed and not (load is not None and load.draining):
+            if not inst.removed and not (load is not None and load.draining):
                 rows.append((engine_id, inst.hello.role))
         return rows
 
     def save_if_changed(self) -> None:
         now = self.arrangement()
         if now == self._written or not now:
+            return
+        if check_arrangement(now) is not None:
+            # e.g. the only decode instance gone and no survivor yet: a restart could not start this,
+            # so the last arrangement that could be restored stays in the file until one can again
             return
         try:
             write_arrangement(self.path, self.model, now)
