@@ -237,9 +237,13 @@ def test_a_peer_hanging_up_between_messages_is_quiet_and_one_cut_mid_message_is_
             conn = connect(host, port, None, 2, 2)
             conn.sock.sendall(struct.pack("!I", 64) + b"\x00" * 10)  # a header promising 64 bytes, then 10
             conn.close()
+            # each connection is served on its own thread: wait for both of their messages (the
+            # first one's hang-up was still unlogged when the second's arrived, under two workers)
+            def both_seen():
+                messages = [r.getMessage() for r in caplog.records]
+                return any("middle of a message" in m for m in messages) and any("hung up" in m for m in messages)
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not any("middle of a message" in r.getMessage()
-                                                           for r in caplog.records):
+            while time.monotonic() < deadline and not both_seen():
                 time.sleep(0.05)
         info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
         assert any("middle of a message" in m for m in info), info
