@@ -11,11 +11,12 @@ import pytest
 from splitserve.cli import main
 from splitserve.control.predict import (Arrangement, DisaggSpec, arrangement_from_serve_args, name_of, predict,
                                         simulate)
-from splitserve.control.profile_file import FORMAT, parse_profile
+from splitserve.control.profile_file import parse_profile
 from splitserve.control.simulator import Instance, InstanceSpec, Simulation, SimRequest
 from splitserve.control.stepmodel import StepModel
 from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.trial.spec import SLO
+from test_control_plan import PROFILE as PLAN_PROFILE
 
 MODEL = StepModel(overhead_s=0.01, per_prefill_token_s=0.001, per_decode_seq_s=0.005)
 TRANSFER_S = 0.05
@@ -90,15 +91,7 @@ def test_a_prompt_refused_for_its_size_leaves_no_pending_local_prefill():
     assert not any(policy.pending.values())
 
 
-PROFILE = parse_profile({
-    "format": FORMAT,
-    "model": {"name": "hand", "kv_bytes_per_token": 46080, "block_size": 16},
-    "threads": {"1": {"step_model": {"overhead_s": 0.045, "per_prefill_token_s": 0.0027,
-                                     "per_prefill_attn_s": 0.001, "per_decode_seq_s": 0.005,
-                                     "per_decode_kv_token_s": 1.5e-5}}},
-    "serial_fraction": 0.3,
-    "kv_transfer": {"shm": {"latency_s": 0.005, "gb_per_s": 5.0}},
-})
+PROFILE = parse_profile(PLAN_PROFILE)   # the hand-made profile of test_control_plan.py
 PAIR = (InstanceSpec("prefill"), InstanceSpec("decode"))
 SLO_ = SLO(ttft_s=8.0, gap_s=0.5, max_pause_s=1.5, e2e_s=30.0)
 

@@ -181,15 +181,21 @@ def _crossings(theta: np.ndarray, c: float, target: float, ceiling: float = 1.0)
 def dispersed_counts(logx: np.ndarray, k: np.ndarray, n: np.ndarray, theta: np.ndarray, c: float,
                     rng: np.random.Generator, replicates: int, ceiling: float = 1.0,
                     ridge: float = RIDGE) -> np.ndarray:
-    """Replicate good counts (R, P), two stages: each replicate draws an overdispersion phi, then
-    each probe's own P(good) from a beta around the fitted curve carrying that extra variance
-    (a probe's shared fate), then its n requests from that P."""
+    """Replicate good counts (R, P), two stages: each probe's own P(good) (probe_fates), then its
+    n requests from that P."""
+    q = probe_fates(logx, k, n, theta, c, rng, replicates, ceiling, ridge)
+    return rng.binomial(n.astype(int), q).astype(float)
+
+
+def probe_fates(logx, k, n, theta, c, rng, replicates, ceiling=1.0, ridge: float = RIDGE) -> np.ndarray:
+    """Each probe's own P(good) per replicate (R, P): each replicate draws an overdispersion phi,
+    then each probe's P from a beta around the fitted curve carrying that extra variance (a
+    probe's shared fate); the fitted P itself where phi leaves no extra variance."""
     p, phi = probe_scatter(logx, k, n, theta, c, rng, replicates, ceiling, ridge)
     rho = np.clip((phi[:, None] - 1.0) / np.maximum(n - 1.0, 1.0), 0.0, 0.5)   # (R, P) within-probe correlation
     pc = np.clip(p, 1e-4, 1 - 1e-4)
     spread = (1.0 - rho) / np.maximum(rho, 1e-12)
-    q = np.where(rho > 0, rng.beta(pc * spread, (1 - pc) * spread), p)
-    return rng.binomial(n.astype(int), q).astype(float)
+    return np.where(rho > 0, rng.beta(pc * spread, (1 - pc) * spread), p)
 
 
 def probe_scatter(logx, k, n, theta, c, rng, replicates, ceiling=1.0,
@@ -351,7 +357,7 @@ def paired_ratio(first: list[ProbeOutcomes], second: list[ProbeOutcomes], target
     for parts, logx in sides:
         thetas = []
         for q, probes in parts:
-            qp = _probe_fates(q, rng, replicates)                         # (R, P)
+            qp = probe_fates(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge)   # (R, P)
             kb = np.zeros_like(qp)
             for j, probe in enumerate(probes):
                 for i in probe.good:
@@ -384,17 +390,6 @@ def _bootstrap_parts(probes: list[ProbeOutcomes], found: Capacity):
         a, b, c = found.fit
         return [(_Component("", 1.0, logx, k, n, c, found.ceiling, np.array([a, b]), RIDGE), ran)], logx
     return [(q, [x for x in (p.of_class(q.name) for p in ran) if x.n > 0]) for q in parts], logx
-
-
-def _probe_fates(q: _Component, rng, replicates) -> np.ndarray:
-    """Each probe's own P(good) per replicate (R, P): a beta around the fitted curve with the
-    probes' overdispersion, as dispersed_counts draws it before the requests."""
-    p, phi = probe_scatter(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge)
-    rho = np.clip((phi[:, None] - 1.0) / np.maximum(q.n - 1.0, 1.0), 0.0, 0.5)
-    pc = np.clip(p, 1e-4, 1 - 1e-4)
-    spread = (1.0 - rho) / np.maximum(rho, 1e-12)
-    pb = np.broadcast_to(pc, rho.shape)
-    return np.where(rho > 0, rng.beta(pb * spread, (1 - pb) * spread), pb)
 
 
 def _coupling(sides) -> dict[tuple, float]:
