@@ -114,16 +114,20 @@ def test_predict_reports_where_each_class_was_prefilled():
             assert a.first_s == pytest.approx(b.first_s) and a.finished_s < b.finished_s
 
 
-def test_auto_in_the_simulator_prefills_a_chat_locally_only_when_the_prefill_queue_would_miss_ttft():
-    # a chat arrives just after a document: on the prefill instance it would wait ~3.5 s behind it
-    requests = [SimRequest(0, 0.0, 1200, 3, "document"), SimRequest(1, 0.1, 32, 3, "chat")]
-    loose = Arrangement("1P1D-auto", PAIR, disagg=DisaggSpec("auto", slo_ttft_s=8.0, slo_gap_s=0.5))
-    done, _ = simulate(loose, PROFILE, requests)
-    assert [r.prefill for r in done] == ["remote", "remote"]  # remote meets 8 s: remote is preferred
-    tight = Arrangement("1P1D-auto", PAIR, disagg=DisaggSpec("auto", slo_ttft_s=1.0, slo_gap_s=0.5))
-    done, _ = simulate(tight, PROFILE, requests)
-    chat = done[1]
-    assert chat.prefill == "local" and chat.first_s - chat.arrival_s < 0.5
+def test_auto_in_the_simulator_prefills_a_chat_locally_and_keeps_documents_remote():
+    # a chat arrives just after a document: on the prefill instance it would wait ~3.5 s behind it,
+    # on the idle decode instance it is prefilled at once. A second document, with the first still
+    # on the prefill instance (its TTFT target 1 s missed there), would stall the chat's stream on
+    # the decode instance for its many chunks: it stays remote too
+    requests = [SimRequest(0, 0.0, 1200, 3, "document"), SimRequest(1, 0.1, 32, 40, "chat"),
+                SimRequest(2, 0.3, 1200, 3, "document")]
+    for ttft_s in (8.0, 1.0):
+        arr = Arrangement("1P1D-auto", PAIR, disagg=DisaggSpec("auto", slo_ttft_s=ttft_s, slo_gap_s=0.5))
+        done, _ = simulate(arr, PROFILE, requests)
+        by_index = {r.index: r for r in done}
+        assert [by_index[i].prefill for i in range(3)] == ["remote", "local", "remote"], ttft_s
+        chat = by_index[1]
+        assert chat.first_s - chat.arrival_s < 0.5
 
 
 def test_serve_args_with_a_policy_round_trip_through_the_parser():

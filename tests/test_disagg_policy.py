@@ -86,11 +86,39 @@ def test_threshold_prefills_locally_when_the_prefill_queue_is_too_long():
     assert (second.local, second.reason) == (True, "prefill_queue_full")  # 600 tokens already wait on p
 
 
-def test_auto_prefers_remote_prefill_when_it_meets_the_ttft_target():
+def test_auto_prefers_remote_prefill_when_a_local_one_would_be_no_sooner():
+    policy, router = DisaggPolicy("auto", steps=MODEL, slo_ttft_s=1.0, slo_gap_s=0.1, chunk_tokens=16), pair()
+    # 10 streams on d: a decode step takes 21 ms, so the chat's two local chunks take 37 + 25 ms,
+    # while p prefills it in 21 ms and d's next step (11 streams) and the handover add 23 + 10 ms
+    busy = {"p": instance("p", "prefill"), "d": instance("d", "decode", running=10)}
+    _, placement = place(policy, router, request("chat", list(range(20))), busy)
+    assert (placement.local, placement.reason) == (False, "remote_meets_slo")
+    assert placement.ttft_remote_s == pytest.approx(0.021 + 0.023 + 0.010)
+    assert placement.ttft_local_s == pytest.approx(0.037 + 0.025)
+
+
+def test_auto_prefills_a_chat_on_an_idle_decode_instance_where_its_first_token_comes_sooner():
     policy, router = DisaggPolicy("auto", steps=MODEL, slo_ttft_s=1.0, slo_gap_s=0.1, chunk_tokens=16), pair()
     _, placement = place(policy, router, request("chat", list(range(20))))
-    assert (placement.local, placement.reason) == (False, "remote_meets_slo")
-    assert placement.ttft_remote_s == pytest.approx(0.001 + 0.020)
+    assert (placement.local, placement.reason) == (True, "local_faster")  # no handover to wait for
+    assert placement.ttft_local_s == pytest.approx(0.017 + 0.005)
+    assert placement.ttft_local_s < placement.ttft_remote_s
+    assert placement.stall_local_s == 0.0  # no stream there to slow down
+
+
+def test_auto_keeps_a_long_prompt_remote_when_it_would_stall_the_decode_streams_too_long():
+    policy, router = DisaggPolicy("auto", steps=MODEL, slo_ttft_s=1.0, slo_gap_s=0.1, chunk_tokens=16), pair()
+    # p is 5,000 tokens behind: remote misses the 1 s target. On d each 16-token chunk keeps a step
+    # within the 100 ms gap target (25 ms), but the 13 chunks of 200 tokens add 16 ms each to the
+    # 4 streams' steps: 0.2 s in all, twice the gap target. The streams would pay; the document waits.
+    instances = {"p": instance("p", "prefill", queued=5000), "d": instance("d", "decode", running=4)}
+    queue_on_prefill(router, "doc", 5000)
+    plan, placement = place(policy, router, request("long", list(range(1000, 1200))), instances)
+    assert placement.gap_local_s == pytest.approx(0.025) and placement.stall_local_s == pytest.approx(0.2)
+    assert placement.ttft_remote_s > 1.0 and placement.ttft_local_s < 1.0
+    assert (placement.local, placement.reason) == (False, "neither_meets_slo") and plan.prefill_instance_id == "p"
+    _, chat = place(policy, router, request("chat", list(range(20))), instances)
+    assert (chat.local, chat.reason) == (True, "local_meets_slo")  # a short prompt there still costs 20 ms
 
 
 def test_auto_prefills_a_short_prompt_locally_when_the_prefill_queue_would_miss_ttft():
@@ -108,11 +136,13 @@ def test_auto_sends_even_a_short_prompt_away_from_a_decode_instance_near_its_gap
     policy, router = DisaggPolicy("auto", steps=MODEL, slo_ttft_s=1.0, slo_gap_s=0.1, chunk_tokens=16), pair()
     # 45 streams: a decode step takes 91 ms, near the 100 ms gap target; one that also carries a
     # 16-token chunk 107 ms. The prefill instance's queue (1000 tokens) makes the chat's TTFT 1.025 s,
-    # which misses its target by less than a local prefill would miss the gap target
+    # (plus d's next step and the handover); a local prefill would stretch d's steps past the gap
+    # target, which every one of its 45 streams would pay: remote
     busy = {"p": instance("p", "prefill"), "d": instance("d", "decode", running=45)}
     queue_on_prefill(router, "doc", 1000)
     _, placement = place(policy, router, request("chat", list(range(20))), busy)
-    assert placement.gap_local_s == pytest.approx(0.107) and placement.ttft_remote_s == pytest.approx(1.025)
+    assert placement.gap_local_s == pytest.approx(0.107)
+    assert placement.ttft_remote_s == pytest.approx(1.025 + 0.093 + 0.010)  # + d's next step + the handover
     assert (placement.local, placement.reason) == (False, "neither_meets_slo")
     idle = {"p": busy["p"], "d": instance("d", "decode", running=1)}
     _, placement = place(policy, router, request("chat2", list(range(20))), idle)

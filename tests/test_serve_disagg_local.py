@@ -28,9 +28,10 @@ def servers(model, tmp_path_factory):
         "colocated": ("--instances", "1"),
         "threshold": ("--prefill", "1", "--decode", "1", "--kv-transport", "shm", "--disagg-policy", "threshold",
                       "--local-prefill-max-tokens", str(LOCAL_MAX), "--local-prefill-chunk-tokens", "16"),
-        # a TTFT target the prefill instance always meets: auto keeps every prompt remote
+        # a gap target no step can meet: auto never prefills on the decode instance (its streams would
+        # pay), and the prefill instance always meets the TTFT target: every prompt remote
         "auto": ("--prefill", "1", "--decode", "1", "--kv-transport", "shm", "--disagg-policy", "auto",
-                 "--slo-ttft-s", "30", "--slo-gap-s", "0.5"),
+                 "--slo-ttft-s", "30", "--slo-gap-s", "0.0001"),
     }
     started: dict[str, DisaggServer] = {}
 

@@ -14,9 +14,17 @@ Policies (`serve --disagg-policy`):
                (NVIDIA Dynamo's rule), or when P's queue holds more than --prefill-queue-max-tokens.
     auto       the step-time model (the profile or the defaults, refitted online from the instances'
                measured steps, as the mix controller does) predicts this request's TTFT on each side
-               and D's step time while it prefills, which is the gap its running streams see.
-               Remote when that meets the TTFT target (a decode instance's steps are its streams'),
-               else local when local meets both targets, else whichever misses them by less.
+               (remote: P's queue, the prompt, the handover and D's next step), D's longest step while
+               it prefills locally (the gap its running streams see) and the stall: the time the
+               local prefill, with what D already prefills, adds to each of D's running streams in
+               all (every chunk step's excess over a decode-only step). Local prefill is open only
+               when that keeps D's streams within their targets: the longest step within the gap
+               target and the stall within one gap target. Then local when it is predicted faster
+               than remote or remote would miss the TTFT target; else remote. A long prompt's many
+               chunks stretch D's streams for as long as they run, so a document stays remote even
+               when the prefill instance is behind (measured: session 11, doc-heavy, a 1,500-token
+               prompt on D in 64-token chunks made 24 steps of 0.22-0.51 s where its decode steps
+               took 0.013 s; the streams there fell behind and the probe kept 6 of 80).
 
 What each instance's prefix cache holds, the frontend does not see; PrefixIndex keeps an estimate
 from what it sent where, so "uncached tokens" means tokens the estimate says D (or P) lacks. The
@@ -38,12 +46,15 @@ from splitserve.coordinator.router import AFFINITY_SLACK_TOKENS, RoutableRequest
 from splitserve.stepfeatures import prefill_attn_ktok2
 
 POLICIES = ("always", "threshold", "auto")
-REASONS = ("always", "short", "cached", "long", "prefill_queue_full", "remote_meets_slo", "local_meets_slo",
-           "neither_meets_slo")
+REASONS = ("always", "short", "cached", "long", "prefill_queue_full", "remote_meets_slo", "local_faster",
+           "local_meets_slo", "neither_meets_slo")
 DEFAULT_LOCAL_MAX_TOKENS = 256  # threshold: a chat turn, not a document
 DEFAULT_CHUNK_TOKENS = 64  # a decode instance's prompt tokens per step, unless the step model sizes it
 INDEX_BLOCKS_PER_INSTANCE = 16_384  # prefix-index entries kept per instance (oldest forgotten first)
 REFIT_INTERVAL_S = 1.0  # auto: refit the step model from measured steps at most this often
+# auto: a remote prompt's handover beyond D's next step (the KV message and the coordinator's hop);
+# a 1,500-token shm transfer took 17 ms in session 11's doc-heavy trial, a chat's KV is 20x smaller
+HANDOVER_S = 0.01
 
 
 class PrefixIndex:
@@ -88,10 +99,11 @@ class Placement:
     ttft_local_s: float | None = None  # auto: the step model's predictions
     ttft_remote_s: float | None = None
     gap_local_s: float | None = None
+    stall_local_s: float | None = None  # what a local prefill adds to each of D's streams in all
 
     def report(self) -> dict:
         out = {"where": "local" if self.local else "remote", "reason": self.reason}
-        for key in ("ttft_local_s", "ttft_remote_s", "gap_local_s"):
+        for key in ("ttft_local_s", "ttft_remote_s", "gap_local_s", "stall_local_s"):
             value = getattr(self, key)
             if value is not None and math.isfinite(value):
                 out[key] = round(value, 4)
@@ -187,27 +199,35 @@ class DisaggPolicy:
             return Placement(False, "long")
         model = self._model(instances)
         d, p = self._load(decode, instances, loads), self._load(prefill, instances, loads)
+        handover = model.decode_step_s(d.num_running + 1, d.kv_tokens + n) + HANDOVER_S
         ttft_remote = (model.prefill_s(p.queued_prompt_tokens, self.prefill_chunk_tokens)
-                       + model.prefill_s(n - cached_p, self.prefill_chunk_tokens))
-        ttft_local, gap_local = self._local_cost(model, d, cached_d, n)
-        estimates = dict(ttft_local_s=ttft_local, ttft_remote_s=ttft_remote, gap_local_s=gap_local)
-        if ttft_remote <= self.slo_ttft_s:
+                       + model.prefill_s(n - cached_p, self.prefill_chunk_tokens) + handover)
+        ttft_local, gap_local, stall_local = self._local_cost(model, d, cached_d, n)
+        estimates = dict(ttft_local_s=ttft_local, ttft_remote_s=ttft_remote, gap_local_s=gap_local,
+                         stall_local_s=stall_local)
+        streams_keep = gap_local <= self.slo_gap_s and stall_local <= self.slo_gap_s
+        remote_meets = ttft_remote <= self.slo_ttft_s
+        if streams_keep and ttft_local <= self.slo_ttft_s and (ttft_local < ttft_remote or not remote_meets):
+            return Placement(True, "local_faster" if remote_meets else "local_meets_slo", **estimates)
+        if remote_meets:
             return Placement(False, "remote_meets_slo", **estimates)
-        if ttft_local <= self.slo_ttft_s and gap_local <= self.slo_gap_s:
-            return Placement(True, "local_meets_slo", **estimates)
-        miss_local = max(ttft_local / self.slo_ttft_s, gap_local / self.slo_gap_s)
-        return Placement(miss_local < ttft_remote / self.slo_ttft_s, "neither_meets_slo", **estimates)
+        # neither meets the targets: a local miss would be paid by every stream D carries, a remote
+        # one by this request (and the prompts behind it), so local only while D's streams keep theirs
+        return Placement(streams_keep and ttft_local < ttft_remote, "neither_meets_slo", **estimates)
 
-    def _local_cost(self, model: StepModel, d: LoadEstimate, cached: int, n: int) -> tuple[float, float]:
-        """(TTFT, the longest step) of prefilling n tokens (the first `cached` found) on D, behind what
-        it already prefills, in chunks that share every step with its running streams."""
-        ttft, gap, c = 0.0, model.decode_step_s(d.num_running, d.kv_tokens), self.chunk_tokens
+    def _local_cost(self, model: StepModel, d: LoadEstimate, cached: int, n: int) -> tuple[float, float, float]:
+        """(TTFT, the longest step, the stall) of prefilling n tokens (the first `cached` found) on D,
+        behind what it already prefills, in chunks that share every step with its running streams.
+        The stall: what those chunks add to each running stream's time in all (none without streams)."""
+        decode = model.decode_step_s(d.num_running, d.kv_tokens)
+        ttft, gap, stall, c = 0.0, decode, 0.0, self.chunk_tokens
         for start, end in ((0, d.queued_prompt_tokens), (cached, n)):
             while start < end:
                 chunk = min(c, end - start)
                 step = model.step_s(chunk, prefill_attn_ktok2(start, chunk), d.num_running, d.kv_tokens)
                 ttft, gap, start = ttft + step, max(gap, step), start + chunk
-        return ttft, gap
+                stall += step - decode if d.num_running else 0.0
+        return ttft, gap, stall
 
     def _load(self, instance_id: str, instances: dict, loads: dict) -> LoadEstimate:
         inst = instances.get(instance_id)
@@ -251,8 +271,9 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-policy", choices=POLICIES, default="always",
                    help="with --prefill/--decode: where each prompt is prefilled. always: on a prefill "
                         "instance; threshold: on its decode instance when its uncached tokens are at most "
-                        "--local-prefill-max-tokens; auto: where the step-time model says the TTFT and "
-                        "gap targets (--slo-ttft-s, --slo-gap-s) hold, remote when both do")
+                        "--local-prefill-max-tokens; auto: on the decode instance when the step-time model "
+                        "says its streams keep the gap target (--slo-gap-s) and it gives the first token "
+                        "sooner, or the prefill instance would miss --slo-ttft-s; else remotely")
     p.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help=f"--disagg-policy threshold: longest uncached prompt a decode instance prefills "
                         f"itself (default {DEFAULT_LOCAL_MAX_TOKENS})")
