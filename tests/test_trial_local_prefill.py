@@ -94,3 +94,13 @@ def test_the_auto_example_is_the_demo_spec_plus_a_1p1d_auto_arrangement():
     assert extra["name"] == "1P1D-auto" and "auto" in extra["serve"]
     assert {**auto, "name": demo["name"], "arrangements": auto["arrangements"][:-1]} == demo
     parse_spec(auto)
+
+
+def test_the_knob_example_is_demand_shift_plus_an_adaptive_server_with_the_threshold_knob():
+    base = yaml.safe_load((EXAMPLES / "demand_shift.yaml").read_text())
+    knob = yaml.safe_load((EXAMPLES / "demand_shift_knob.yaml").read_text())
+    extra, adaptive = knob["arrangements"][-1], base["arrangements"][-1]
+    assert extra["name"] == "adaptive-threshold" and adaptive["name"] == "adaptive"
+    assert extra["serve"] == adaptive["serve"] + ["--disagg-policy", "threshold"]
+    assert {**knob, "name": base["name"], "arrangements": knob["arrangements"][:-1]} == base
+    parse_spec(knob)
