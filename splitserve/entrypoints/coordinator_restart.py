@@ -139,6 +139,7 @@ class CoordinatorRestart:
         self.client, self.args, self.refused = client, args, refused
         self.handover: Handover | None = None
         self.stop_serving = None        # set by serve() once uvicorn exists
+        self.stop_accepting = lambda: None  # closes uvicorn's listeners (the kept duplicate goes on queueing)
         self.http_fd: int | None = None  # the listening socket of API process 0 (this one)
         self.previous: Handover | None = None  # the handover this process started from, if any
         self.busy = lambda: None        # -> why not now (a rolling restart under way), or None
@@ -186,6 +187,28 @@ class CoordinatorRestart:
             failed_requests=(before.failed_requests if before else 0) + failed, requested_at=time.time())
         log.warning("coordinator restart requested: %d requests in flight ended, keeping engines %s", failed,
                     ", ".join(f"{e.id} ({e.role}, pid {e.pid})" for e in kept) or "(none)")
+        # from now on a new connection waits in the kept socket's backlog for the new process, and
+        # every answer here closes its connection, so a client's next request goes there too
+        self.stop_accepting()
         asyncio.get_running_loop().call_later(STOP_SERVING_AFTER_S, self.stop_serving)
         return {"status": "restarting", "failed_requests": failed, "restart": self.handover.restarts,
                 "engines": [{"id": e.id, "role": e.role, "pid": e.pid} for e in kept]}
+
+
+class CloseWhileRestarting:
+    """ASGI: once a coordinator restart was asked, every answer says `Connection: close`, so a
+    client does not send its next request on a kept-alive connection to the process that stops."""
+
+    def __init__(self, app, restart: CoordinatorRestart) -> None:
+        self.app, self.restart = app, restart
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start" and self.restart.handover is not None:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)

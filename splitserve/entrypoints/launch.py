@@ -36,8 +36,8 @@ from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
 from splitserve.link_security import add_engine_link_arguments, engine_link_from_args, own_engine_secrets
 from splitserve.entrypoints.api_hub import stop_processes
-from splitserve.entrypoints.coordinator_restart import (AdoptedProcess, CoordinatorRestart, exec_with_handover,
-                                                        take_handover)
+from splitserve.entrypoints.coordinator_restart import (AdoptedProcess, CloseWhileRestarting, CoordinatorRestart,
+                                                        exec_with_handover, take_handover)
 from splitserve.entrypoints.state_file import ArrangementWatcher, check_state_path, restore_arrangement
 from splitserve.api.tool_parsers import TOOL_PARSERS
 from splitserve.entrypoints.topology import hand_start_command, load_topology
@@ -310,6 +310,7 @@ async def serve(args: argparse.Namespace) -> int:
         restarter = CoordinatorRestart(client, args, refused)
         restarter.previous = handover
         app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix, restarter)
+        app = CloseWhileRestarting(app, restarter)
         sockets = None
         inherited = None  # the listening socket the process we replaced kept open for us
         if handover is not None and handover.http_fd is not None:
@@ -330,6 +331,12 @@ async def serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(config)
         restarter.http_fd = sockets[0].fileno()
         restarter.stop_serving = lambda: setattr(server, "should_exit", True)
+
+        def stop_accepting() -> None:
+            for listener in getattr(server, "servers", []):
+                listener.close()
+
+        restarter.stop_accepting = stop_accepting
 
         async def announce() -> None:
             while not server.started:
