@@ -211,7 +211,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from splitserve.api.api_server import ApiServerHeader, build_server_app
     from splitserve.api.engine_client import EngineClient
-    from splitserve.api.listen import listening_socket
+    from splitserve.api.listen import http_socket, listening_socket
     from splitserve.api.render import load_renderer
     from splitserve.coordinator.metrics import FrontendMetrics
     from splitserve.coordinator.router import Router
@@ -326,8 +326,7 @@ async def serve(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
         if sockets is None:  # bound here, not in uvicorn: a coordinator restart keeps it open
-            sockets = [inherited or config.bind_socket()]
-            sockets[0].set_inheritable(False)
+            sockets = [inherited or http_socket(args.host, args.port, config.backlog)]
         server = uvicorn.Server(config)
         restarter.http_fd = sockets[0].fileno()
         restarter.stop_serving = lambda: setattr(server, "should_exit", True)
