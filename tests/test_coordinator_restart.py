@@ -153,7 +153,9 @@ def test_a_coordinator_restart_with_two_api_processes_and_a_state_file(model, tm
         assert wait_until(state.exists, timeout_s=30)
         saved = json.loads(state.read_text())["instances"]
         restart_under_load(srv)
-        assert json.loads(state.read_text())["instances"] == saved  # the same arrangement, still saved
+        # the same arrangement, still saved (in serve's start order, not the order of the new hellos)
+        assert wait_until(lambda: json.loads(state.read_text())["instances"] == saved, timeout_s=30), \
+            (saved, state.read_text())
         seen = set()
         assert wait_until(lambda: seen.update({httpx.get(srv.base_url + "/v1/models", timeout=10)
                                                .headers["x-splitserve-api-server"]}) or seen == {"0", "1"},

@@ -163,9 +163,12 @@ class CoordinatorRestart:
                                           "restart the coordinator once that is done")
 
     def kept_engines(self) -> list[AdoptedEngine]:
-        """Alive engines this process started (a Popen or an adopted pid), not removed."""
+        """Alive engines this process started (a Popen or an adopted pid), not removed, in the
+        order it started them (the state file keeps that order, not the hellos')."""
         kept = []
-        for engine_id, inst in self.client.instances.items():
+        started = list(self.client.link._processes)
+        for engine_id, inst in sorted(self.client.instances.items(),
+                                      key=lambda kv: started.index(kv[0]) if kv[0] in started else len(started)):
             proc = inst.process
             if inst.alive and not inst.removed and proc is not None and proc.poll() is None:
                 kept.append(AdoptedEngine(engine_id, inst.hello.role, proc.pid))
