@@ -281,3 +281,92 @@ def test_a_trial_restarts_every_instance_under_load_and_fails_nothing(tmp_path):
     assert all(r["error_kind"] is None and r["num_tokens"] == 16 for r in requests), requests
     assert (update["lost_in_flight"], update["failed_after"]) == (0, 0)
     assert "restart all (1 instance in" in (out / "report.html").read_text()
+
+
+# ---- a coordinator restart (`restart: coordinator`) ---------------------------------------------
+
+def test_a_coordinator_restart_fault_is_read_and_takes_no_drain_deadline():
+    spec = parse_spec(base_spec(faults=[{"at_s": 3, "restart": "coordinator"}]))
+    assert [(f.at_s, f.restart, f.kill) for f in spec.faults] == [(3, "coordinator", None)]
+    with pytest.raises(SpecError, match=r"faults\[0\].drain_deadline_s: a coordinator restart drains nothing"):
+        parse_spec(base_spec(faults=[{"at_s": 3, "restart": "coordinator", "drain_deadline_s": 5}]))
+    with pytest.raises(SpecError, match="not both"):
+        parse_spec(base_spec(faults=[{"at_s": 3, "restart": "coordinator", "kill": "any"}]))
+
+
+def test_a_coordinator_restart_waits_until_the_same_engines_serve_again(monkeypatch):
+    import asyncio
+    import time
+
+    import httpx
+
+    # restarting (503, then no answer), then serving: first with another decode pid (not kept), then the same
+    health = iter([(503, 12), (None, 0), (200, 99), (200, 12)])
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.method == "POST":
+            return httpx.Response(202, json={"status": "restarting", "failed_requests": 2, "restart": 1, "engines": [
+                {"id": "prefill-0", "role": "prefill", "pid": 11}, {"id": "decode-0", "role": "decode", "pid": 12}]})
+        if request.url.path == "/metrics":  # the old process (0 restarts) once, then the new one
+            counted = 0 if asked.count("/metrics") == 1 else 1
+            return httpx.Response(200, text=f"# HELP x\nsplitserve_coordinator_restarts_total {counted}.0\n")
+        status, pid = next(health, (200, 12))
+        if status is None:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(status, json={"instances": [{"id": "prefill-0", "pid": 11, "alive": True},
+                                                          {"id": "decode-0", "pid": pid, "alive": True}]})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    monkeypatch.setattr(faults, "ADMIN_POLL_S", 0.001)
+    event = asyncio.run(faults.inject_fault("http://127.0.0.1:9", FaultSpec(at_s=0.01, restart="coordinator"),
+                                            time.perf_counter()))
+    assert asked == ["/admin/coordinator/restart", "/metrics"] + ["/metrics", "/health"] * 4
+    assert event["error"] is None and event["failed_requests"] == 2
+    assert [(i["id"], i["kept"]) for i in event["instances"]] == [("prefill-0", True), ("decode-0", True)]
+    assert event["began_s"] < event["ended_s"]
+    from splitserve.trial.report import fault_cell
+    [row] = fault_outcomes([event], [], SLO_LOOSE, 0.5)
+    assert fault_cell([row]).startswith("restart coordinator (2 of 2 engines kept, serving again after ")
+    assert "the server ended 2 in flight): 0 / 0 / 0.0 s" in fault_cell([row])
+
+
+@pytest.mark.timeout(420)
+def test_a_trial_restarts_the_coordinator_under_load_and_counts_what_it_cost(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "tiny", arch="llama")
+    spec = {
+        "name": "coordinator", "seed": 3, "model": str(model), "warmup_requests": 1,
+        "workload": {"classes": {"chat": {"prompt_tokens": {"dist": "uniform", "min": 16, "max": 48},
+                                          "answer_tokens": 16}}},
+        "arrivals": {"pattern": "constant", "rate": 3.0, "duration_s": 6},
+        "slo": {"ttft_s": 10.0, "gap_s": 2.0, "max_pause_s": 5.0, "e2e_s": 60.0},
+        "request_timeout_s": 120,
+        "faults": [{"at_s": 1.0, "restart": "coordinator"}],
+        "arrangements": [{"name": "one", "serve": [
+            "--instances", "1", "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--log-level", "warning"]}],
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    assert main(["trial", str(path), "--out", str(out)]) == 0
+    [arr] = json.loads((out / "results.json").read_text())["arrangements"]
+    assert arr["error"] is None, arr["error"]
+    summary = arr["runs"][0]["summary"]
+    [restart] = summary["faults"]
+    assert restart["error"] is None, restart
+    [kept] = restart["instances"]
+    assert (kept["id"], kept["kept"]) == ("engine-0", True)
+    assert restart["seconds"] > 0 and restart["failed_requests"] >= 0
+    requests = arr["runs"][0]["requests"]
+    assert restart["requests_during"] + restart["requests_outside"] == len(requests)
+    failed = [r for r in requests if r["error_kind"] is not None]
+    # what failed was in flight or sent while it restarted; everything sent after it served again completed
+    assert restart["lost_in_flight"] + restart["failed_after"] == len(failed), (restart, failed)
+    assert all(r["num_tokens"] == 16 for r in requests if r["error_kind"] is None)
+    assert not [r for r in failed if r["sent_s"] >= restart["ended_s"]], failed
+    print(f"coordinator restart in a trial: serving again after {restart['seconds']:.1f} s, {len(requests)} "
+          f"requests, {restart['lost_in_flight']} lost in flight, {restart['failed_after']} failed after, "
+          f"the server ended {restart['failed_requests']}")
+    assert "restart coordinator (1 of 1 engines kept" in (out / "report.html").read_text()

@@ -10,6 +10,10 @@
     POST   /admin/instances/{id}/restart  [{"drain_deadline_s": 60}]: a replacement with the same
                                    role and settings starts, then this one drains and stops
                                    (rolling_restart.py); 200 once it is replaced
+    POST   /admin/coordinator/restart  this process (`serve`) re-executes itself and its engines
+                                   rejoin the new one with their model loaded; the requests in
+                                   flight end with an error (counted in the 202's failed_requests)
+                                   (entrypoints/coordinator_restart.py)
     POST   /admin/instances/{id}/role  {"role": ...}: live role change (role_change.py); 200 once
                                    it serves in the new role, 409 with the reason when refused
                                    (e.g. it would leave no instance able to decode)
@@ -59,8 +63,21 @@ class RestartInstance(BaseModel):
     drain_deadline_s: float = Field(60.0, gt=0, le=3600)
 
 
-def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | None) -> None:
+def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | None,
+                     coordinator_restart=None) -> None:
     restarts = RollingRestart(client, spawn) if spawn is not None else None
+    if coordinator_restart is not None and restarts is not None:
+        coordinator_restart.busy = lambda: ("a rolling restart is under way; restart the coordinator once it "
+                                            "is done" if restarts.busy else None)
+
+    @app.post("/admin/coordinator/restart", status_code=202)
+    async def restart_coordinator():
+        if coordinator_restart is None:
+            raise ApiError(400, "this server cannot restart its coordinator in place")
+        try:
+            return coordinator_restart.request()
+        except RestartRefused as e:
+            raise ApiError(e.status, str(e)) from None
 
     @app.get("/admin/instances")
     async def list_instances():

@@ -54,14 +54,15 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 
 def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engine: SpawnEngine | None,
-                     args: argparse.Namespace, mix: AdaptiveMix | None = None) -> tuple[object, dict]:
+                     args: argparse.Namespace, mix: AdaptiveMix | None = None,
+                     coordinator_restart=None) -> tuple[object, dict]:
     """The app `serve` runs, inside its guards (outermost first: Host + admin gate, API key, body
     limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag."""
     if spawn_engine is not None:
         guard = http_guard_from_args(args, api_keys_from_args(args))
         spawn_engine = InstanceBudget(spawn_engine, client, guard.max_instances,
                                       startup_timeout_s=args.startup_timeout)
-    return guarded(build_app(client, client.renderer, metrics, spawn_engine, mix), args)
+    return guarded(build_app(client, client.renderer, metrics, spawn_engine, mix, coordinator_restart), args)
 
 
 def guarded(app, args: argparse.Namespace) -> tuple[object, dict]:
@@ -74,9 +75,10 @@ def guarded(app, args: argparse.Namespace) -> tuple[object, dict]:
 
 
 def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
-              spawn_engine: SpawnEngine | None = None, mix: AdaptiveMix | None = None) -> FastAPI:
+              spawn_engine: SpawnEngine | None = None, mix: AdaptiveMix | None = None,
+              coordinator_restart=None) -> FastAPI:
     app = build_openai_app(client, renderer)
-    add_admin_routes(app, client, spawn_engine)
+    add_admin_routes(app, client, spawn_engine, coordinator_restart)
     add_mix_routes(app, mix)
 
     @app.get("/metrics")

@@ -24,5 +24,21 @@ def listening_socket(host: str, port: int, first: bool = False) -> socket.socket
     return sock
 
 
+def http_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The listening socket of a server with one API process, bound as uvicorn binds its own
+    (SO_REUSEADDR, no SO_REUSEPORT); `serve` binds it so a coordinator restart can keep it open.
+    OSError ("Address already in use") when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def identity(index: int) -> bytes:
     return f"api-{index}".encode()

@@ -93,8 +93,8 @@ class Coordinator(ServedInstances):
                 raise TimeoutError(f"engines {missing} not ready after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
 
-    async def shutdown(self) -> None:
-        await self.link.close()
+    async def shutdown(self, shutdown_engines: bool = True) -> None:
+        await self.link.close(shutdown_engines)
 
     # ---- requests and instances --------------------------------------------------------------
 

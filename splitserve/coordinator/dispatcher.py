@@ -59,6 +59,8 @@ class Dispatcher:
         self.parked: list[RequestState] = []  # no instance could take them while roles were changing
         self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked, num_inbound=self._num_inbound)
         self._ids = itertools.count()
+        self.refusing: str | None = None  # set when the coordinator restarts: new requests get 503 with this
+
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -68,6 +70,8 @@ class Dispatcher:
         ValueError when a parameter cannot be sent. Either way nothing stays registered.
         `events`: a request of an API process (entrypoints/api_hub.py): its events go to
         events.put_nowait instead of the returned stream's queue."""
+        if self.refusing is not None:
+            raise NoInstanceAvailable(self.refusing, retry_after_s=5, status=503)
         state = RequestState("", client_request_id, list(prompt_token_ids), wire_params(params), priority=priority)
         if events is not None:
             state.queue = events
@@ -144,6 +148,17 @@ class Dispatcher:
                 self.metrics.aborted_tokens.labels("generated").inc(state.num_completion_tokens)
         # Wakes a consumer still waiting on this request (the disconnect watcher aborts it).
         state.queue.put_nowait(self.outputs.finish_event(state, "abort"))
+
+    def stop_taking(self, refusal: str, failure: str) -> int:
+        """The coordinator restarts (entrypoints/coordinator_restart.py): new requests are refused
+        with `refusal` (503), every one in flight or parked ends now with the error `failure`, and
+        its engines are told to drop it (freeing its blocks). -> how many were ended."""
+        self.refusing = refusal
+        states = list(self.requests.values()) + self.parked
+        self.parked = []
+        for state in states:
+            self._end(state, "error", failure)
+        return len(states)
 
     def _release(self, state: RequestState, abort: bool = True) -> None:
         """The request is over here: forget it in the router and, unless its engines finished it

@@ -135,11 +135,13 @@ class EngineLink:
         proc = self._processes.get(engine_id)
         return proc if proc is not None and proc.poll() is not None else None
 
-    async def close(self) -> None:
+    async def close(self, shutdown_engines: bool = True) -> None:
+        """shutdown_engines=False: the coordinator restarts in place (entrypoints/coordinator_restart.py);
+        the engines keep running and rejoin the new process on this address."""
         for engine_id, inst in self.instances.items():
-            if inst.alive:
+            if inst.alive and shutdown_engines:
                 self.send(engine_id, Shutdown("frontend stopping"))
-        await asyncio.sleep(0.1)  # let the I/O thread flush the shutdowns
+        await asyncio.sleep(0.1)  # let the I/O thread flush the shutdowns (or the last aborts)
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._stopping.set()

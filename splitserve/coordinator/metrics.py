@@ -37,6 +37,13 @@ class FrontendMetrics:
                                         registry=r)
         self.cached_prompt_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens the prefix cache "
                                             "served on the instance that prefilled them", registry=r)
+        # POST /admin/coordinator/restart: this serve's restarts in place and the requests they ended
+        # (carried over the re-exec; every other counter starts again from 0 in the new process)
+        self.coordinator_restarts = Counter("splitserve_coordinator_restarts", "Coordinator restarts in place "
+                                            "(engines kept)", registry=r)
+        self.coordinator_restart_failed = Counter("splitserve_coordinator_restart_failed_requests",
+                                                  "Requests in flight ended with an error by coordinator "
+                                                  "restarts", registry=r)
         self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", registry=r)
         # work spent on requests aborted before their end (clients that left, mostly): prompt tokens

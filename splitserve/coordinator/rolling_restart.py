@@ -63,6 +63,10 @@ class RollingRestart:
         self.client, self.spawn, self.ready_timeout_s = client, spawn, ready_timeout_s
         self._one_at_a_time = asyncio.Lock()
 
+    @property
+    def busy(self) -> bool:
+        return self._one_at_a_time.locked()
+
     def _check(self, engine_id: str):
         inst = self.client.instances.get(engine_id)
         if inst is None:

@@ -8,7 +8,9 @@
       ├─ load the tokenizer while they load the model
       ├─ wait until every engine said hello, then serve HTTP and print the URL
       │    (--api-server-count N > 1: first start N-1 more HTTP processes on the port; api_hub.py)
-      └─ SIGINT/SIGTERM: stop HTTP, tell engines to shut down, wait, then terminate stragglers
+      ├─ SIGINT/SIGTERM: stop HTTP, tell engines to shut down, wait, then terminate stragglers
+      └─ POST /admin/coordinator/restart: end what is in flight, stop HTTP, re-execute this same
+           command in this same process, engines kept (coordinator_restart.py)
 
 Engines watch our pid too: if this process is killed outright, they exit on their own.
 """
@@ -19,8 +21,10 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, check_ray_args
 from splitserve.config import EngineConfig
@@ -32,6 +36,8 @@ from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
 from splitserve.link_security import add_engine_link_arguments, engine_link_from_args, own_engine_secrets
 from splitserve.entrypoints.api_hub import stop_processes
+from splitserve.entrypoints.coordinator_restart import (AdoptedProcess, CloseWhileRestarting, CoordinatorRestart,
+                                                        exec_with_handover, take_handover)
 from splitserve.entrypoints.state_file import ArrangementWatcher, check_state_path, restore_arrangement
 from splitserve.api.tool_parsers import TOOL_PARSERS
 from splitserve.entrypoints.topology import hand_start_command, load_topology
@@ -205,7 +211,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from splitserve.api.api_server import ApiServerHeader, build_server_app
     from splitserve.api.engine_client import EngineClient
-    from splitserve.api.listen import listening_socket
+    from splitserve.api.listen import http_socket, listening_socket
     from splitserve.api.render import load_renderer
     from splitserve.coordinator.metrics import FrontendMetrics
     from splitserve.coordinator.router import Router
@@ -214,7 +220,11 @@ async def serve(args: argparse.Namespace) -> int:
     roles = engine_roles(args)
     spec = args.topology_spec
     remote = spec.remote if spec is not None and args.ray is None else []
-    if args.state_file is not None:
+    handover = getattr(args, "handover", None)  # the process we replaced (a coordinator restart), or None
+    adopted = {e.id: e for e in handover.engines} if handover is not None else {}
+    if handover is not None:  # the engines still running, with their roles now: not a fresh start
+        roles = [(e.id, e.role) for e in handover.engines]
+    elif args.state_file is not None:
         roles = restore_arrangement(args.state_file, args.model, roles, {i.id for i in remote}, args.kv_port)
     # the state file's arrangement is made of these, in the order serve started them (a dict as an ordered set)
     owned = dict.fromkeys(engine_id for engine_id, _ in roles)
@@ -232,12 +242,15 @@ async def serve(args: argparse.Namespace) -> int:
                           retry_on_engine_failure=args.retry_on_engine_failure,
                           heartbeat_timeout_s=args.engine_silence_timeout, disagg_policy=disagg_policy)
     engine_ids = [engine_id for engine_id, _ in roles] + [i.id for i in remote]
+    if handover is not None:
+        metrics.coordinator_restarts.inc(handover.restarts)
+        metrics.coordinator_restart_failed.inc(handover.failed_requests)
     for instance in remote:
         print(f"splitserve: waiting for {instance.id} ({instance.role}) on {instance.host}; run there: "
               f"{hand_start_command(instance, client.address, args.model)}", flush=True)
     processes = []
     placement: RayPlacement | None = None
-    mix = hub = watcher = None
+    mix = hub = watcher = restarter = None
 
     ray_hosts = {i.id: i.host for i in spec.remote} if spec is not None else {}
 
@@ -257,7 +270,12 @@ async def serve(args: argparse.Namespace) -> int:
             # a restarted engine's hello must come after the frontend declared its predecessor dead
             placement = RayPlacement(args, client.address, env, args.engine_silence_timeout + 0.5)
         for (engine_id, role), cores in zip(roles, cpus):
-            place(engine_id, role, cores)
+            if engine_id in adopted:  # our child still, with its model loaded: it rejoins on its own
+                proc = AdoptedProcess(adopted[engine_id].pid)
+                processes.append(proc)
+                client.attach_process(engine_id, proc)
+            else:
+                place(engine_id, role, cores)
         client.start()
         # The tokenizer loads here while the engines load the model in their processes.
         client.renderer = await asyncio.to_thread(load_renderer, args.model, args.tool_call_parser)
@@ -277,11 +295,29 @@ async def serve(args: argparse.Namespace) -> int:
         if args.state_file is not None:
             watcher = ArrangementWatcher(client, args.state_file, args.model, owned)
             watcher.start()
+        if handover is not None:
+            log.warning("coordinator restarted in place in %.1f s: engines %s rejoined with their model loaded "
+                        "(restart %d of this serve; %d requests in flight were ended by the restarts)",
+                        time.time() - handover.requested_at, ", ".join(adopted) or "(none)", handover.restarts,
+                        handover.failed_requests)
         mix = adaptive_from_args(args, client, metrics, len(engine_ids))
-        app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix)
+        refused = None
+        if placement is not None:
+            refused = ("the engines are Ray actors of this process: a restart in place would take them down; "
+                       "restart serve --ray itself")
+        elif sys.argv[1:2] != ["serve"]:
+            refused = "this server was not started as `splitserve serve ...`, so it cannot re-execute itself"
+        restarter = CoordinatorRestart(client, args, refused)
+        restarter.previous = handover
+        app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix, restarter)
+        app = CloseWhileRestarting(app, restarter)
         sockets = None
+        inherited = None  # the listening socket the process we replaced kept open for us
+        if handover is not None and handover.http_fd is not None:
+            inherited = socket.socket(fileno=handover.http_fd)
+            inherited.set_inheritable(False)
         if args.api_server_count > 1:
-            sockets = [listening_socket(args.host, args.port, first=True)]
+            sockets = [inherited or listening_socket(args.host, args.port, first=True)]
             hub = ApiHub(client, app)
             hub.start()
             hub.start_processes(args.api_server_count, args, sockets[0].getsockname()[1])
@@ -289,7 +325,17 @@ async def serve(args: argparse.Namespace) -> int:
             app = ApiServerHeader(app, 0)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
+        if sockets is None:  # bound here, not in uvicorn: a coordinator restart keeps it open
+            sockets = [inherited or http_socket(args.host, args.port, config.backlog)]
         server = uvicorn.Server(config)
+        restarter.http_fd = sockets[0].fileno()
+        restarter.stop_serving = lambda: setattr(server, "should_exit", True)
+
+        def stop_accepting() -> None:
+            for listener in getattr(server, "servers", []):
+                listener.close()
+
+        restarter.stop_accepting = stop_accepting
 
         async def announce() -> None:
             while not server.started:
@@ -309,17 +355,23 @@ async def serve(args: argparse.Namespace) -> int:
         await server.serve(sockets=sockets)
         announcer.cancel()
     finally:
+        restarting = restarter is not None and restarter.handover is not None
         if watcher is not None:
             await watcher.stop()  # before the engines stop: their exits change nothing
         if hub is not None:
             await hub.close()
         if mix is not None:
             await mix.stop()
-        await client.shutdown()
-        await asyncio.to_thread(stop_engines, processes)
-        if placement is not None:
-            placement.stop()
-        log.warning("all engines stopped")
+        await client.shutdown(shutdown_engines=not restarting)
+        if restarting:
+            args.restart_handover = restarter.handover  # run() re-executes once the loop is closed
+            log.warning("coordinator restart: HTTP stopped; engines %s keep running",
+                        ", ".join(e.id for e in restarter.handover.engines) or "(none)")
+        else:
+            await asyncio.to_thread(stop_engines, processes)
+            if placement is not None:
+                placement.stop()
+            log.warning("all engines stopped")
     return 0
 
 
@@ -336,6 +388,14 @@ def run(args: argparse.Namespace) -> int:
         engine_link_from_args(args, args.engine_address, "--engine-address")
         spec = args.topology_spec
         args.generated_secrets = own_engine_secrets(args, hand_started=bool(spec and spec.remote and args.ray is None))
+        args.handover, args.restart_handover = take_handover(), None
+        if args.handover is not None:  # a coordinator restart: the engines know the old secrets and address
+            args.engine_address = args.handover.engine_address
+            args.generated_secrets = args.handover.generated_secrets
+            if args.handover.link_secret is not None:
+                args.engine_link_secret = args.handover.link_secret
+            if args.handover.kv_secret is not None:
+                args.kv_secret = args.handover.kv_secret
         kv_config_from_args(args)  # a bad --kv-* value fails here, not in N engine processes
     except ValueError as e:
         print(f"splitserve serve: {e}", file=sys.stderr)
@@ -346,9 +406,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        return asyncio.run(serve(args))
+        code = asyncio.run(serve(args))
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:  # startup failed: no model, dead engine
         print(f"splitserve serve: {e}", file=sys.stderr)
         return 1
+    if args.restart_handover is not None:
+        exec_with_handover(args.restart_handover)  # does not return
+    return code

@@ -253,4 +253,6 @@ def scrape_counters(base_url: str, prefixes=("splitserve_kv", "kv_transfer", "sp
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    # a counter below its earlier value was reset (a coordinator restart starts them from 0): it counts since
+    return {k: v - before.get(k, 0.0) if v >= before.get(k, 0.0) else v
+            for k, v in after.items() if v != before.get(k, 0.0)}

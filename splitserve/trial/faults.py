@@ -23,6 +23,13 @@ first refusal. Its window runs from the first request to the server until the la
 lost in flight, failed after and time to recover are counted from its start as for a kill, and
 beside them the requests whose time in the system overlapped the window that missed the SLO
 (failed or late), with the same count for the rest of the run to compare with.
+
+A coordinator restart (`restart: coordinator`) asks `serve` to restart itself in place (POST
+/admin/coordinator/restart: the requests in flight end with an error, the engines keep running;
+entrypoints/coordinator_restart.py) and polls /health until the server serves again with every
+engine it kept, under the same pid. Its window runs from the request until then (the time until
+the arrangement served again); the server's own count of the requests it ended is kept beside
+the trial's lost in flight, and the same window counts apply.
 """
 from __future__ import annotations
 
@@ -60,6 +67,8 @@ async def inject_fault(base_url: str, fault: FaultSpec, t0: float, multiplier: f
     """Wait until the fault's second, kill, watch the instance leave, optionally restart one.
     Returns the event timeline in seconds after t0 (the replay's zero). `restart:` faults go
     to inject_restart."""
+    if fault.restart == "coordinator":
+        return await inject_coordinator_restart(base_url, fault, t0, multiplier, clock)
     if fault.restart is not None:
         return await inject_restart(base_url, fault, t0, multiplier, clock)
     event: dict = {"at_s": fault.at_s / multiplier, "kill": fault.kill, "instance": None, "pid": None,
@@ -134,6 +143,61 @@ async def inject_restart(base_url: str, fault: FaultSpec, t0: float, multiplier:
             if event["began_s"] is not None:
                 event["ended_s"] = clock() - t0
     return event
+
+
+async def inject_coordinator_restart(base_url: str, fault: FaultSpec, t0: float, multiplier: float = 1.0,
+                                     clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Wait until the fault's second, restart `serve` in place, wait until it serves again."""
+    event: dict = {"at_s": fault.at_s / multiplier, "restart": fault.restart, "instances": [],
+                   "began_s": None, "ended_s": None, "failed_requests": None, "error": None}
+    await asyncio.sleep(max(0.0, t0 + event["at_s"] - clock()))
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        try:
+            asked = clock() - t0
+            resp = await http.post(f"{base_url}/admin/coordinator/restart")
+            if resp.status_code != 202:
+                event["error"] = f"coordinator restart refused: HTTP {resp.status_code}: {resp.text[:200]}"
+                return event
+            event["began_s"] = asked
+            done = resp.json()
+            event["failed_requests"] = done["failed_requests"]
+            kept = {e["id"]: e for e in done["engines"]}
+            deadline = clock() + REJOIN_TIMEOUT_S
+            while True:
+                alive = await _alive_pids(http, base_url, done.get("restart", 0))
+                if alive is not None and all(alive.get(i) == e["pid"] for i, e in kept.items()):
+                    break
+                if clock() >= deadline:
+                    event["error"] = f"not serving again with the same engines {REJOIN_TIMEOUT_S:.0f} s after the restart"
+                    break
+                await asyncio.sleep(ADMIN_POLL_S * 2)
+            alive = alive or {}
+            event["instances"] = [{**e, "kept": alive.get(i) == e["pid"], "resumed_requests": 0}
+                                  for i, e in kept.items()]
+        except (httpx.HTTPError, OSError, KeyError, ValueError) as exc:
+            event["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if event["began_s"] is not None:
+                event["ended_s"] = clock() - t0
+    return event
+
+
+async def _alive_pids(http: httpx.AsyncClient, base_url: str, restart: int) -> dict[str, int] | None:
+    """{id: pid} of the alive instances once the new process (the one that counts `restart`
+    coordinator restarts: not the old one, still stopping) answers /health with 200, else None."""
+    try:
+        counted = 0
+        for line in (await http.get(f"{base_url}/metrics", timeout=5.0)).text.splitlines():
+            if line.startswith("splitserve_coordinator_restarts_total "):
+                counted = int(float(line.split()[1]))
+        if counted < restart:
+            return None
+        resp = await http.get(f"{base_url}/health", timeout=5.0)
+    except (httpx.HTTPError, ValueError):
+        return None
+    if resp.status_code != 200:
+        return None
+    return {i["id"]: i["pid"] for i in resp.json()["instances"] if i["alive"]}
 
 
 def fault_start(event: dict) -> float | None:

@@ -71,6 +71,15 @@ def fault_cell(faults: list[dict] | None) -> str:
             parts.append(f"not injected ({f.get('error')})")
             continue
         recovery = "not recovered" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
+        if f.get("restart") == "coordinator":
+            kept = sum(1 for i in f["instances"] if i.get("kept"))
+            problem = f" ({f['error']})" if f.get("error") else ""
+            parts.append(f"restart coordinator ({kept} of {len(f['instances'])} engines kept, serving again after "
+                         f"{f['seconds']:.1f} s{problem}; the server ended {f.get('failed_requests')} in flight): "
+                         f"{f['lost_in_flight']} / {f['failed_after']} / {recovery}; SLO missed by "
+                         f"{f['slo_missed_during']} of {f['requests_during']} during it, "
+                         f"{f['slo_missed_outside']} of {f['requests_outside']} outside")
+            continue
         if f.get("restart"):
             stopped = f" (stopped: {f['error']})" if f.get("error") else ""
             n = f["num_restarted"]

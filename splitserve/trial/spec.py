@@ -87,12 +87,13 @@ class FaultSpec:
     """`at_s` seconds into the replay, either kill one engine process (SIGKILL) of the running
     arrangement, optionally starting a replacement `restart_after_s` later through POST
     /admin/instances; or (`restart: all`) replace every instance in turn, a rolling update
-    through POST /admin/instances/{id}/restart, each drain given `drain_deadline_s`."""
+    through POST /admin/instances/{id}/restart, each drain given `drain_deadline_s`; or (`restart:
+    coordinator`) restart `serve` itself in place (POST /admin/coordinator/restart), its engines kept."""
 
     at_s: float
     kill: str | None = None                # prefill | decode | any (colocated instances do both)
     restart_after_s: float | None = None
-    restart: str | None = None             # all: a rolling restart of every serving instance
+    restart: str | None = None             # all: a rolling restart of every serving instance; coordinator
     drain_deadline_s: float = 60.0
 
 
@@ -358,7 +359,7 @@ def _read_arrangements(raw_list: list) -> list[Arrangement]:
 
 
 FAULT_TARGETS = ("prefill", "decode", "any")
-RESTART_TARGETS = ("all",)  # "coordinator" (serve itself) is not built yet: issue 27 part 2
+RESTART_TARGETS = ("all", "coordinator")  # a rolling restart of every instance; serve itself, engines kept
 
 
 def _read_faults(raw_list: list) -> list[FaultSpec]:
@@ -371,6 +372,9 @@ def _read_faults(raw_list: list) -> list[FaultSpec]:
                                 "(restart, drain_deadline_s), not both; make them two faults")
             fault = FaultSpec(at_s=sec.float("at_s", positive=True), restart=sec.choice("restart", RESTART_TARGETS),
                               drain_deadline_s=sec.float("drain_deadline_s", default=60.0, positive=True))
+            if fault.restart == "coordinator" and "drain_deadline_s" in raw:
+                raise SpecError(f"faults[{i}].drain_deadline_s: a coordinator restart drains nothing (what is in "
+                                "flight ends at once); drain_deadline_s is for restart: all")
         else:
             fault = FaultSpec(at_s=sec.float("at_s", positive=True), kill=sec.choice("kill", FAULT_TARGETS),
                               restart_after_s=sec.float("restart_after_s", default=None, minimum=0.0))
