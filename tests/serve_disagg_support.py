@@ -5,6 +5,8 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -68,3 +70,39 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict
 
 def run(coro):
     return asyncio.run(coro)
+
+
+class SteadyLoad:
+    """`clients` clients streaming `body` one after another, in a thread, until stopped; every result
+    is kept with its start and end. A request that raises an httpx error is recorded by `failed`
+    (override it to tell kinds of failure apart); `join_s` bounds the wait for the clients at exit."""
+
+    join_s = 180.0
+
+    def __init__(self, base_url: str, clients: int, body: dict) -> None:
+        self.base_url, self.clients, self.body, self.results = base_url, clients, body, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def failed(self, e: httpx.HTTPError) -> dict:
+        return {"error": repr(e), "done": False, "text": None}
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one_client() -> None:
+                while not self._stop.is_set():
+                    started = time.monotonic()
+                    try:
+                        result = await stream_completion(client, self.base_url, self.body)
+                    except httpx.HTTPError as e:
+                        result = self.failed(e)
+                    self.results.append({**result, "started": started, "ended": time.monotonic()})
+            await asyncio.gather(*(one_client() for _ in range(self.clients)))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.join_s)

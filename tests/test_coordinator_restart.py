@@ -12,13 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from serve_disagg_support import DisaggServer, completion_body, stream_completion
+from serve_disagg_support import DisaggServer, SteadyLoad, completion_body, stream_completion
 from serve_support import REPO, all_blocks_free, metric_samples, process_alive, wait_until
 from tiny_models import write_tiny_checkpoint
 
@@ -31,36 +30,24 @@ def model(tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("coordinator") / "tiny", arch="llama"))
 
 
-class Load:
+class Load(SteadyLoad):
     """`clients` clients streaming `body` one after another in a thread until stopped; every
     result is kept with the API process that answered it."""
 
+    join_s = 300.0
+
     def __init__(self, base_url: str, clients: int = 2, body: dict = BODY) -> None:
-        self.base_url, self.clients, self.body, self.results = base_url, clients, body, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        super().__init__(base_url, clients, body)
 
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=120) as client:
-            async def one_client() -> None:
-                while not self._stop.is_set():
-                    started = time.monotonic()
-                    try:
-                        result = await stream_completion(client, self.base_url, self.body)
-                    except httpx.TimeoutException as e:
-                        result = {"error": None, "hung": repr(e), "done": False, "text": None}
-                    except httpx.TransportError as e:  # the connection closed without an HTTP answer
-                        result = {"error": None, "disconnected": repr(e), "done": False, "text": None}
-                    self.results.append({**result, "started": started, "ended": time.monotonic()})
-            await asyncio.gather(*(one_client() for _ in range(self.clients)))
-
-    def __enter__(self) -> "Load":
-        self._thread.start()
-        return self
+    def failed(self, e: httpx.HTTPError) -> dict:
+        if isinstance(e, httpx.TimeoutException):
+            return {"error": None, "hung": repr(e), "done": False, "text": None}
+        if isinstance(e, httpx.TransportError):  # the connection closed without an HTTP answer
+            return {"error": None, "disconnected": repr(e), "done": False, "text": None}
+        raise e
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=300)
+        super().__exit__(*exc)
         assert not self._thread.is_alive(), "a client hung"
 
 

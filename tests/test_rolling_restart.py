@@ -11,12 +11,12 @@ import asyncio
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
+import serve_disagg_support
 from serve_disagg_support import DisaggServer, completion_body, stream_completion
 from serve_support import REPO, metric_samples, process_alive, wait_until
 from tiny_models import write_tiny_checkpoint
@@ -29,33 +29,11 @@ def model(tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("restart") / "tiny", arch="llama"))
 
 
-class SteadyLoad:
+class SteadyLoad(serve_disagg_support.SteadyLoad):
     """`clients` clients sending `body` one after another, in a thread, until stopped."""
 
     def __init__(self, base_url: str, clients: int = 2, body: dict = BODY) -> None:
-        self.base_url, self.clients, self.body, self.results = base_url, clients, body, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=120) as client:
-            async def one_client() -> None:
-                while not self._stop.is_set():
-                    started = time.monotonic()
-                    try:
-                        result = await stream_completion(client, self.base_url, self.body)
-                    except httpx.HTTPError as e:
-                        result = {"error": repr(e), "done": False, "text": None}
-                    self.results.append({**result, "started": started, "ended": time.monotonic()})
-            await asyncio.gather(*(one_client() for _ in range(self.clients)))
-
-    def __enter__(self) -> "SteadyLoad":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=180)
+        super().__init__(base_url, clients, body)
 
 
 def instances(base_url: str) -> list[dict]:
