@@ -7,6 +7,8 @@ local 1P1D gives the reference answers (tiny random-weight model, greedy).
   Ray actor holding `num_cpus` = its threads and a share of its role's resource.
 - SIGKILL an engine: Ray restarts it, the frontend admits it back, and once a role change restores
   1P1D (a survivor took the stage over meanwhile) the answers are the same again.
+- A rolling restart (`splitserve admin restart --all`) under a steady load fails no request: each
+  engine gets a new actor under a new id, and the old actors end for good, their shares free.
 - A drained engine's actor ends for good: Ray does not restart it, and its resources are free.
 - Without Ray installed, `--ray` exits with one line saying how to install it (runs always).
 """
@@ -25,6 +27,7 @@ import pytest
 from serve_disagg_support import DisaggServer
 from serve_support import REPO, wait_until
 from splitserve.cluster.ray_placement import RESOURCE_SHARE, actor_options, role_resources
+from test_rolling_restart import rolling_restart
 from test_serve_disagg import answer_all, mixed_requests
 from tiny_models import write_tiny_checkpoint
 
@@ -165,20 +168,42 @@ def test_ray_restarts_a_killed_engine_and_it_serves_again(servers):
     assert_same_answers(on_ray, local, seed=2)
 
 
+def actor_gone(server, name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=f"splitserve-{server.proc.pid}")
+    except ValueError:
+        return True
+    return False
+
+
+@needs_ray
+def test_a_rolling_restart_under_ray_replaces_each_actor_and_fails_no_request(servers, tmp_path):
+    """Each engine gets a replacement actor (same role, new id) before its old one drains; the old
+    actors end for good (Ray does not restart them) and give their shares back."""
+    on_ray, local = servers
+    out = rolling_restart(on_ray, tmp_path, "1P1D under Ray")
+    assert "prefill-0 -> prefill-0.r1 (prefill)" in out and "decode-0 -> decode-0.r1 (decode)" in out
+    for old, new in (("prefill-0", "prefill-0.r1"), ("decode-0", "decode-0.r1")):
+        assert wait_until(lambda: actor_gone(on_ray, old), timeout_s=30), on_ray.log()
+        assert not actor_gone(on_ray, new)
+        assert parent_command(instances(on_ray)[new]["pid"]).startswith("ray::EngineActor")
+
+    def shares_back() -> bool:
+        free = ray.available_resources()
+        return (free.get("prefill") == pytest.approx(1 - RESOURCE_SHARE)
+                and free.get("decode") == pytest.approx(1 - RESOURCE_SHARE) and free.get("CPU") == pytest.approx(2))
+
+    assert wait_until(shares_back, timeout_s=20), ray.available_resources()
+    assert_same_answers(on_ray, local, seed=3)
+
+
 @needs_ray
 def test_a_drained_ray_engine_is_not_restarted(servers):
     """Last in the module: it leaves the server without a decode instance."""
     on_ray, _ = servers
-    assert httpx.delete(f"{on_ray.base_url}/admin/instances/decode-0", timeout=10).status_code == 202
-
-    def actor_gone() -> bool:
-        try:
-            ray.get_actor("decode-0", namespace=f"splitserve-{on_ray.proc.pid}")
-        except ValueError:
-            return True
-        return False
-
-    assert wait_until(actor_gone, timeout_s=60), on_ray.log()
-    # the resources Ray reports lag a little: decode-0's share is free once it catches up
+    decode = next(i for i, row in instances(on_ray).items() if row["alive"] and row["role"] == "decode")
+    assert httpx.delete(f"{on_ray.base_url}/admin/instances/{decode}", timeout=10).status_code == 202
+    assert wait_until(lambda: actor_gone(on_ray, decode), timeout_s=60), on_ray.log()
+    # the resources Ray reports lag a little: the decode engine's share is free once it catches up
     assert wait_until(lambda: ray.available_resources()["decode"] == pytest.approx(1.0), 10)
-    assert not instances(on_ray)["decode-0"]["alive"]
+    assert not instances(on_ray)[decode]["alive"]

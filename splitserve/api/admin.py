@@ -64,8 +64,8 @@ class RestartInstance(BaseModel):
 
 
 def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | None,
-                     coordinator_restart=None) -> None:
-    restarts = RollingRestart(client, spawn) if spawn is not None else None
+                     coordinator_restart=None, restart_engines=None) -> None:
+    restarts = RollingRestart(client, spawn, engines=restart_engines) if spawn is not None else None
     if coordinator_restart is not None and restarts is not None:
         coordinator_restart.busy = lambda: ("a rolling restart is under way; restart the coordinator once it "
                                             "is done" if restarts.busy else None)

@@ -55,14 +55,16 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 def build_server_app(client: EngineClient, metrics: FrontendMetrics, spawn_engine: SpawnEngine | None,
                      args: argparse.Namespace, mix: AdaptiveMix | None = None,
-                     coordinator_restart=None) -> tuple[object, dict]:
+                     coordinator_restart=None, restart_engines=None) -> tuple[object, dict]:
     """The app `serve` runs, inside its guards (outermost first: Host + admin gate, API key, body
-    limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag."""
+    limits), and the uvicorn.Config keywords for connection limits. ValueError on a bad flag.
+    restart_engines: how a rolling restart ends an old engine (coordinator/rolling_restart.py)."""
     if spawn_engine is not None:
         guard = http_guard_from_args(args, api_keys_from_args(args))
         spawn_engine = InstanceBudget(spawn_engine, client, guard.max_instances,
                                       startup_timeout_s=args.startup_timeout)
-    return guarded(build_app(client, client.renderer, metrics, spawn_engine, mix, coordinator_restart), args)
+    return guarded(build_app(client, client.renderer, metrics, spawn_engine, mix, coordinator_restart,
+                             restart_engines), args)
 
 
 def guarded(app, args: argparse.Namespace) -> tuple[object, dict]:
@@ -76,9 +78,9 @@ def guarded(app, args: argparse.Namespace) -> tuple[object, dict]:
 
 def build_app(client: EngineClient, renderer: Renderer, metrics: FrontendMetrics,
               spawn_engine: SpawnEngine | None = None, mix: AdaptiveMix | None = None,
-              coordinator_restart=None) -> FastAPI:
+              coordinator_restart=None, restart_engines=None) -> FastAPI:
     app = build_openai_app(client, renderer)
-    add_admin_routes(app, client, spawn_engine, coordinator_restart)
+    add_admin_routes(app, client, spawn_engine, coordinator_restart, restart_engines)
     add_mix_routes(app, mix)
 
     @app.get("/metrics")

@@ -179,6 +179,28 @@ class RayPlacement:
             await asyncio.wait({ready}, timeout=PROBE_INTERVAL_S)
         ready.result()
 
+    def owns(self, engine_id: str) -> bool:
+        return engine_id in self.actors
+
+    def stop_engine(self, engine_id: str, timeout_s: float = 30.0) -> int | None:
+        """A rolling restart's last step, once the engine was told to stop (or removed past its drain
+        deadline): wait for its exit, then end the actor for good, so that Ray neither restarts it
+        nor keeps its resources. The exit code, or None when the actor had already ended itself
+        (its engine exited with 0) and the code went with it."""
+        ray = self.ray
+        actor = self.actors.pop(engine_id)
+        self._probes.pop(engine_id, None)
+        code = None
+        try:
+            code = ray.get(actor.wait.remote(timeout_s), timeout=timeout_s + 5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        try:
+            ray.kill(actor, no_restart=True)  # its engine sees its parent gone and exits
+        except ValueError:
+            pass  # already gone
+        return code
+
     def stop(self, grace_s: float = 10.0) -> None:
         """After the frontend told every engine to shut down: let them exit, then end the actors."""
         ray = self.ray
@@ -188,3 +210,16 @@ class RayPlacement:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         ray.shutdown()
+
+
+class RayEngines:
+    """A rolling restart's view of engines placed by Ray (coordinator/rolling_restart.py)."""
+
+    def __init__(self, placement: RayPlacement) -> None:
+        self.placement = placement
+
+    def owns(self, engine_id: str, inst) -> bool:
+        return self.placement.owns(engine_id)
+
+    def stop_engine(self, engine_id: str, inst) -> int | None:
+        return self.placement.stop_engine(engine_id)

@@ -6,14 +6,15 @@
                     instance's held KV is pulled, then it is told to stop (dispatcher.on_tick)
                  -> past the drain deadline, what it still runs is resumed elsewhere, as a dead
                     instance's requests are (link.remove)
-                 -> wait for its process to exit
+                 -> wait for its process to exit (under Ray: for its actor's engine to exit, then
+                    the actor is ended for good, so Ray neither restarts it nor keeps its share)
     `splitserve admin restart --all` calls it for each instance in turn.
 
 The replacement starts before the old one drains, so no stage is left without an instance, even
 with one instance per stage (1P1D), for the price of one more engine's memory during a restart.
 If the replacement does not come up, the old instance is left serving. One restart runs at a
-time. Only engines this process started can be restarted (their settings are its own); one
-started by hand or placed by Ray is refused with the reason.
+time. Only engines this process started, as its children or as its Ray actors, can be restarted
+(their settings are its own); one started by hand is refused with the reason.
 """
 from __future__ import annotations
 
@@ -58,9 +59,24 @@ def wait_exit(process: subprocess.Popen, timeout_s: float = EXIT_WAIT_S) -> int:
     return process.wait()
 
 
+class LocalEngines:
+    """How a restart ends an old engine this process started as its child."""
+
+    @staticmethod
+    def owns(engine_id: str, inst) -> bool:
+        return inst.process is not None
+
+    @staticmethod
+    def stop_engine(engine_id: str, inst) -> int | None:
+        return wait_exit(inst.process)
+
+
 class RollingRestart:
-    def __init__(self, client, spawn: SpawnEngine, ready_timeout_s: float = 300.0) -> None:
+    def __init__(self, client, spawn: SpawnEngine, ready_timeout_s: float = 300.0, engines=None) -> None:
+        """engines: owns(id, inst) and stop_engine(id, inst) for where the engines run (LocalEngines,
+        or the Ray placement's adapter in entrypoints/launch.py)."""
         self.client, self.spawn, self.ready_timeout_s = client, spawn, ready_timeout_s
+        self.engines = engines or LocalEngines()
         self._one_at_a_time = asyncio.Lock()
 
     @property
@@ -75,8 +91,8 @@ class RollingRestart:
         if not inst.alive or load is None or load.draining or load.changing_role:
             raise RestartRefused(409, f"engine instance {engine_id!r} is not serving (dead, draining or "
                                       "changing its role)")
-        if inst.process is None:
-            raise RestartRefused(409, f"engine instance {engine_id!r} was started by hand (or placed by Ray): "
+        if not self.engines.owns(engine_id, inst):
+            raise RestartRefused(409, f"engine instance {engine_id!r} was started by hand: "
                                       "this server does not know its settings; restart it where it runs "
                                       "(it rejoins under its id)")
         return inst, load
@@ -102,8 +118,8 @@ class RollingRestart:
                 resumed = load.num_requests
                 self.client.link.remove(engine_id, f"restart: still busy {drain_deadline_s:g} s into its "
                                                    "drain; what it runs resumes elsewhere")
-            code = await asyncio.to_thread(wait_exit, inst.process)
+            code = await asyncio.to_thread(self.engines.stop_engine, engine_id, inst)
             seconds = time.monotonic() - started
-            log.warning("restart: %s replaced by %s in %.1f s (exit code %d)", engine_id, new_id, seconds, code)
+            log.warning("restart: %s replaced by %s in %.1f s (exit code %s)", engine_id, new_id, seconds, code)
             return {"id": engine_id, "replacement": new_id, "role": role, "ready_s": round(ready_s, 2),
                     "seconds": round(seconds, 2), "resumed_requests": resumed, "exit_code": code}
