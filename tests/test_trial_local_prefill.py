@@ -104,3 +104,17 @@ def test_the_knob_example_is_demand_shift_plus_an_adaptive_server_with_the_thres
     assert extra["serve"] == adaptive["serve"] + ["--disagg-policy", "threshold"]
     assert {**knob, "name": base["name"], "arrangements": knob["arrangements"][:-1]} == base
     parse_spec(knob)
+
+
+def test_the_split_knob_example_starts_both_adaptive_servers_separated_and_differs_only_in_the_knob():
+    base = yaml.safe_load((EXAMPLES / "demand_shift.yaml").read_text())
+    split = yaml.safe_load((EXAMPLES / "demand_shift_knob_split.yaml").read_text())
+    by_name = {a["name"]: a for a in split["arrangements"]}
+    assert list(by_name) == ["colocated-chunked-x2", "adaptive-1P1D", "adaptive-1P1D-threshold"]
+    assert by_name["colocated-chunked-x2"] == base["arrangements"][0]
+    plain, knob = by_name["adaptive-1P1D"]["serve"], by_name["adaptive-1P1D-threshold"]["serve"]
+    assert plain[:4] == ["--prefill", 1, "--decode", 1] and "--adaptive" in plain
+    assert knob == plain + ["--disagg-policy", "threshold"]
+    assert {k: v for k, v in split.items() if k not in ("name", "arrangements")} == \
+        {k: v for k, v in base.items() if k not in ("name", "arrangements")}
+    parse_spec(split)
