@@ -179,10 +179,12 @@ class RayPlacement:
             await asyncio.wait({ready}, timeout=PROBE_INTERVAL_S)
         ready.result()
 
-    def owns(self, engine_id: str) -> bool:
+    # how a rolling restart (coordinator/rolling_restart.py) tells and ends the engines placed here
+
+    def owns(self, engine_id: str, inst=None) -> bool:
         return engine_id in self.actors
 
-    def stop_engine(self, engine_id: str, timeout_s: float = 30.0) -> int | None:
+    def stop_engine(self, engine_id: str, inst=None, timeout_s: float = 30.0) -> int | None:
         """A rolling restart's last step, once the engine was told to stop (or removed past its drain
         deadline): wait for its exit, then end the actor for good, so that Ray neither restarts it
         nor keeps its resources. The exit code, or None when the actor had already ended itself
@@ -210,16 +212,3 @@ class RayPlacement:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         ray.shutdown()
-
-
-class RayEngines:
-    """A rolling restart's view of engines placed by Ray (coordinator/rolling_restart.py)."""
-
-    def __init__(self, placement: RayPlacement) -> None:
-        self.placement = placement
-
-    def owns(self, engine_id: str, inst) -> bool:
-        return self.placement.owns(engine_id)
-
-    def stop_engine(self, engine_id: str, inst) -> int | None:
-        return self.placement.stop_engine(engine_id)

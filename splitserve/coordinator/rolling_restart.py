@@ -74,7 +74,7 @@ class LocalEngines:
 class RollingRestart:
     def __init__(self, client, spawn: SpawnEngine, ready_timeout_s: float = 300.0, engines=None) -> None:
         """engines: owns(id, inst) and stop_engine(id, inst) for where the engines run (LocalEngines,
-        or the Ray placement's adapter in entrypoints/launch.py)."""
+        or cluster/ray_placement.RayPlacement under `serve --ray`)."""
         self.client, self.spawn, self.ready_timeout_s = client, spawn, ready_timeout_s
         self.engines = engines or LocalEngines()
         self._one_at_a_time = asyncio.Lock()

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from splitserve.cluster.ray_placement import RayEngines, RayPlacement, add_ray_arguments, check_ray_args
+from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, check_ray_args
 from splitserve.config import EngineConfig
 from splitserve.coordinator.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.coordinator.disagg_policy import add_disagg_arguments, check_disagg_args, disagg_policy_from_args
@@ -309,8 +309,7 @@ async def serve(args: argparse.Namespace) -> int:
             refused = "this server was not started as `splitserve serve ...`, so it cannot re-execute itself"
         restarter = CoordinatorRestart(client, args, refused)
         restarter.previous = handover
-        app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix, restarter,
-                                            RayEngines(placement) if placement is not None else None)
+        app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix, restarter, placement)
         app = CloseWhileRestarting(app, restarter)
         sockets = None
         inherited = None  # the listening socket the process we replaced kept open for us
