@@ -86,6 +86,24 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_dry_run_says_a_phased_plan_is_probed_whole_or_on_its_named_phase(tmp_path, capsys):
+    # what runner.Trial._probe replays: a phased plan's first requests are its first phase only
+    raw = spec_with([{"name": "colocated", "serve": ["--instances", "2", "--threads-per-instance", "1"]}])
+    raw["arrivals"] = {"pattern": "phases", "rate": {"fraction_of_capacity": 0.7, "reference": "colocated",
+                                                     "probe_seconds": 20},
+                       "phases": [{"duration_s": 5, "rate": 2.0, "mix": {"chat": 1}},
+                                  {"duration_s": 5, "rate": 1.0, "mix": {"document": 1}}]}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["trial", str(path), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "calibration probes: the whole plan, every phase" in text and "first 24" not in text
+    raw["capacity"] = {"probe_requests": 8, "phase": 2}
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["trial", str(path), "--dry-run"]) == 0
+    assert "probes of phase 2 of the plan (at least 8 requests" in capsys.readouterr().out
+
+
 def test_an_adaptive_server_is_its_own_kind_with_its_instances_counted():
     from splitserve.trial.results import arrangement_kind
     from splitserve.trial.spec import Arrangement

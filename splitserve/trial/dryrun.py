@@ -63,9 +63,7 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
                      f"(arrivals laid out at {laid_out}, then scaled together)")
         if spec.capacity is None and (rel.probe_requests or rel.probe_seconds):
             cal = search_settings(spec)
-            lines.append(f"  calibration probes: the plan's first {cal.probe_requests} requests" +
-                         (f" or more, spanning at least {cal.probe_seconds:g} s at the probed rate"
-                          if cal.probe_seconds else ""))
+            lines.append(f"  calibration probes: {_probed_requests(spec, cal)}")
     else:
         lines.append("rate: as written in the spec (x1)")
     lines.append(f"arrangements, pinned to cores {cpus}; KV cache {spec.kv_cache_memory} per arrangement, "
@@ -93,9 +91,7 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     search = capacity or spec.capacity is not None
     if search:
         cap = spec.capacity or CapacitySpec()
-        probes = (f"probes of the plan's first {cap.probe_requests} requests"
-                  + (f" or more, spanning at least {cap.probe_seconds:g} s at the probed rate (the plan repeated if "
-                     f"need be)" if cap.probe_seconds else ""))
+        probes = f"probes of {_probed_requests(spec, cap)}"
         if cap.method == "fitted":
             lines.append(f"capacity (fitted, side by side): every server launched at once per repeat; rounds of "
                          f"{probes}, one per arrangement in rotating order on identical requests; one curve fitted "
@@ -117,3 +113,14 @@ def describe_plan(spec: TrialSpec, repeat: int = 1, capacity: bool = False, swee
     lines.append(f"fixed-rate replays: {replays}, each up to {len(plan)} requests{cut}, over {b['span_s']:.0f} s at "
                  f"the nominal rate, scaled with the rate, plus the time the last answers take")
     return "\n".join(lines)
+
+
+def _probed_requests(spec, cap: CapacitySpec) -> str:
+    """What one probe replays, as runner.Trial._probe picks it: a phased plan whole (or the phase
+    `capacity.phase` names), else the plan's first requests, more when a span is asked for."""
+    span = (f", spanning at least {cap.probe_seconds:g} s at the probed rate (the plan repeated if need be)"
+            if cap.probe_seconds else "")
+    if spec.arrivals.pattern == "phases":
+        which = f"phase {cap.phase} of the plan" if cap.phase else "the whole plan, every phase"
+        return f"{which} (at least {cap.probe_requests} requests{span})"
+    return f"the plan's first {cap.probe_requests} requests" + (f" or more{span}" if span else "")
