@@ -283,3 +283,45 @@ def test_outcomes_that_go_together_on_the_same_requests_couple_the_two_bootstrap
     apart = paired_ratio(a, b_shuffled, TARGET, np.random.default_rng(1))
     assert together["coupling"] > 0.3 > apart["coupling"]
     assert together["hi"] / together["lo"] < apart["hi"] / apart["lo"]
+
+
+def _fitted_doc(probes_by_arrangement, target=TARGET):
+    """A results document whose arrangements carry fitted probes: {name: (kind, [(rate, chats, docs)])},
+    chats and docs as (good, total) counts."""
+    arrangements = []
+    for name, (kind, probes) in probes_by_arrangement.items():
+        runs = []
+        for r, (rate, (cg, cn), (dg, dn)) in enumerate(probes):
+            good = [True] * cg + [False] * (cn - cg) + [True] * dg + [False] * (dn - dg)
+            classes = ["chat"] * cn + ["document"] * dn
+            runs.append({"purpose": "probe", "repeat": 0, "rate_multiplier": rate, "summary": {
+                "offered_rate_rps": rate, "round": r,
+                "outcomes": {"index": list(range(len(good))), "good": good, "class": classes}}})
+        arrangements.append({"name": name, "kind": kind, "capacity": [{"method": "fitted"}], "runs": runs})
+    return {"seed": 1, "slo": {"attainment": target}, "arrangements": arrangements}
+
+
+def test_a_decision_that_turns_on_the_target_says_so_and_one_that_does_not_stays_silent():
+    """1P1D's chats all good at every rate, its documents (12%) failing from 1.4 req/s on: its share
+    good levels off at 88%, just under the 90% target, as in session 15's demo runs. At 90% the two
+    arrangements cannot be told apart; at 85% 1P1D holds every rate probed, well past the colocated one's crossing."""
+    from splitserve.trial.quote import quote
+    from splitserve.trial.verdict import fitted_verdict, _fitted_context
+
+    plateau = [(0.5, (44, 44), (6, 6)), (1.0, (44, 44), (6, 6)), (1.4, (44, 44), (0, 6)), (2.8, (88, 88), (0, 12))]
+    colocated = [(0.5, (44, 44), (6, 6)), (1.0, (44, 44), (6, 6)), (1.4, (40, 44), (5, 6)), (2.0, (10, 44), (1, 6))]
+    q = quote(_fitted_doc({"1P1D": ("separated", plateau), "x2": ("colocated", colocated)}))
+    assert q["decision"] == "unclear", q["ratio"]
+    at85 = next(o for o in q["other_targets"] if o["target"] == 0.85)
+    assert at85["decision"] == "yes" and at85["separated"]["kind"] == "at_least"
+    assert at85["ratio"]["lo"] > 1.2
+    text = fitted_verdict(q) + _fitted_context({"arrangements": []}, q)
+    assert text.startswith("Separate prefill: no clear difference") and text.count("Separate prefill:") == 1
+    assert "The decision turns on the target" in text and "at 85% good separating would be a yes" in text
+
+    # a colocated arrangement that drowns at a third of the rate: "yes" at 85%, 90% and 95% alike
+    weak = [(0.2, (44, 44), (6, 6)), (0.35, (40, 44), (4, 6)), (0.5, (10, 44), (0, 6)), (1.0, (0, 44), (0, 6))]
+    clear = [(0.5, (44, 44), (6, 6)), (1.0, (44, 44), (6, 6)), (1.4, (44, 44), (6, 6)), (2.8, (60, 88), (2, 12))]
+    q = quote(_fitted_doc({"1P1D": ("separated", clear), "x2": ("colocated", weak)}))
+    assert q["decision"] == "yes" and {o["decision"] for o in q["other_targets"]} == {"yes"}
+    assert "turns on the target" not in _fitted_context({"arrangements": []}, q)

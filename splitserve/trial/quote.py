@@ -18,6 +18,7 @@ import numpy as np
 from splitserve.trial import curve
 
 MIN_PER_CLASS = 20
+OTHER_TARGETS = (-0.05, 0.05)   # attainment targets, beside the spec's, that the verdict also reads
 SEPARATED, COLOCATED = "separated", "colocated"
 
 
@@ -92,10 +93,34 @@ def quote(doc: dict) -> dict | None:
             ratio = curve.paired_ratio(probes[sep], probes[col], target, rng)
         else:
             ratio = bound_ratio(per[sep], per[col])
+    others = (at_other_targets(probes[sep], probes[col], target, rng)
+              if sep and col and per[sep]["kind"] != "none" and per[col]["kind"] != "none" else [])
     return {"target": target, "level": curve.LEVEL, "arrangements": per, "separated": sep, "colocated": col,
-            "ratio": ratio, "decision": decide(ratio) if sep and col else None,
+            "ratio": ratio, "decision": decide(ratio) if sep and col else None, "other_targets": others,
             "held_nothing": all(c["kind"] in ("at_most", "none") for c in per.values()),
             "host": host_summary(doc), "steps": step_check(doc)}
+
+
+def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcomes], target: float,
+                     rng: np.random.Generator) -> list[dict]:
+    """The same two arrangements' probes read against the targets OTHER_TARGETS away from the spec's:
+    where one curve levels off near the target (1P1D's chats all good, its documents failing from
+    some rate on), the decision can turn on the target itself, and a buyer whose target differs
+    should see that. Nothing is probed for it: the same outcomes, another crossing."""
+    out = []
+    for step in OTHER_TARGETS:
+        t = round(target + step, 4)
+        if not 0.5 <= t <= 0.99:
+            continue
+        s, c = curve.capacity(sep, t, rng).to_dict(), curve.capacity(col, t, rng).to_dict()
+        if s["kind"] == "none" or c["kind"] == "none":
+            continue
+        ratio = (curve.paired_ratio(sep, col, t, rng) if s["kind"] == c["kind"] == "point"
+                 else bound_ratio(s, c))
+        out.append({"target": t, "separated": {**s, "target": t, "points": [_point(p) for p in sep]},
+                    "colocated": {**c, "target": t, "points": [_point(p) for p in col]},
+                    "ratio": ratio, "decision": decide(ratio)})
+    return out
 
 
 def _point(p: curve.ProbeOutcomes) -> dict:

@@ -259,6 +259,7 @@ def _fitted_context(doc: dict, q: dict) -> str:
         out += " Per class (the offered rate of the whole mix at which that class's curve crosses the target): " + \
             "; ".join(f"{k}: " + ", ".join(f"{n} {_iv(c['by_class'][k])}" for n, c in per.items()
                                           if k in c["by_class"]) for k in classes) + "."
+    out += _other_targets(q)
     tuning = doc.get("tuning") or {}
     if tuning.get("method") == "fitted":
         tried = ", ".join(f"{p['name']} {_iv(p)}" for p in tuning["points"] if p.get("kind"))
@@ -299,6 +300,22 @@ def _fitted_context(doc: dict, q: dict) -> str:
         at = f"{_rps(rate)}" if rate else f"x{m:.3g} of the spec's rate"
         out += f" The fixed-rate run at {at} ({label}): {listing}."
     return out
+
+
+def _other_targets(q: dict) -> str:
+    """How the decision reads at targets beside the spec's, from the same probes (quote.at_other_targets).
+    Said only where it differs from the decision at the spec's target: the first sentence stays the
+    one decision, this says how much it rests on where the target sits."""
+    words = {"yes": "separating would be a yes", "no": "colocated would be better",
+             "unclear": "there would be no clear difference"}
+    differ = [o for o in q.get("other_targets") or [] if o["decision"] != q.get("decision")]
+    if not differ:
+        return ""
+    sep, col = q["separated"], q["colocated"]
+    parts = [f"at {_pct(o['target'])} good {words[o['decision']]} ({sep} {_iv(o['separated'])}, {col} "
+             f"{_iv(o['colocated'])}" + (f": {_ratio(o['ratio'])}" if o["ratio"] else "") + ")" for o in differ]
+    return (f" The decision turns on the target: from the same probes, {'; '.join(parts)}; the decision above is "
+            f"the spec's target's ({_pct(q['target'])}).")
 
 
 def _warnings(doc: dict, fitted: bool = False) -> str:
