@@ -1,0 +1,112 @@
+"""Predicted against measured capacity, for every arrangement-run of several trials, from one profile.
+
+Issue 28's must-show: from one profile of a box kind, with no calibration by the trials it is
+checked against, the planner's capacity for each arrangement a trial measured with a fitted
+interval falls within 15% of the measured estimate or inside the interval, for at least 7 of 8.
+For each results.json this runs `control.compare` (the arrangement rebuilt from its serve
+arguments, simulated on the trial's own probe workloads) and keeps, per arrangement-run: the
+prediction, the measured interval (read again with the current `trial/quote.py`, so runs made
+under an older estimator are read the same way), whether the prediction is inside or within 15%,
+and the prediction with the step model refitted on that trial's own engine steps: where the
+refit lands inside and the profile's does not, the miss is step time; where neither does, it is
+the scheduling model (or the measurement).
+
+    python bench/planner_check.py PROFILE.json RESULTS.json [RESULTS.json ...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from splitserve.control.compare import compare_results, profile_of  # noqa: E402
+from splitserve.trial.quote import quote  # noqa: E402
+
+WITHIN = 0.15
+
+
+def _inside(p: float | None, c: dict) -> bool:
+    if p is None:
+        return False
+    if c["kind"] == "point":
+        return c["lo_rps"] <= p <= c["hi_rps"]
+    return p >= c["estimate_rps"] if c["kind"] == "at_least" else p <= c["estimate_rps"]
+
+
+def _verdict(p: float | None, c: dict) -> dict:
+    est = c.get("estimate_rps")
+    rel = (p - est) / est if p is not None and est and c["kind"] == "point" else None
+    inside = _inside(p, c)
+    return {"error": rel, "inside": inside, "within_15": rel is not None and abs(rel) <= WITHIN,
+            "ok": inside or (rel is not None and abs(rel) <= WITHIN)}
+
+
+def check(profile, path: Path) -> list[dict]:
+    doc = json.loads(path.read_text())
+    now = quote(doc)
+    if now is None:
+        return []
+    doc["quote"] = now  # compare reads the interval from here: today's fit of the same probes
+    t0 = time.process_time()
+    cmp = compare_results(profile, doc)
+    cpu = time.process_time() - t0
+    out = []
+    for name, c in now["arrangements"].items():
+        if c.get("kind") not in ("point", "at_least", "at_most"):
+            continue
+        rows = [r for r in cmp["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None]
+        pred = next((r["predicted"] for r in rows if r["metric"].startswith("capacity at")), None)
+        refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
+        out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
+                    "trial": doc.get("trial"), "arrangement": name,
+                    "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
+                    "num_probes": len(c.get("points") or []),
+                    "predicted_rps": pred, **_verdict(pred, c),
+                    "refit_rps": refit, "refit": _verdict(refit, c) if refit is not None else None,
+                    "compare_cpu_s": round(cpu, 2)})
+    return out
+
+
+def _iv(c: dict) -> str:
+    if c["kind"] == "point":
+        return f"{c['estimate_rps']:.2f} [{c['lo_rps']:.2f}-{c['hi_rps']:.2f}]"
+    return f"{c['kind'].replace('_', ' ')} {c['estimate_rps']:.2f}"
+
+
+def _cell(p, v) -> str:
+    if p is None:
+        return "none held"
+    err = f" ({v['error']:+.0%})" if v and v.get("error") is not None else ""
+    return f"{p:.2f}{err} {'inside' if v['inside'] else 'within 15%' if v['within_15'] else 'MISS'}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("profile", type=Path)
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    profile = profile_of(json.loads(args.profile.read_text()), str(args.profile))
+    rows = []
+    for path in args.results:
+        rows.extend(check(profile, path))
+    print("| trial | arrangement | measured (90%) | probes | predicted | refit on its steps |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['results']} | {r['arrangement']} | {_iv(r['measured'])} | {r['num_probes']} | "
+              f"{_cell(r['predicted_rps'], r)} | {_cell(r['refit_rps'], r['refit']) if r['refit'] else '-'} |")
+    ok = sum(r["ok"] for r in rows)
+    print(f"\n{ok} of {len(rows)} arrangement-runs predicted inside the interval or within 15% of the estimate")
+    if args.json:
+        args.json.write_text(json.dumps({"profile": str(args.profile), "rows": rows,
+                                         "ok": ok, "num": len(rows)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
