@@ -187,6 +187,28 @@ def test_a_reference_that_holds_no_rate_hands_the_calibration_to_the_next_arrang
     assert frozen["capacity"][0]["stopped_by"] == "floor" and frozen["capacity_rps"]["median"] == 0.0
 
 
+@pytest.mark.timeout(180)
+def test_when_no_arrangement_holds_any_rate_the_trial_says_so_once_instead_of_repeating_the_search(tmp_path):
+    # a share of a capacity that nobody has: no fixed rate exists, and a second repeat would spend the
+    # same probes on the same answer (examples/demand_unseen.yaml on 2 cores: 25 minutes of them)
+    frozen = fake("--pause-every", "1", "--pause-s", "5")
+    raw = fake_spec()
+    raw["arrangements"] = [{"name": "frozen-a", "command": frozen}, {"name": "frozen-b", "command": frozen}]
+    raw["arrivals"]["rate"]["reference"] = "frozen-a"
+    raw["capacity"] = {"probe_requests": 6, "max_probes": 3, "min_multiplier": 0.5, "precision": 0.5, "method": "bisect"}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    main(["trial", str(path), "--repeat", "2", "--out", str(tmp_path / "out")])
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    cal = doc["calibration"]
+    assert cal["no_capacity"] and cal["held_nothing"] == ["frozen-a", "frozen-b"]
+    assert doc["verdict"].startswith("No verdict: no arrangement kept 90% of requests good at any rate tried")
+    assert "the other 1 repeat(s) were not run" in doc["verdict"] and "leave out arrivals.rate" in doc["verdict"]
+    for arr in doc["arrangements"]:
+        assert {r["repeat"] for r in arr["runs"]} == {0}            # searched once, in the first repeat
+        assert not [r for r in arr["runs"] if r["purpose"] == "fixed"]
+
+
 def _plan(n=10, gap=2.0):
     from splitserve.trial.workload import PlannedRequest
     return [PlannedRequest(i, "doc" if i % 5 == 0 else "chat", i * gap, [1, 2, i], 4) for i in range(n)]

@@ -178,7 +178,29 @@ class Trial:
                         self.budget.weight_left += repeat  # it is launched in every repeat
                     self._notify()
                 i += 1
+            if rel and self.main_multiplier is None:
+                self._no_capacity_to_scale(rel, repeat)
+                break
         return [self.results[a.name] for a in self.arrangements if a.name in self.results]
+
+    def _no_capacity_to_scale(self, rel, repeat: int) -> None:
+        """Every arrangement calibrated and none held the target at any rate: there is no capacity to
+        take a share of, so no fixed-rate run can be made, and a later repeat would spend the same
+        minutes of probes on the same answer. Say so, and what to change, instead of repeating."""
+        cal = self.calibration or {}
+        tried = [probe["multiplier"] for probe in cal.get("probes") or []]
+        lowest = min(tried) if tried else None
+        cal["note"] = (
+            f"no arrangement kept {self.spec.slo.attainment:.0%} of requests good at any rate tried"
+            + (f", down to x{lowest:.3g} of the spec's rate" if lowest else "")
+            + f" ({', '.join(cal.get('held_nothing') or [])}): there is no capacity to take "
+            f"{rel.fraction_of_capacity:g} of, so no fixed-rate run was made"
+            + (f" and the other {repeat - 1} repeat(s) were not run" if repeat > 1 else "")
+            + ". The SLOs are out of reach for this workload on this machine: loosen them, or leave out "
+              "arrivals.rate to compare the arrangements at the spec's own rates (past every capacity)")
+        cal["no_capacity"] = True
+        self.calibration = cal
+        self._notify()
 
     # --- the fitted method's hooks (sidebyside.py) ---
     def result_for(self, name: str) -> ArrangementResult:

@@ -30,11 +30,13 @@ def verdict(doc: dict) -> str:
     if q:
         return (fitted_verdict(q) + _fitted_context(doc, q) + _network(doc) + _warnings(doc, fitted=True)
                 + note)
+    cal = doc.get("calibration") or {}
+    if cal.get("no_capacity"):  # runner._no_capacity_to_scale: the load is a share of a capacity nobody has
+        return f"No verdict: {cal['note']}." + note
     capacity = _capacity_part(doc)
     fixed, fixed_answer = _fixed_part(doc, headline=capacity is None)
     if capacity is None and fixed is None:
         return "No arrangement completed a run, so there is no verdict." + note
-    cal = doc.get("calibration") or {}
     if cal.get("note"):
         note = f" Calibration: {cal['note']}." + note
     if capacity is not None:
