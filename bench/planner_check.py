@@ -24,18 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.control.compare import compare_results, profile_of  # noqa: E402
+from splitserve.control.compare import _inside, compare_results, profile_of  # noqa: E402
 from splitserve.trial.quote import quote  # noqa: E402
 
 WITHIN = 0.15
-
-
-def _inside(p: float | None, c: dict) -> bool:
-    if p is None:
-        return False
-    if c["kind"] == "point":
-        return c["lo_rps"] <= p <= c["hi_rps"]
-    return p >= c["estimate_rps"] if c["kind"] == "at_least" else p <= c["estimate_rps"]
 
 
 def _verdict(p: float | None, c: dict) -> dict:

@@ -107,7 +107,7 @@ def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcom
     where one curve levels off near the target (1P1D's chats all good, its documents failing from
     some rate on), the decision can turn on the target itself, and a buyer whose target differs
     should see that. Nothing is probed for it: the same outcomes, another crossing."""
-    out = []
+    out, sep_points, col_points = [], [_point(p) for p in sep], [_point(p) for p in col]
     for step in OTHER_TARGETS:
         t = round(target + step, 4)
         if not 0.5 <= t <= 0.99:
@@ -117,8 +117,8 @@ def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcom
             continue
         ratio = (curve.paired_ratio(sep, col, t, rng) if s["kind"] == c["kind"] == "point"
                  else bound_ratio(s, c))
-        out.append({"target": t, "separated": {**s, "target": t, "points": [_point(p) for p in sep]},
-                    "colocated": {**c, "target": t, "points": [_point(p) for p in col]},
+        out.append({"target": t, "separated": {**s, "target": t, "points": sep_points},
+                    "colocated": {**c, "target": t, "points": col_points},
                     "ratio": ratio, "decision": decide(ratio)})
     return out
 
