@@ -152,3 +152,27 @@ def test_the_plan_says_which_step_times_several_instances_use(files, capsys):
                  "--out", str(out)]) == 0
     assert "no step times measured beside busy engines" in json.loads(out.read_text())["step_times_beside_neighbours"]
     assert "Step times: the profile has no step times measured beside busy engines" in capsys.readouterr().out
+
+
+def test_the_plan_judges_each_class_by_its_own_slo_as_the_trial_does(files, tmp_path):
+    """A class's own deadlines (`slo:` under the class) decide its attainment in the plan, as in the
+    trial and compare: documents given 60 s for a first token are not judged by the global 1 s."""
+    spec, profile, _ = files()
+    tight = SPEC.replace("NUM", "30").replace("ttft_s: 8.0", "ttft_s: 1.0")
+    lenient = tight.replace("document: {prompt_tokens: 1200, answer_tokens: 8}",
+                            "document: {prompt_tokens: 1200, answer_tokens: 8, slo: {ttft_s: 60.0, e2e_s: 90.0}}")
+    by_class = {}
+    for name, text in (("tight", tight), ("lenient", lenient)):
+        spec.write_text(text)
+        out = tmp_path / f"{name}.json"
+        assert main(["plan", str(spec), "--profile", str(profile), "--cores", "2", "--min-requests", "30",
+                     "--no-capacity", "--out", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        by_class[name] = {a["name"]: a["predicted"]["by_class"] for a in plan["arrangements"]}
+    # a 1,200-token prompt takes over 3 s of prefill on this profile: never within 1 s, always within 60 s
+    for name, classes in by_class["tight"].items():
+        assert classes["document"]["attainment"] == 0.0, name
+    assert all(c["document"]["attainment"] > 0.5 for c in by_class["lenient"].values())
+    # the chats keep the global deadlines either way
+    for name in by_class["tight"]:
+        assert by_class["lenient"][name]["chat"]["attainment"] == by_class["tight"][name]["chat"]["attainment"]

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                                               kv_total_bytes=kv_total_bytes, disagg=disagg)
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
-                          with_capacity=not args.no_capacity)
+                          with_capacity=not args.no_capacity, class_slos=spec.class_slos)
         doc = plan_document(ranked, profile, requests, spec.slo, target, multiplier, cores, spec.name,
                             str(spec.source) if spec.source else None)
         doc["seconds_to_plan"] = time.perf_counter() - start

@@ -82,13 +82,17 @@ class Candidate:
 
 
 def evaluate(arrangements: list[Arrangement], profile: Profile, requests: list[SimRequest], slo: SLO,
-             target: float, rate_multiplier: float = 1.0, with_capacity: bool = True) -> list[Candidate]:
+             target: float, rate_multiplier: float = 1.0, with_capacity: bool = True,
+             class_slos: dict[str, SLO] | None = None) -> list[Candidate]:
+    """class_slos: each request class's own deadlines (the spec's `slo:` per class), as the trial
+    judges them; `slo` judges the classes without one."""
     out = []
     for arr in arrangements:
-        cand = Candidate(arr, predict(arr, profile, requests, slo, rate_multiplier))
+        cand = Candidate(arr, predict(arr, profile, requests, slo, rate_multiplier, class_slos))
         if with_capacity:
             cand.capacity_multiplier = capacity(arr, profile, requests, slo, target, first=rate_multiplier,
-                                                steps=5, max_multiplier=CAPACITY_HEADROOM * rate_multiplier)
+                                                steps=5, max_multiplier=CAPACITY_HEADROOM * rate_multiplier,
+                                                class_slos=class_slos)
         out.append(cand)
     return rank(out, target)
 
