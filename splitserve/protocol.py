@@ -184,6 +184,9 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     # the engine loop's whole turn around this step, when it ran busy from the turn before (no
     # wait for work): messages in, scheduling, the step, outputs out; 0 where unknown
     loop_seconds: float = 0.0
+    # the engine thread's CPU time during `seconds` (time.thread_time): below `seconds` when the
+    # thread waited for a core that another process held; 0 where unknown (older engines)
+    cpu_seconds: float = 0.0
 
 
 # GET /admin/steps and a trial's `engine_steps` give each step as a list of these, in this order

@@ -290,6 +290,30 @@ def test_prompt_steps_and_decode_steps_are_told_apart():
     assert with_models(parse_profile({**PROFILE, "host_contention": {"factor": 1.3}}), {1: model}).host_contention == 1.0
 
 
+def test_the_engine_threads_cpu_time_tells_a_step_that_waited_for_a_core_from_a_slow_one():
+    """Prompt steps 1.5x the profile's wall time but on the CPU for only 2/3 of it (another process held
+    the core: the cpu ratio is 1.0); decode steps 0.8x and on the CPU throughout. Rows are read by the
+    run's field names, so a layout with cpu_seconds reads as well as the older one without it."""
+    from splitserve.control.trial_steps import step_ratios
+
+    fields = ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds",
+              "cpu_seconds"]
+    rows = [[100, 5.0, 0, 0, 0.15, 0.0, 0.10]] * 30 + [[0, 0.0, 2, 100, 0.016, 0.016, 0.016]] * 30
+    runs = [{"summary": {"engine_steps": {"fields": fields, "instances": {"e": {"role": "colocated", "samples": rows}}}}}]
+    ratios = step_ratios(parse_profile(PROFILE), {"colocated": 1}, runs)
+    assert ratios["kind:prefill"]["model"]["median"] == pytest.approx(1.5)
+    assert ratios["kind:prefill"]["cpu"]["median"] == pytest.approx(1.0)
+    assert ratios["kind:prefill"]["on_cpu_share"] == pytest.approx(2 / 3)
+    assert ratios["kind:decode"]["cpu"]["median"] == pytest.approx(0.8)
+    assert ratios["kind:decode"]["on_cpu_share"] == pytest.approx(1.0)
+    # the older layout (no cpu_seconds): no cpu ratio, the rest as before
+    old = [{"summary": {"engine_steps": {"fields": fields[:-1], "instances": {"e": {
+        "role": "colocated", "samples": [r[:-1] for r in rows]}}}}}]
+    before = step_ratios(parse_profile(PROFILE), {"colocated": 1}, old)
+    assert before["kind:prefill"]["model"]["median"] == pytest.approx(1.5)
+    assert before["kind:prefill"]["cpu"] is None and before["kind:prefill"]["on_cpu_share"] is None
+
+
 def test_a_trial_calibrates_the_profile_per_thread_count_and_the_calibrated_profile_reads_back(tmp_path):
     import json
 

@@ -118,13 +118,16 @@ def test_admin_steps_report_every_step_the_engines_ran(server):
     assert wait_until(lambda: decodes() == expected_decodes, timeout_s=5), (decodes(), expected_decodes)
     got = steps_since(server.base_url, before)
     assert got["fields"] == ["prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds",
-                             "loop_seconds"]
+                             "loop_seconds", "cpu_seconds"]
     samples = [s for inst in got["instances"].values() for s in inst["samples"]]
     assert all(inst["role"] == "colocated" and inst["missing"] == 0 for inst in got["instances"].values())
     assert all(s[0] + s[2] >= 1 and s[4] > 0 for s in samples)  # every sample ran something, and took time
     assert sum(s[0] for s in samples) > 0 and all(s[3] >= s[2] for s in samples)  # a decode attends to >= 1 token
     looped = [s for s in samples if s[5] > 0]
     assert looped and all(s[5] >= s[4] for s in looped)  # a loop turn holds its step
+    # the engine thread's CPU time in the step: some, and never more than the step's wall time
+    # (1-thread engines: the model runs on that thread alone)
+    assert all(0 < s[6] <= s[4] * 1.05 + 1e-3 for s in samples)
     assert httpx.get(f"{server.base_url}/admin/steps", params={"tail": 1}).json()["instances"][0]["first"] >= 0
     bad = httpx.get(f"{server.base_url}/admin/steps", params={"tail": -1})
     assert bad.status_code == 400 and "tail" in bad.json()["error"]["message"]

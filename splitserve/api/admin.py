@@ -103,7 +103,8 @@ def add_admin_routes(app: FastAPI, client: EngineClient, spawn: SpawnEngine | No
                          "count": inst.num_step_samples, "first": inst.num_step_samples - len(log),
                          # in STEP_SAMPLE_FIELDS' order
                          "samples": [[s.prefill_tokens, round(s.prefill_attn_ktok2, 4), s.decode_seqs, s.decode_kv_tokens,
-                                      round(s.seconds, 6), round(s.loop_seconds, 6)] for s in log]})
+                                      round(s.seconds, 6), round(s.loop_seconds, 6), round(s.cpu_seconds, 6)]
+                                     for s in log]})
         return {"fields": list(STEP_SAMPLE_FIELDS), "instances": rows}
 
     @app.post("/admin/instances", status_code=202)

@@ -327,7 +327,10 @@ def render(doc: dict) -> str:
             for key in sorted(k for k in r if k != "arrangement"):
                 entry = r[key]
                 parts = [f"{name} {e['median']:.2f} [{e['p10']:.2f}-{e['p90']:.2f}] tw {e['time_weighted']:.2f}"
-                         for name, e in (("model", entry["model"]), ("loop", entry.get("loop"))) if e]
+                         for name, e in (("model", entry["model"]), ("loop", entry.get("loop")),
+                                         ("cpu", entry.get("cpu"))) if e]
+                if entry.get("on_cpu_share") is not None:
+                    parts.append(f"on CPU {entry['on_cpu_share']:.0%}")
                 lines.append(f"  {r['arrangement']:26} {key:16} n={entry['model']['num_steps']:6d}  " + "; ".join(parts))
     rk = doc["ranking"]
     lines.append(f"top two by {rk['by']}: predicted {rk['predicted_top_two']}, measured {rk['measured_top_two']}"

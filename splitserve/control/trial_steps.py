@@ -10,6 +10,12 @@ around it). The profile times EngineCore.step alone on an otherwise idle engine,
     loop ratio   loop_seconds / predicted  ... plus the engine process's own work around the
                                            step (requests in, outputs out) that the profile
                                            does not see
+    cpu ratio    cpu_seconds / predicted   the engine thread's CPU time in the step: where the
+                                           model ratio is high and this one is not, the step
+                                           waited for a core that another process held
+                                           (the frontend, the client, a neighbour); engines
+                                           before cpu_seconds existed give none
+    on-CPU share sum(cpu_seconds) / sum(seconds) over the same steps
 
 Both are given as the median over steps and as the ratio of the sums (time-weighted: what the
 instance's busy time was against what the model says), over all steps and apart for steps that
@@ -53,42 +59,57 @@ def _summary(measured: list[float], predicted: list[float]) -> dict | None:
             "measured_s": sum(m for m, _ in pairs)}
 
 
+# the fields a run's steps must name to be read (older trials' steps lack cpu_seconds: read as 0)
+_NEEDED = STEP_SAMPLE_FIELDS[:STEP_SAMPLE_FIELDS.index("loop_seconds") + 1]
+
+
 def _instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
-    """(role, threads, shape, model seconds, loop seconds) of every step the runs kept, for the
-    instances whose role the arrangement has (runs without steps, or of another layout, give none)."""
+    """(role, threads, shape, model seconds, loop seconds, cpu seconds) of every step the runs kept,
+    for the instances whose role the arrangement has (runs without steps, or of another layout,
+    give none). Rows are read by the run's own field names, so older trials' steps still count."""
     for run in runs:
         steps = (run.get("summary") or {}).get("engine_steps") or {}
-        if tuple(steps.get("fields") or ()) != STEP_SAMPLE_FIELDS:
+        fields = list(steps.get("fields") or ())
+        if not set(_NEEDED) <= set(fields):
             continue
+        at = [fields.index(f) for f in _NEEDED]
+        cpu_at = fields.index("cpu_seconds") if "cpu_seconds" in fields else None
         for inst in (steps.get("instances") or {}).values():
             threads = threads_by_role.get(inst.get("role"))
             if threads is None:
                 continue
-            for p, attn, d, kv, seconds, loop in inst.get("samples") or []:
-                yield inst["role"], threads, StepShape(int(p), float(attn), int(d), int(kv)), seconds, loop
+            for row in inst.get("samples") or []:
+                p, attn, d, kv, seconds, loop = (row[i] for i in at)
+                cpu = row[cpu_at] if cpu_at is not None else 0.0
+                yield inst["role"], threads, StepShape(int(p), float(attn), int(d), int(kv)), seconds, loop, cpu
 
 
 def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[dict]) -> dict | None:
     """Over every run's `engine_steps`: the model and loop ratios, all steps together and split by
     role and by kind (steps with prompt tokens, decode-only steps). None without enough steps."""
-    groups: dict[str, tuple[list[float], list[float], list[float]]] = {}
+    groups: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {}
 
-    def add(key: str, seconds: float, loop: float, predicted: float) -> None:
-        model, loops, preds = groups.setdefault(key, ([], [], []))
+    def add(key: str, seconds: float, loop: float, cpu: float, predicted: float) -> None:
+        model, loops, cpus, preds = groups.setdefault(key, ([], [], [], []))
         model.append(seconds)
         loops.append(loop)
+        cpus.append(cpu)
         preds.append(predicted)
 
-    for role, threads, shape, seconds, loop in _instance_steps(threads_by_role, runs):
+    for role, threads, shape, seconds, loop, cpu in _instance_steps(threads_by_role, runs):
         predicted = profile.steps.for_threads(threads).predict(shape)
         kind = "prefill" if shape.prefill_tokens else "decode"
         for key in ("all", f"role:{role}", f"kind:{kind}", f"threads:{threads}:kind:{kind}"):
-            add(key, seconds, loop, predicted)
+            add(key, seconds, loop, cpu, predicted)
     if "all" not in groups:
         return None
     out = {}
-    for key, (model, loops, preds) in groups.items():
-        entry = {"model": _summary(model, preds), "loop": _summary(loops, preds)}
+    for key, (model, loops, cpus, preds) in groups.items():
+        entry = {"model": _summary(model, preds), "loop": _summary(loops, preds), "cpu": _summary(cpus, preds)}
+        timed = [(c, m) for c, m in zip(cpus, model) if c > 0 and m > 0]
+        # the share of the steps' wall time their engine thread was on a core (None: no CPU times)
+        entry["on_cpu_share"] = (sum(c for c, _ in timed) / sum(m for _, m in timed)
+                                 if len(timed) >= MIN_STEPS else None)
         if entry["model"] is not None:
             out[key] = entry
     return out or None
@@ -98,7 +119,7 @@ def trial_samples(threads_by_role: dict[str, int], runs: list[dict]) -> dict[int
     """Every run's measured steps by thread count: the engine loop's turn where it was measured (what
     the instance's time went to), the model's own seconds otherwise."""
     out: dict[int, list[OnlineSample]] = {}
-    for _, threads, shape, seconds, loop in _instance_steps(threads_by_role, runs):
+    for _, threads, shape, seconds, loop, _cpu in _instance_steps(threads_by_role, runs):
         out.setdefault(threads, []).append(OnlineSample(shape, loop if loop > 0 else seconds))
     return out
 

@@ -235,14 +235,14 @@ class EngineCore:
         if not batch:
             return outputs
         shape = step_shape(batch)  # before the run moves num_computed_tokens on
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             sampled = self.runner.execute(batch, self.generator)
             self.runner.synchronize()  # a prompt chunk that samples nothing leaves its kernels queued
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine lives on
             requests = batch.decodes + [r for r, _ in batch.prefills]
             return outputs + [self._fail(r, f"{type(e).__name__}: {e}") for r in requests]
-        self._observe_step(time.perf_counter() - started, batch.num_tokens, shape)
+        self._observe_step(time.perf_counter() - started, batch.num_tokens, shape, time.thread_time() - cpu_started)
         finished = set(self.scheduler.update(batch, sampled))
         self.num_steps += 1
         outputs += self._prefill_progress(batch, sampled)
@@ -288,8 +288,9 @@ class EngineCore:
         self.requests.pop(request.request_id, None)
         return kv_params
 
-    def _observe_step(self, seconds: float, num_tokens: int, shape: tuple[int, float, int, int]) -> None:
-        self._step_samples.append(StepSample(*shape, seconds))
+    def _observe_step(self, seconds: float, num_tokens: int, shape: tuple[int, float, int, int],
+                      cpu_seconds: float = 0.0) -> None:
+        self._step_samples.append(StepSample(*shape, seconds, cpu_seconds=cpu_seconds))
         if self.step_seconds == 0.0:
             self.step_seconds, self.step_tokens = seconds, float(num_tokens)
         else:
