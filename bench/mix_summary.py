@@ -1,0 +1,112 @@
+"""Issue 31's table for one trial with --repeat: per arrangement, over its fixed-rate runs, overall
+attainment (median, min-max), attainment per phase (median), longest pause p99 (median, min-max),
+role changes per run and per minute of run, and the knob moves; then adaptive against the best
+fixed arrangement (by median attainment) on the issue's three rules.
+
+    python bench/mix_summary.py RESULTS.json [--json OUT]
+
+Reads what the trial wrote (results.json); computes nothing the report does not, only lays it out
+the way docs/benchmarks.md ("Adaptive stage mix") tables it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def _fixed_runs(arr: dict) -> list[dict]:
+    return [r for r in arr.get("runs") or [] if r.get("purpose") == "fixed"]
+
+
+def _span(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def summarize(results: dict) -> dict:
+    out = {"trial": results.get("trial"), "arrangements": []}
+    for arr in results["arrangements"]:
+        runs = _fixed_runs(arr)
+        if not runs:
+            continue
+        summaries = [r["summary"] for r in runs]
+        phases = [[p["attainment"] for p in s.get("by_phase") or []] for s in summaries]
+        num_phases = max((len(p) for p in phases), default=0)
+        by_phase = [statistics.median([p[i] for p in phases if i < len(p)]) for i in range(num_phases)]
+        phase_requests = [p["num_requests"] for p in (summaries[0].get("by_phase") or [])]
+        timelines = [s.get("role_timeline") or {} for s in summaries]
+        changes = [len(t.get("changes") or []) for t in timelines] if any(timelines) else None
+        minutes = [s["makespan_s"] / 60 for s in summaries]
+        out["arrangements"].append({
+            "name": arr["name"],
+            "num_runs": len(runs),
+            "rate_multiplier": runs[0].get("rate_multiplier"),
+            "num_requests": summaries[0]["num_requests"],
+            "attainment": _span([s["attainment"] for s in summaries]),
+            "attainment_per_run": [s["attainment"] for s in summaries],
+            "by_phase_median": by_phase,
+            "phase_requests": phase_requests,
+            "longest_pause_p99_s": _span([s["longest_pause_s"]["p99"] for s in summaries]),
+            "role_changes": changes,
+            "role_changes_per_minute": ([c / m for c, m in zip(changes, minutes)] if changes is not None else None),
+            "failures": [s.get("failures") for s in summaries],
+        })
+    fixed = [a for a in out["arrangements"] if a["role_changes"] is None]
+    adaptive = [a for a in out["arrangements"] if a["role_changes"] is not None]
+    if fixed and adaptive:
+        best = max(fixed, key=lambda a: a["attainment"]["median"])
+        for a in adaptive:
+            per_phase = [max(f["by_phase_median"][i] for f in fixed if i < len(f["by_phase_median"]))
+                         for i in range(len(a["by_phase_median"]))]
+            a["against_best_fixed"] = {
+                "best_fixed": best["name"],
+                "overall_points": 100 * (a["attainment"]["median"] - best["attainment"]["median"]),
+                "phase_points_vs_best_in_phase": [100 * (x - b) for x, b in zip(a["by_phase_median"], per_phase)],
+                "pause_p99_vs_best_fixed_s": a["longest_pause_p99_s"]["median"] - best["longest_pause_p99_s"]["median"],
+                "overall_at_least_best": a["attainment"]["median"] >= best["attainment"]["median"],
+                "no_phase_5_points_below": all(100 * (x - b) >= -5 for x, b in zip(a["by_phase_median"], per_phase)),
+                "pause_no_worse": a["longest_pause_p99_s"]["median"] <= best["longest_pause_p99_s"]["median"],
+            }
+    return out
+
+
+def render(doc: dict) -> str:
+    lines = [f"trial {doc['trial']}"]
+    for a in doc["arrangements"]:
+        att, pause = a["attainment"], a["longest_pause_p99_s"]
+        phases = " / ".join(f"{100 * x:.0f}" for x in a["by_phase_median"])
+        changes = ("-" if a["role_changes"] is None else
+                   ", ".join(str(c) for c in a["role_changes"]) + " (" +
+                   ", ".join(f"{x:.1f}" for x in a["role_changes_per_minute"]) + " a minute)")
+        lines.append(f"  {a['name']:24} x{a['rate_multiplier']:.3g}  {100 * att['median']:.1f}% "
+                     f"({100 * att['min']:.1f}-{100 * att['max']:.1f}%)  phases {phases} "
+                     f"(requests {a['phase_requests']})  pause p99 {pause['median']:.2f} s "
+                     f"({pause['min']:.2f}-{pause['max']:.2f})  role changes {changes}")
+        lines.append(f"  {'':24} per run: " + ", ".join(f"{100 * x:.1f}%" for x in a["attainment_per_run"]))
+        vs = a.get("against_best_fixed")
+        if vs:
+            lines.append(f"  {'':24} against {vs['best_fixed']}: overall {vs['overall_points']:+.1f} points "
+                         f"({'met' if vs['overall_at_least_best'] else 'NOT met'}); phases vs the best in each "
+                         + ", ".join(f"{x:+.0f}" for x in vs["phase_points_vs_best_in_phase"])
+                         + f" ({'met' if vs['no_phase_5_points_below'] else 'NOT met'}); pause p99 "
+                         f"{vs['pause_p99_vs_best_fixed_s']:+.2f} s ({'met' if vs['pause_no_worse'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    with open(args.results) as f:
+        doc = summarize(json.load(f))
+    print(render(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
