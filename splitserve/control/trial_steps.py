@@ -13,8 +13,9 @@ around it). The profile times EngineCore.step alone on an otherwise idle engine,
     cpu ratio    cpu_seconds / predicted   the engine thread's CPU time in the step: where the
                                            model ratio is high and this one is not, the step
                                            waited for a core that another process held
-                                           (the frontend, the client, a neighbour); engines
-                                           before cpu_seconds existed give none
+                                           (the frontend, the client, a neighbour); only for
+                                           1-thread instances (on more, the other threads'
+                                           work is not in it); older engines give none
     on-CPU share sum(cpu_seconds) / sum(seconds) over the same steps
 
 Both are given as the median over steps and as the ratio of the sums (time-weighted: what the
@@ -99,6 +100,9 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
     for role, threads, shape, seconds, loop, cpu in _instance_steps(threads_by_role, runs):
         predicted = profile.steps.for_threads(threads).predict(shape)
         kind = "prefill" if shape.prefill_tokens else "decode"
+        # the engine thread's CPU time says whether the step waited for a core only where that thread
+        # ran the whole model: on more threads the others' work is not in it
+        cpu = cpu if threads == 1 else 0.0
         for key in ("all", f"role:{role}", f"kind:{kind}", f"threads:{threads}:kind:{kind}"):
             add(key, seconds, loop, cpu, predicted)
     if "all" not in groups:
