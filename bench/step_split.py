@@ -1,0 +1,112 @@
+"""Issue 28: where a trial's prompt steps part from the profile. Every engine step a trial kept,
+against the profile's step model for the same shape (the model the simulator uses for that
+arrangement: the steps timed beside busy engines where it has several instances), split by
+
+    kind     decode-only, or with prompt tokens (under / at least 128 of them)
+    start    where the step's prompt chunk starts: 0 (a request's first step), under 64 tokens
+             in (a cached prefix), or further (a later chunk of a long prompt); read back from
+             prefill_attn_ktok2 = chunk * (start + chunk / 2) / 1000, exact for one chunk a step
+    beside   no decodes in the step, or some
+    turn     'busy': the engine loop ran straight on from the turn before (loop_seconds > 0);
+             'after-wait': it had waited for work (a first step after idling)
+
+with the median and time-weighted ratio of measured to modelled seconds, and, where the engines
+sent it (cpu_seconds; 1-thread instances only), the ratio of the engine thread's CPU time to the
+model and the share of the steps' wall time that thread was on a core.
+
+    python bench/step_split.py PROFILE.json RESULTS.json [RESULTS.json ...] [--by kind,start,beside,turn]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from splitserve.control.compare import arrangement_from_serve_args
+from splitserve.control.profile_file import load_profile
+from splitserve.control.stepmodel import StepShape
+
+FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds")
+
+
+def labels(p: int, attn: float, d: int, loop: float) -> dict[str, str]:
+    start = attn * 1000 / p - p / 2 if p else 0.0
+    return {"kind": ("decode" if not p else "prompt<128" if p < 128 else "prompt>=128"),
+            "start": "-" if not p else "start0" if start < 1 else "start<64" if start < 64 else "start>=64",
+            "beside": "alone" if not d else "+decodes",
+            "turn": "busy" if loop > 0 else "after-wait"}
+
+
+def split(profile, results: dict, by: list[str]) -> list[dict]:
+    rows = []
+    for arr in results["arrangements"]:
+        launch = (arr.get("launch") or {}).get("serve")
+        if not launch:
+            continue
+        shape = arrangement_from_serve_args(arr["name"], launch, 2)
+        threads_by_role = {i.role: i.threads for i in shape.instances}
+        models, _ = profile.instance_models([i.threads for i in shape.instances])
+        model_of = {i.threads: m for i, m in zip(shape.instances, models)}
+        groups: dict[tuple, list[tuple[float, float, float]]] = {}
+        for run in arr.get("runs") or []:
+            steps = (run.get("summary") or {}).get("engine_steps") or {}
+            fields = list(steps.get("fields") or ())
+            if not set(FIELDS) <= set(fields):
+                continue
+            at = [fields.index(f) for f in FIELDS]
+            cpu_at = fields.index("cpu_seconds") if "cpu_seconds" in fields else None
+            for inst in (steps.get("instances") or {}).values():
+                threads = threads_by_role.get(inst.get("role"))
+                if threads is None:
+                    continue
+                for row in inst.get("samples") or []:
+                    p, attn, d, kv, seconds, loop = (row[i] for i in at)
+                    cpu = row[cpu_at] if cpu_at is not None and threads == 1 else 0.0
+                    predicted = model_of[threads].predict(StepShape(int(p), float(attn), int(d), int(kv)))
+                    tags = labels(int(p), float(attn), int(d), float(loop))
+                    groups.setdefault(tuple(tags[k] for k in by), []).append((seconds, predicted, cpu))
+        for key, values in sorted(groups.items()):
+            ratios = [s / p for s, p, _ in values if p > 0]
+            timed = [(s, p, c) for s, p, c in values if c > 0]
+            rows.append({"arrangement": arr["name"], "group": dict(zip(by, key)), "num_steps": len(values),
+                         "median": statistics.median(ratios),
+                         "time_weighted": sum(s for s, _, _ in values) / sum(p for _, p, _ in values),
+                         "cpu_time_weighted": (sum(c for _, _, c in timed) / sum(p for _, p, _ in timed)
+                                               if timed else None),
+                         "on_cpu_share": (sum(c for _, _, c in timed) / sum(s for s, _, _ in timed)
+                                          if timed else None)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile")
+    parser.add_argument("results", nargs="+")
+    parser.add_argument("--by", default="kind,start,beside")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    by = [x.strip() for x in args.by.split(",") if x.strip()]
+    unknown = set(by) - {"kind", "start", "beside", "turn"}
+    if unknown:
+        parser.error(f"--by: unknown {sorted(unknown)}; choose from kind, start, beside, turn")
+    profile = load_profile(args.profile)
+    out = []
+    for path in args.results:
+        with open(path) as f:
+            rows = split(profile, json.load(f), by)
+        print(path)
+        for r in rows:
+            cpu = (f"  cpu/model tw {r['cpu_time_weighted']:.2f}, on CPU {r['on_cpu_share']:.0%}"
+                   if r["cpu_time_weighted"] is not None else "")
+            print(f"  {r['arrangement']:22} {' '.join(r['group'].values()):34} n={r['num_steps']:5d}  "
+                  f"median {r['median']:.2f}  tw {r['time_weighted']:.2f}{cpu}")
+        out.append({"results": path, "rows": rows})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
