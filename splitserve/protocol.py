@@ -35,9 +35,9 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 9  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 10  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
-# 8: a step sample's loop time; 9: SetChunkTokens
+# 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
