@@ -163,6 +163,7 @@ def _broken(path: str, value):
     ("threads.1.contended", {"step_model": {"overhead_s": -1, "per_prefill_token_s": 0}},
      "threads.1.contended.step_model.overhead_s"),
     ("threads.1.contended", {}, "threads.1.contended"),
+    ("fit_statistic", "mean", "fit_statistic"),
 ])
 def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
     with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -212,3 +213,18 @@ def test_the_profile_command_reaches_set_omp_wait_policy_before_torch_loads():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_profile_can_be_fitted_on_each_steps_median_repeat_instead_of_its_fastest():
+    """Repeats of 1x, 1.1x and 2x a step's cost (a straight line in prompt tokens): fitted on the fastest
+    repeat by default, on the median one when the file asks (`fit_statistic: median`), never the mean."""
+    def cost(p: int) -> float:
+        return 0.01 + 0.002 * p
+    samples = [{"kind": "prefill", "prefill_tokens": p, "seconds": [cost(p) * 2.0, cost(p), cost(p) * 1.1]}
+               for p in (16, 32, 64, 128, 256, 512)]
+    doc = {**copy.deepcopy(HAND_WRITTEN), "threads": {"1": {"samples": samples}}}
+    fastest = parse_profile(doc).steps.for_threads(1)
+    median = parse_profile({**doc, "fit_statistic": "median"}).steps.for_threads(1)
+    assert parse_profile({**doc, "fit_statistic": "fastest"}).steps.for_threads(1) == fastest
+    assert fastest.prefill_s(128) == pytest.approx(cost(128), rel=0.02)
+    assert median.prefill_s(128) == pytest.approx(1.1 * cost(128), rel=0.02)

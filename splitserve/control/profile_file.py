@@ -13,6 +13,7 @@
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
      "startup_s": {"load_model": [...], "engine": [...]},            # optional
      "host_contention": {"factor": 1.15},                            # optional: bench/host_contention.py
+     "fit_statistic": "fastest",                                     # optional: or "median" (of each step's repeats)
      "trial_calibration": {"source": "...", "threads": {"1": {"step_model": {...}, "num_steps": 900}}}}  # optional
 
 Samples are the truth when present: the step model is refitted from them on load. A hand-written
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 from dataclasses import dataclass, field
 
 from splitserve.control.stepmodel import COEFFICIENTS, StepModel, StepModels, StepShape, fit_step_model
@@ -125,16 +127,19 @@ def _step_model(raw, path: str) -> StepModel:
     return StepModel(**{k: _number(v, f"{path}.{k}") for k, v in raw.items()})
 
 
-def _thread_model(entry: dict, path: str) -> StepModel:
+FIT_STATISTICS = ("fastest", "median")  # which repeat of each profiled step a model is fitted on
+
+
+def _thread_model(entry: dict, path: str, statistic: str = "fastest") -> StepModel:
     """One thread count's step model: refitted from its samples when present, else as written."""
     if "samples" in entry:
-        return fit_step_model(*step_samples(entry["samples"], f"{path}.samples")).model
+        return fit_step_model(*step_samples(entry["samples"], f"{path}.samples", statistic)).model
     if "step_model" in entry:
         return _step_model(entry["step_model"], f"{path}.step_model")
     raise ProfileError(f"{path}: give samples (measured) or step_model (coefficients)")
 
 
-def step_samples(raw, path: str = "samples") -> tuple[list[StepShape], list[float]]:
+def step_samples(raw, path: str = "samples", statistic: str = "fastest") -> tuple[list[StepShape], list[float]]:
     if not isinstance(raw, list) or not raw:
         raise ProfileError(f"{path}: expected a non-empty list of step samples")
     shapes, seconds = [], []
@@ -148,10 +153,12 @@ def step_samples(raw, path: str = "samples") -> tuple[list[StepShape], list[floa
         values = {k: _number(s.get(k, 0), f"{p}.{k}") for k in SAMPLE_FIELDS}
         shapes.append(StepShape(int(values["prefill_tokens"]), values["prefill_attn_ktok2"],
                                 int(values["decode_seqs"]), int(values["decode_kv_tokens"])))
-        # The fastest repeat: other processes' load only ever adds time, so on a shared machine the
-        # minimum is the instance's own cost (the median still moved 3-5x when two repeats of three
-        # were hit; all repeats stay in the file).
-        seconds.append(min(times))
+        # The fastest repeat by default: other processes' load only ever adds time, so on a shared
+        # machine the minimum is the instance's own cost (the median still moved 3-5x when two
+        # repeats of three were hit; all repeats stay in the file). A profile taken quiet may ask
+        # for the median repeat (`fit_statistic: median`): a trial's steps are typical ones, and a
+        # quiet prompt step's median runs 1.05-1.14x its fastest (docs/benchmarks.md, "Planner").
+        seconds.append(min(times) if statistic == "fastest" else statistics.median(times))
     return shapes, seconds
 
 
@@ -170,6 +177,9 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     threads = _mapping(doc.get("threads"), "threads")
     if not threads:
         raise ProfileError("threads: profile at least one thread count")
+    statistic = doc.get("fit_statistic", "fastest")
+    if statistic not in FIT_STATISTICS:
+        raise ProfileError(f"fit_statistic: one of {list(FIT_STATISTICS)}, got {statistic!r}")
     models, contended = {}, {}
     for key, entry in threads.items():
         path = f"threads.{key}"
@@ -180,9 +190,10 @@ def parse_profile(doc, source: str = "profile") -> Profile:
         if count < 1:
             raise ProfileError(f"{path}: a thread count must be >= 1")
         entry = _mapping(entry, path)
-        models[count] = _thread_model(entry, path)
+        models[count] = _thread_model(entry, path, statistic)
         if entry.get("contended") is not None:
-            contended[count] = _thread_model(_mapping(entry["contended"], f"{path}.contended"), f"{path}.contended")
+            contended[count] = _thread_model(_mapping(entry["contended"], f"{path}.contended"), f"{path}.contended",
+                                             statistic)
     serial = doc.get("serial_fraction")
     if serial is not None and not 0 <= _number(serial, "serial_fraction") <= 1:
         raise ProfileError(f"serial_fraction: a fraction in [0, 1], got {serial}")
