@@ -16,6 +16,9 @@ import msgspec
 from fastapi import HTTPException
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# after a 413 for a body still arriving, drop at most this many times the limit, for at most this long
+LINGER_BYTES_FACTOR = 4
+LINGER_S = 2.0
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +90,27 @@ class RequestLimitsMiddleware:
                 size += len(message.get("body", b""))
                 if size > self.max_request_bytes:
                     raise HTTPException(413, self._too_large())
+            elif message["type"] == "http.disconnect":
+                body_done = True
             return message
 
-        return await self.app(scope, counting_receive, send)
+        await self.app(scope, counting_receive, send)
+        if size > self.max_request_bytes and not body_done:
+            await self._linger(receive)
+
+    async def _linger(self, receive) -> None:
+        """After a 413 for a body still arriving: read and drop what the client goes on sending, for a
+        bounded time and amount, so it gets to read the answer. Closing at once with its bytes unread
+        makes the kernel reset the connection, and the client sees 'connection reset' instead of the
+        413 (nginx's lingering close does the same)."""
+        budget = LINGER_BYTES_FACTOR * self.max_request_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER_S
+        while budget > 0 and loop.time() < deadline:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            budget -= len(message.get("body", b""))
