@@ -25,10 +25,7 @@ import sys
 
 from splitserve.control.compare import arrangement_from_serve_args
 from splitserve.control.profile_file import load_profile
-from splitserve.control.stepmodel import StepShape
-
-FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds", "loop_seconds")
-
+from splitserve.control.trial_steps import instance_steps
 
 def labels(p: int, attn: float, d: int, loop: float) -> dict[str, str]:
     start = attn * 1000 / p - p / 2 if p else 0.0
@@ -49,23 +46,11 @@ def split(profile, results: dict, by: list[str]) -> list[dict]:
         models, _ = profile.instance_models([i.threads for i in shape.instances])
         model_of = {i.threads: m for i, m in zip(shape.instances, models)}
         groups: dict[tuple, list[tuple[float, float, float]]] = {}
-        for run in arr.get("runs") or []:
-            steps = (run.get("summary") or {}).get("engine_steps") or {}
-            fields = list(steps.get("fields") or ())
-            if not set(FIELDS) <= set(fields):
-                continue
-            at = [fields.index(f) for f in FIELDS]
-            cpu_at = fields.index("cpu_seconds") if "cpu_seconds" in fields else None
-            for inst in (steps.get("instances") or {}).values():
-                threads = threads_by_role.get(inst.get("role"))
-                if threads is None:
-                    continue
-                for row in inst.get("samples") or []:
-                    p, attn, d, kv, seconds, loop = (row[i] for i in at)
-                    cpu = row[cpu_at] if cpu_at is not None and threads == 1 else 0.0
-                    predicted = model_of[threads].predict(StepShape(int(p), float(attn), int(d), int(kv)))
-                    tags = labels(int(p), float(attn), int(d), float(loop))
-                    groups.setdefault(tuple(tags[k] for k in by), []).append((seconds, predicted, cpu))
+        for _role, threads, shape_, seconds, loop, cpu in instance_steps(threads_by_role, arr.get("runs") or []):
+            cpu = cpu if threads == 1 else 0.0
+            predicted = model_of[threads].predict(shape_)
+            tags = labels(shape_.prefill_tokens, shape_.prefill_attn_ktok2, shape_.decode_seqs, float(loop))
+            groups.setdefault(tuple(tags[k] for k in by), []).append((seconds, predicted, cpu))
         for key, values in sorted(groups.items()):
             ratios = [s / p for s, p, _ in values if p > 0]
             timed = [(s, p, c) for s, p, c in values if c > 0]

@@ -64,7 +64,7 @@ def _summary(measured: list[float], predicted: list[float]) -> dict | None:
 _NEEDED = STEP_SAMPLE_FIELDS[:STEP_SAMPLE_FIELDS.index("loop_seconds") + 1]
 
 
-def _instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
+def instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
     """(role, threads, shape, model seconds, loop seconds, cpu seconds) of every step the runs kept,
     for the instances whose role the arrangement has (runs without steps, or of another layout,
     give none). Rows are read by the run's own field names, so older trials' steps still count."""
@@ -97,7 +97,7 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
         cpus.append(cpu)
         preds.append(predicted)
 
-    for role, threads, shape, seconds, loop, cpu in _instance_steps(threads_by_role, runs):
+    for role, threads, shape, seconds, loop, cpu in instance_steps(threads_by_role, runs):
         predicted = profile.steps.for_threads(threads).predict(shape)
         kind = "prefill" if shape.prefill_tokens else "decode"
         # the engine thread's CPU time says whether the step waited for a core only where that thread
@@ -123,7 +123,7 @@ def trial_samples(threads_by_role: dict[str, int], runs: list[dict]) -> dict[int
     """Every run's measured steps by thread count: the engine loop's turn where it was measured (what
     the instance's time went to), the model's own seconds otherwise."""
     out: dict[int, list[OnlineSample]] = {}
-    for _, threads, shape, seconds, loop, _cpu in _instance_steps(threads_by_role, runs):
+    for _, threads, shape, seconds, loop, _cpu in instance_steps(threads_by_role, runs):
         out.setdefault(threads, []).append(OnlineSample(shape, loop if loop > 0 else seconds))
     return out
 
