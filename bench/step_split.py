@@ -47,7 +47,6 @@ def split(profile, results: dict, by: list[str]) -> list[dict]:
         model_of = {i.threads: m for i, m in zip(shape.instances, models)}
         groups: dict[tuple, list[tuple[float, float, float]]] = {}
         for _role, threads, shape_, seconds, loop, cpu in instance_steps(threads_by_role, arr.get("runs") or []):
-            cpu = cpu if threads == 1 else 0.0
             predicted = model_of[threads].predict(shape_)
             tags = labels(shape_.prefill_tokens, shape_.prefill_attn_ktok2, shape_.decode_seqs, float(loop))
             groups.setdefault(tuple(tags[k] for k in by), []).append((seconds, predicted, cpu))

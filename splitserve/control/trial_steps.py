@@ -67,7 +67,9 @@ _NEEDED = STEP_SAMPLE_FIELDS[:STEP_SAMPLE_FIELDS.index("loop_seconds") + 1]
 def instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
     """(role, threads, shape, model seconds, loop seconds, cpu seconds) of every step the runs kept,
     for the instances whose role the arrangement has (runs without steps, or of another layout,
-    give none). Rows are read by the run's own field names, so older trials' steps still count."""
+    give none). Rows are read by the run's own field names, so older trials' steps still count. The
+    CPU time is 0 (unknown) where the engine ran on more than one thread: the engine thread's CPU
+    time says whether a step waited for a core only where that thread ran the whole model."""
     for run in runs:
         steps = (run.get("summary") or {}).get("engine_steps") or {}
         fields = list(steps.get("fields") or ())
@@ -81,7 +83,7 @@ def instance_steps(threads_by_role: dict[str, int], runs: list[dict]):
                 continue
             for row in inst.get("samples") or []:
                 p, attn, d, kv, seconds, loop = (row[i] for i in at)
-                cpu = row[cpu_at] if cpu_at is not None else 0.0
+                cpu = row[cpu_at] if cpu_at is not None and threads == 1 else 0.0
                 yield inst["role"], threads, StepShape(int(p), float(attn), int(d), int(kv)), seconds, loop, cpu
 
 
@@ -100,9 +102,6 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
     for role, threads, shape, seconds, loop, cpu in instance_steps(threads_by_role, runs):
         predicted = profile.steps.for_threads(threads).predict(shape)
         kind = "prefill" if shape.prefill_tokens else "decode"
-        # the engine thread's CPU time says whether the step waited for a core only where that thread
-        # ran the whole model: on more threads the others' work is not in it
-        cpu = cpu if threads == 1 else 0.0
         for key in ("all", f"role:{role}", f"kind:{kind}", f"threads:{threads}:kind:{kind}"):
             add(key, seconds, loop, cpu, predicted)
     if "all" not in groups:
