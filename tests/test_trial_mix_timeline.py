@@ -20,6 +20,11 @@ def test_the_role_timeline_of_an_adaptive_arrangement_is_stored_and_shown(tmp_pa
     # switch time: from the decision that first read the shift (its TTFT estimate past the target)
     assert 0 < change["switch_s"] <= change["at_s"]
     assert 0.0 <= change["attainment_after"] <= 1.0 and change["num_after"] >= 1
+    # every decision of the run in brief, held ones too, in time order; the change among them
+    brief = timeline["decisions"]
+    assert len(brief) == timeline["num_decisions"] >= 1
+    assert [d["at_s"] for d in brief] == sorted(d["at_s"] for d in brief)
+    assert any(d.get("instance_id") == "engine-1" and d.get("to_role") == "prefill" for d in brief)
     assert timeline["roles_at_start"] == {"engine-0": "colocated", "engine-1": "colocated"}
     assert timeline["roles_at_end"]["engine-1"] == "prefill"
     assert "role_timeline" not in fixed["runs"][0]["summary"]

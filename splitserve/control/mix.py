@@ -18,8 +18,10 @@ colocated instance, a prefill or decode instance gets no new work (coordinator/r
 a single change from two colocated instances only ever helps as the first of two.
 
 A move must also pay for itself (issue 31): its gain is the SLO pressure it removes (capped at
-`pressure_cap`, past which mixes are overloaded alike), averaged over the demand of the last
-`horizon_s` seconds and counted over that horizon, in pressure-seconds; its cost is the measured
+`pressure_cap`, past which mixes are overloaded alike; the part past 1, where deadlines are lost,
+counted `miss_weight` times more, so a phase that saturates a stage outweighs a minute of margins
+in the phase before it), averaged over the demand of the last `horizon_s` seconds and counted
+over that horizon, in pressure-seconds; its cost is the measured
 seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
 change, times the pressure then. Demand that alternates faster than the horizon averages out,
 so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
@@ -31,7 +33,10 @@ before any role change, whenever a setting of them alone is predicted to hold th
 decode instances' local-prefill threshold (`serve --disagg-policy threshold`) and the chunk budget,
 the prompt tokens a step carries beside running streams on every instance (a colocated instance's
 chunks, a decode instance's local prefills, a prefill instance's inherited streams; engine
-message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. A change that
+message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. They move only
+while a target is missed, to the setting with the shortest predicted gap among those that hold
+every target with `knob_headroom` to spare (a stream's longest pause is its longest step), and
+every mix a role change could lead to is judged at the knob setting it would then move to. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
@@ -205,6 +210,8 @@ class MixController:
     change_cost_s: float = 5.0        # seconds a role change disrupts until one is measured (conservative)
     undo_bar: float = 3.0             # undoing a move made within the horizon must gain this many times its cost
     pressure_cap: float = 10.0        # past this, pressures are "overloaded" alike (a saturated stage's is noise)
+    knob_headroom: float = 0.9        # a knob setting with pressure under this holds the targets with room
+    miss_weight: float = 4.0          # a move's gain counts pressure past 1 (deadlines lost) this many times more
     # serve --disagg-policy threshold: the decode instances' local-prefill threshold, the controller's
     # cheaper knob (None: no such knob), and the values it may set
     local_prefill_max_tokens: int | None = None
@@ -229,8 +236,10 @@ class MixController:
             raise ValueError(f"mix calm must be positive, got {self.calm}")
         if self.patience < 1 or self.cooldown < 0:
             raise ValueError("mix: patience must be >= 1 and cooldown >= 0 intervals")
-        if not (self.horizon_s > 0 and self.change_cost_s >= 0 and self.undo_bar >= 1 and self.pressure_cap > 1):
-            raise ValueError("mix: horizon_s > 0, change_cost_s >= 0, undo_bar >= 1 and pressure_cap > 1")
+        if not (self.horizon_s > 0 and self.change_cost_s >= 0 and self.undo_bar >= 1 and self.pressure_cap > 1
+                and self.miss_weight >= 0):
+            raise ValueError("mix: horizon_s > 0, change_cost_s >= 0, undo_bar >= 1, pressure_cap > 1 and "
+                             "miss_weight >= 0")
         if self.min_samples < 1 or not self.prior_weight > 0:
             raise ValueError("mix: min_samples must be >= 1 and prior_weight positive")
         self.online = OnlineStepModels(self.steps, self.prior_weight, self.min_samples)
@@ -309,6 +318,18 @@ class MixController:
         def pressure(p: Prediction) -> float:
             return self.targets.pressure(p)
 
+        roles_now = {v.instance_id: v.role for v in live}
+
+        def best(changes: tuple[Change, ...], d: Demand = demand) -> tuple[float, Prediction]:
+            """A mix judged at the knob setting it would run at: the knobs as they are, unless they
+            miss a target and a setting that holds them exists (the knobs move at the intervals after
+            a change, by _choose_knobs)."""
+            roles = set({**roles_now, **dict(changes)}.values())
+            options = [(pressure(p), p, setting) for setting in self._knob_settings(roles)
+                       for p in [predict(changes, d, *setting)]]
+            chosen = self._choose_knobs(options)
+            return options[chosen if chosen is not None else 0][:2]
+
         now = predict(())
         p_now = pressure(now)
         met_now = self.targets.deadlines_met(now)
@@ -317,8 +338,8 @@ class MixController:
         candidates, stalling = [], []
         for c in self._candidates(views):
             (stalling if self._carried_gap(views, c, model) > gap_bar else candidates).append(c)
-        scored = sorted(((pressure(p), len(c), self._disruption(views, c), c, p)
-                         for c in candidates for p in [predict(c)]), key=lambda x: x[:4])
+        scored = sorted(((p_c, len(c), self._disruption(views, c), c, p)
+                         for c in candidates for p_c, p in [best(c)]), key=lambda x: x[:4])
         self.last = {"now": now, "scale": info.get("scale", 1.0), "model": info,
                      "candidates": [(x[3], x[4]) for x in scored]}
         left_out = (f"; {len(stalling)} mix(es) left out: they would step the streams an instance turning "
@@ -366,12 +387,12 @@ class MixController:
                             chunk_tokens=chunk if chunk != chunk_now else None)
         if not scored:
             return none("stall", f"{state}: no other mix keeps both stages covered without stalling streams")
-        best_p, _, _, best, best_pred = scored[0]
+        best_p, _, _, move, best_pred = scored[0]
         overload = min(best_p, p_now) > 1
         if overload:
             # the lesser evil: rank by the deadlines the step model predicts each mix meets
             by_met = max(scored, key=lambda x: (self.targets.deadlines_met(x[4]), -x[0]))
-            best_p, _, _, best, best_pred = by_met
+            best_p, _, _, move, best_pred = by_met
             met_best = self.targets.deadlines_met(best_pred)
             if met_best <= met_now * (1 + self.margin):
                 self._wanted, self._streak = "", 0
@@ -386,7 +407,7 @@ class MixController:
         self._streak = self._streak + 1 if best_pred.serving == self._wanted else 1
         self._wanted = best_pred.serving
         target = f"{best_pred.serving} ({self._describe(best_pred, best_p)})"
-        gain, cost, undo = self._gain_and_cost(best, predict, now, p_now, now_s)
+        gain, cost, undo = self._gain_and_cost(move, best, now, p_now, now_s)
         numbers = dict(predicted_gain=gain, predicted_cost=cost, overload=overload)
         if self._since_change <= self.cooldown:
             return none("cooldown", f"{state}: {target} would be better, but the last change was "
@@ -399,9 +420,9 @@ class MixController:
                                 f"{self.horizon_s:.0f} s of demand, not more than its cost {cost:.1f}"
                                 f"{' (undoing a recent move: x' + format(self.undo_bar, 'g') + ')' if undo else ''}",
                         **numbers)
-        first = min((c for c in best if self.covered(views, c)),
+        first = min((c for c in move if self.covered(views, c)),
                     key=lambda c: (pressure(predict((c,))), self._disruption(views, (c,)), c))
-        rest = [c for c in best if c != first]
+        rest = [c for c in move if c != first]
         self._follow = rest[0] if rest else None
         step = (f"first of two steps to {best_pred.serving}; {predict((first,)).serving} serves in between"
                 if rest else "")
@@ -412,26 +433,42 @@ class MixController:
                            "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s{left_out}"})
 
     def _move_knobs(self, live: list[InstanceView], predict, pressure, p_now: float):
-        """((threshold, chunk), pressure) of the knob setting that holds the targets with the least
-        pressure (ties: the fewest knobs moved, the nearest values), or None when none does or the
-        knobs are where they are best. Only while the targets are missed (p_now > 1)."""
-        if p_now <= 1:
+        """((threshold, chunk), pressure) of the knob setting to move to (by _choose_knobs), or None
+        when the knobs stay where they are."""
+        settings = self._knob_settings({v.role for v in live})
+        if p_now <= 1 or len(settings) == 1:
             return None
-        roles = {v.role for v in live}
+        options = [(pressure(p), p, setting) for setting in settings
+                   for p in [predict((), threshold=setting[0], chunk=setting[1])]]
+        chosen = self._choose_knobs(options)
+        return None if chosen is None else (options[chosen][2], options[chosen][0])
+
+    def _choose_knobs(self, options: list[tuple[float, Prediction, tuple[int, int]]]) -> int | None:
+        """options: (pressure, prediction, (threshold, chunk)) per knob setting, the knobs as they
+        are first. The index of the setting to move to, or None: the knobs stay while they hold the
+        targets (pressure <= 1) or no setting does. Of the settings predicted to hold every target
+        with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
+        pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
+        that room, the least pressure that still holds them."""
+        if options[0][0] <= 1:
+            return None
+        (t0, c0) = options[0][2]
+        keyed = [(x[0], x[1].gap_s, (x[2][0] != t0) + (x[2][1] != c0), abs(x[2][0] - t0), abs(x[2][1] - c0), i)
+                 for i, x in enumerate(options)]
+        roomy = [k for k in keyed if k[0] <= self.knob_headroom]
+        chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
+        return None if chosen[0] > 1 or chosen[5] == 0 else chosen[5]
+
+    def _knob_settings(self, roles: set[str]) -> list[tuple[int, int]]:
+        """(threshold, chunk) settings the knobs may take in a mix with these roles; the first is
+        where they are now."""
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
         thresholds = self.thresholds if self.local_prefill_max_tokens is not None and "decode" in roles else (knob,)
-        chunks = (chunk_now,)
+        chunks: tuple[int, ...] = (chunk_now,)
         if self.chunk_knob and roles & {"colocated", "decode"}:
             chunks = tuple(sorted({c for c in self.chunk_choices if c <= self.chunk_budget} | {chunk_now}))
         settings = [(t, c) for t in thresholds for c in chunks]
-        if settings == [(knob, chunk_now)]:
-            return None
-        scored = [(pressure(predict((), threshold=t, chunk=c)), (t != knob) + (c != chunk_now), abs(t - knob),
-                   abs(c - chunk_now), (t, c)) for t, c in settings]
-        best = min(scored)
-        if best[4] == (knob, chunk_now) or best[0] > 1:
-            return None
-        return best[4], best[0]
+        return sorted(settings, key=lambda x: x != (knob, chunk_now))
 
     def _gap_target(self) -> float:
         return min([self.targets.gap_s] + [c.gap_s for c in self.targets.classes])
@@ -445,7 +482,13 @@ class MixController:
                     for i, r in changes for v in [by_id[i]]
                     if r == "prefill" and v.role != "prefill" and v.num_running], default=0.0)
 
-    def _gain_and_cost(self, changes: tuple[Change, ...], predict, now: Prediction, p_now: float,
+    def _value(self, p: float) -> float:
+        """What a pressure costs, for a move's gain: the pressure itself (capped) while the targets
+        hold, and miss_weight times more for the part past them, where deadlines are lost."""
+        p = min(p, self.pressure_cap)
+        return p + self.miss_weight * max(p - 1.0, 0.0)
+
+    def _gain_and_cost(self, changes: tuple[Change, ...], best, now: Prediction, p_now: float,
                        now_s: float) -> tuple[float, float, bool]:
         """The move's predicted gain: the capped pressure it removes, averaged over the demand of the
         last horizon (the future is taken to look like it: demand that alternates faster than the
@@ -455,11 +498,11 @@ class MixController:
         cap = self.pressure_cap
         diffs = []
         for _, d in self._history:
-            here, there = (min(self.targets.pressure(predict(c, d)), cap) for c in ((), changes))
+            here, there = (self._value(best(c, d)[0]) for c in ((), changes))
             diffs.append(here - there)
         gain = statistics.fmean(diffs) * self.horizon_s
         cost = self.move_cost_s() * len(changes) * max(min(p_now, cap), 1.0)
-        target = predict(changes).serving
+        target = best(changes)[1].serving
         undo = (self._last_move is not None and now_s - self._last_move[0] < self.horizon_s
                 and target == self._last_move[1] and now.serving == self._last_move[2])
         return gain, cost * (self.undo_bar if undo else 1.0), undo

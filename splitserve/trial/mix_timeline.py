@@ -20,6 +20,10 @@ import httpx
 from splitserve.trial.metrics import is_good, request_metrics, slo_of
 
 AFTER_CHANGE_S = 30.0
+# a decision's fields kept in the timeline's brief log (GET /admin/mix has them all)
+DECISION_FIELDS = ("held", "instance_id", "to_role", "ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s",
+                   "predicted_gap_s", "predicted_gain", "predicted_cost", "deadlines_met", "overload",
+                   "chunk_tokens", "local_prefill_max_tokens", "reason")
 
 
 def _misses(entry: dict, targets: dict | None) -> bool:
@@ -70,8 +74,11 @@ def fetch_role_timeline(base_url: str, started_wall: float, timeout_s: float = 5
     start = dict(end)
     for change in reversed([c for c in changes if c["applied"]]):
         start[change["instance"]] = change["from_role"]
+    # every decision in brief, the held ones too: why the mix did not move when it did not
+    brief = [{"at_s": round(d["wall_time"] - started_wall, 3),
+              **{k: d.get(k) for k in DECISION_FIELDS if d.get(k) is not None}} for d in entries]
     return {"roles_at_start": start, "roles_at_end": end, "changes": changes, "num_decisions": len(entries),
-            "interval_s": doc.get("interval_s"), "targets": doc.get("targets")}
+            "interval_s": doc.get("interval_s"), "targets": doc.get("targets"), "decisions": brief}
 
 
 def add_attainment_after(timeline: dict | None, records: list, slo, pause_threshold_s: float,
