@@ -59,11 +59,38 @@ def test_profile_without_contended_steps_skips_the_neighbours(tmp_path):
     assert "contended" not in json.loads(out.read_text())["threads"]["1"]
 
 
+def processes_with(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a 1-core box holds no neighbour beside the timed engine")
+def test_a_served_neighbour_runs_behind_its_own_frontend_and_is_stopped_with_everything_it_started(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "served-neighbour-model")
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(model), "--quick", "--threads", "1", "--contended", "served",
+                 "--transports", "shm", "--out", str(out)]) == 0
+    contended = json.loads(out.read_text())["threads"]["1"]["contended"]
+    assert contended["neighbours"]["served"] is True and "streaming client" in contended["neighbours"]["work"]
+    assert contended["samples"] and all(min(x["seconds"]) > 0 for x in contended["samples"])
+    # the neighbour, its server and the server's engine are all gone
+    assert not processes_with(str(model))
+
+
 def test_a_thread_count_fills_the_cores_with_neighbours_of_its_size():
     assert num_neighbours(1, 2, "auto") == 1
     assert num_neighbours(2, 2, "auto") == 0  # one 2-thread instance fills a 2-core box: no one beside it
     assert num_neighbours(2, 8, "auto") == 3
     assert num_neighbours(1, 8, "off") == 0
+    assert num_neighbours(1, 2, "served") == 1
 
 
 CONTENDED = {"overhead_s": 0.008, "per_prefill_token_s": 3e-5, "per_decode_seq_s": 1.5e-4,

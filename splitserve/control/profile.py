@@ -15,7 +15,8 @@ the same grid once more while cores / threads - 1 other engine processes run ste
 answers, as a trial's busy instance): the `contended` steps, which the planner uses for
 arrangements of several instances on one host (a trial's prompt steps ran 9-35% longer than the
 lone profile said). The processes are not pinned, as a trial's engines are not. `--contended off`
-skips it. Also KV transfer per transport (control/kv_profile.py), the model load and engine start
+skips it; `--contended served` makes each neighbour an instance served over HTTP to a streaming
+client (its frontend's and client's work per request and per token on the host too, as in a trial). Also KV transfer per transport (control/kv_profile.py), the model load and engine start
 times, and the machine. Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
@@ -57,10 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenMP threads between parallel regions: sleep (passive, default: how `serve` runs every "
                              "engine whose threads fill the cores, so every multi-thread arrangement a plan proposes) "
                              "or spin (active). An OMP_WAIT_POLICY already in the environment wins")
-    parser.add_argument("--contended", choices=("auto", "off"), default="auto",
+    parser.add_argument("--contended", choices=("auto", "served", "off"), default="auto",
                         help="also time each thread count beside busy engines on the other cores (auto: where "
                              "2 x threads <= cores; the planner uses those steps for arrangements of several "
-                             "instances); off: lone steps only")
+                             "instances); served: the same, each busy engine served over HTTP to a streaming "
+                             "client, so its frontend's and client's work share the host too; off: lone steps only")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -216,33 +218,55 @@ def run_grid(timer: StepTimer, grid: dict) -> list[dict]:
 
 def num_neighbours(threads: int, cores: int, mode: str) -> int:
     """Engines of `threads` threads that fill the rest of the cores beside the timed one."""
-    return max(cores // threads - 1, 0) if mode == "auto" else 0
+    return max(cores // threads - 1, 0) if mode in ("auto", "served") else 0
 
 
 @contextlib.contextmanager
-def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[int]):
-    """`count` engine processes running steps without pause (control/profile_neighbour.py) for the
-    length of the block; each is killed at its end."""
+def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[int], served: bool = False):
+    """`count` engine processes running steps without pause (control/profile_neighbour.py; served:
+    each behind its own HTTP server and streaming client) for the length of the block; each is
+    stopped at its end with everything it started (its own process group)."""
     cmd = [sys.executable, "-m", "splitserve.control.profile_neighbour", "--threads", str(threads),
-           "--prompts", ",".join(map(str, prompts))] + (["--model", model] if model else [])
+           "--prompts", ",".join(map(str, prompts))] + (["--model", model] if model else []) \
+        + (["--served"] if served else [])
     procs = []
     try:
         for i in range(count):
             procs.append(subprocess.Popen(cmd + ["--seed", str(i)], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
-                proc.kill()
+                stop_group(proc, grace_s=2.0)
                 raise RuntimeError(f"profile: a busy neighbour engine did not start: {proc.communicate()[1][-2000:]}")
-        time.sleep(1.0)  # past its first steps' lazy initialization
+        time.sleep(3.0 if served else 1.0)  # past its first steps' lazy initialization
         yield
     finally:
         for proc in procs:
-            proc.kill()
-            proc.wait()
+            stop_group(proc, grace_s=10.0)
 
 
-def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log) -> dict:
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a neighbour's process group (a served one's server and engine too), wait until the
+    whole group is gone, SIGKILL what is left after grace_s: nothing of it outlives the block."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log, served: bool = False) -> dict:
     report = fit_step_model(*step_samples(busy, "contended.samples"))
     by_kind = {}  # the same step (kind and shape) alone and beside the neighbours, fastest repeats
     for a, b in zip(lone, busy):
@@ -259,12 +283,13 @@ def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int
                     "max_abs_rel_error": report.max_abs_rel_error},
             "slowdown_median_by_kind": slowdown,
             "lone_pass_disturbed": any(v < 0.95 for v in slowdown.values()),
-            "neighbours": {"count": count, "threads_each": threads, "pinned": False,
-                           "work": "8 requests in flight: fresh prompts in 256-token chunks, 16-48-token answers"}}
+            "neighbours": {"count": count, "threads_each": threads, "pinned": False, "served": served,
+                           "work": "8 requests in flight: fresh prompts in 256-token chunks, 16-48-token answers"
+                                   + (", each served over HTTP to a streaming client" if served else "")}}
 
 
 def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats: int, log,
-                    neighbours: int = 0) -> dict:
+                    neighbours: int = 0, served: bool = False) -> dict:
     import torch
 
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -288,10 +313,11 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
         report = fit_step_model(*step_samples(samples))
         log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
         if neighbours:
-            log(f"threads={threads} beside {neighbours} busy engine(s) of {threads} thread(s)")
-            with busy_neighbours(neighbours, threads, model, grid["prefill"]):
+            log(f"threads={threads} beside {neighbours} busy engine(s) of {threads} thread(s)"
+                + (", each served over HTTP to a streaming client" if served else ""))
+            with busy_neighbours(neighbours, threads, model, grid["prefill"], served):
                 busy = run_grid(StepTimer(core, repeats, log, seed=1), grid)
-            contended = contended_entry(samples, busy, neighbours, threads, log)
+            contended = contended_entry(samples, busy, neighbours, threads, log, served)
     finally:
         core.close()
     entry = {"samples": samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
@@ -327,7 +353,8 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
     for t in threads:
         log(f"threads={t}")
         doc["threads"][str(t)] = profile_threads(loaded, model, t, grid, repeats, log,
-                                                 num_neighbours(t, os.cpu_count() or 1, contended))
+                                                 num_neighbours(t, os.cpu_count() or 1, contended),
+                                                 contended == "served")
         doc["startup_s"]["engine"][str(t)] = doc["threads"][str(t)].pop("engine_start_s")
     torch.set_num_threads(1)
     log("KV transfer")
