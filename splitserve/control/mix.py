@@ -37,8 +37,7 @@ message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. 
 while a target is missed, to the setting with the shortest predicted gap among those that hold
 every target with `knob_headroom` to spare (a stream's longest pause is its longest step), and
 every mix a role change could lead to is judged at the knob setting it would then move to. When
-no setting and no mix holds the targets, the knobs go to the setting predicted to meet the most
-deadlines, if `margin` more than where they are. A change that
+no setting holds the targets the knobs stay where they are. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
@@ -372,8 +371,6 @@ class MixController:
             return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
         knobs = self._move_knobs(live, predict, pressure, p_now)
-        if knobs is not None and knobs[1] > 1 and scored and scored[0][0] <= 1:
-            knobs = None  # no knob setting holds the targets but a role change is predicted to: that first
         if knobs is not None:
             (threshold, chunk), p_k = knobs
             moved = []
@@ -383,15 +380,9 @@ class MixController:
             if chunk != chunk_now:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
-            if p_k <= 1:
-                why = "targets held without a role change"
-            else:
-                met_k = self.targets.deadlines_met(predict((), threshold=threshold, chunk=chunk))
-                why = (f"no setting holds the targets (overload); this one is predicted to meet {met_k:.0%} of "
-                       f"deadlines against {met_now:.0%}")
-            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, {why}; "
-                                   f"{state}",
-                            ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s, overload=p_k > 1,
+            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, targets "
+                                   f"held without a role change; {state}",
+                            ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
                             predicted_gain=(p_now - p_k) * self.horizon_s, predicted_cost=0.0, deadlines_met=met_now,
                             local_prefill_max_tokens=threshold if threshold != knob else None,
                             chunk_tokens=chunk if chunk != chunk_now else None)
@@ -444,8 +435,7 @@ class MixController:
 
     def _move_knobs(self, live: list[InstanceView], predict, pressure, p_now: float):
         """((threshold, chunk), pressure) of the knob setting to move to (by _choose_knobs), or None
-        when the knobs stay where they are. A move under overload is returned with its pressure
-        over 1."""
+        when the knobs stay where they are."""
         settings = self._knob_settings({v.role for v in live})
         if p_now <= 1 or len(settings) == 1:
             return None
@@ -460,8 +450,10 @@ class MixController:
         targets (pressure <= 1) or no setting does. Of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
-        that room, the least pressure that still holds them. When none holds them (overload), the
-        setting predicted to meet the most deadlines, if `margin` more than the knobs as they are."""
+        that room, the least pressure that still holds them. When none holds them (overload) the
+        knobs stay: moving them to the setting predicted to meet the most deadlines was tried
+        (session 17) and flapped the local-prefill threshold 0 <-> 512 past every capacity, with
+        streams paused for 43-51 s (demand_rotation_overload_x2, docs/benchmarks.md)."""
         if options[0][0] <= 1:
             return None
         (t0, c0) = options[0][2]
@@ -469,11 +461,7 @@ class MixController:
                  for i, x in enumerate(options)]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
-        if chosen[0] <= 1:
-            return None if chosen[5] == 0 else chosen[5]
-        met = [self.targets.deadlines_met(x[1]) for x in options]
-        most = max(range(len(options)), key=lambda i: (met[i], -keyed[i][0]))
-        return most if most != 0 and met[most] > met[0] * (1 + self.margin) else None
+        return None if chosen[0] > 1 or chosen[5] == 0 else chosen[5]
 
     def _knob_settings(self, roles: set[str]) -> list[tuple[int, int]]:
         """(threshold, chunk) settings the knobs may take in a mix with these roles; the first is
