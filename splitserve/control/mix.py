@@ -467,7 +467,8 @@ class MixController:
         """(threshold, chunk) settings the knobs may take in a mix with these roles; the first is
         where they are now."""
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
-        thresholds = self.thresholds if self.local_prefill_max_tokens is not None and "decode" in roles else (knob,)
+        thresholds = tuple(sorted(set(self.thresholds) | {knob})) \
+            if self.local_prefill_max_tokens is not None and "decode" in roles else (knob,)
         chunks: tuple[int, ...] = (chunk_now,)
         if self.chunk_knob and roles & {"colocated", "decode"}:
             chunks = tuple(sorted({c for c in self.chunk_choices if c <= self.chunk_budget} | {chunk_now}))
