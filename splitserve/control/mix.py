@@ -321,15 +321,20 @@ class MixController:
 
         roles_now = {v.instance_id: v.role for v in live}
 
+        def options(changes: tuple[Change, ...], d: Demand = demand) -> list[tuple[float, Prediction, tuple]]:
+            """(pressure, prediction, (threshold, chunk)) of a mix at every knob setting it may take,
+            the knobs as they are first."""
+            roles = set({**roles_now, **dict(changes)}.values())
+            return [(pressure(p), p, setting) for setting in self._knob_settings(roles)
+                    for p in [predict(changes, d, *setting)]]
+
         def best(changes: tuple[Change, ...], d: Demand = demand) -> tuple[float, Prediction]:
             """A mix judged at the knob setting it would run at: the knobs as they are, unless they
             miss a target and a setting that holds them exists (the knobs move at the intervals after
             a change, by _choose_knobs)."""
-            roles = set({**roles_now, **dict(changes)}.values())
-            options = [(pressure(p), p, setting) for setting in self._knob_settings(roles)
-                       for p in [predict(changes, d, *setting)]]
-            chosen = self._choose_knobs(options)
-            return options[chosen if chosen is not None else 0][:2]
+            opts = options(changes, d)
+            chosen = self._choose_knobs(opts)
+            return opts[chosen if chosen is not None else 0][:2]
 
         now = predict(())
         p_now = pressure(now)
@@ -370,9 +375,10 @@ class MixController:
             self._wanted, self._streak = "", 0
             return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
-        knobs = self._move_knobs(live, predict, pressure, p_now)
-        if knobs is not None:
-            (threshold, chunk), p_k = knobs
+        knob_options = options(())
+        chosen = self._choose_knobs(knob_options)
+        if chosen is not None:
+            p_k, _, (threshold, chunk) = knob_options[chosen]
             moved = []
             if threshold != knob:
                 self.local_prefill_max_tokens = threshold
@@ -432,17 +438,6 @@ class MixController:
         decision = self._change(views, first, now, best_pred, now_s, step, model_text)
         return Decision(**{**decision.to_dict(), **numbers,
                            "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s{left_out}"})
-
-    def _move_knobs(self, live: list[InstanceView], predict, pressure, p_now: float):
-        """((threshold, chunk), pressure) of the knob setting to move to (by _choose_knobs), or None
-        when the knobs stay where they are."""
-        settings = self._knob_settings({v.role for v in live})
-        if p_now <= 1 or len(settings) == 1:
-            return None
-        options = [(pressure(p), p, setting) for setting in settings
-                   for p in [predict((), threshold=setting[0], chunk=setting[1])]]
-        chosen = self._choose_knobs(options)
-        return None if chosen is None else (options[chosen][2], options[chosen][0])
 
     def _choose_knobs(self, options: list[tuple[float, Prediction, tuple[int, int]]]) -> int | None:
         """options: (pressure, prediction, (threshold, chunk)) per knob setting, the knobs as they

@@ -226,6 +226,8 @@ def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[i
     """`count` engine processes running steps without pause (control/profile_neighbour.py; served:
     each behind its own HTTP server and streaming client) for the length of the block; each is
     stopped at its end with everything it started (its own process group)."""
+    from splitserve.trial.arrangements import stop_process_group
+
     cmd = [sys.executable, "-m", "splitserve.control.profile_neighbour", "--threads", str(threads),
            "--prompts", ",".join(map(str, prompts))] + (["--model", model] if model else []) \
         + (["--served"] if served else [])
@@ -236,34 +238,14 @@ def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[i
                                           stderr=subprocess.PIPE, text=True, start_new_session=True))
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
-                stop_group(proc, grace_s=2.0)
+                stop_process_group(proc, grace_s=2.0, whole_group=True)
                 raise RuntimeError(f"profile: a busy neighbour engine did not start: {proc.communicate()[1][-2000:]}")
         time.sleep(3.0 if served else 1.0)  # past its first steps' lazy initialization
         yield
     finally:
         for proc in procs:
-            stop_group(proc, grace_s=10.0)
+            stop_process_group(proc, grace_s=10.0, whole_group=True)
 
-
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM a neighbour's process group (a served one's server and engine too), wait until the
-    whole group is gone, SIGKILL what is left after grace_s: nothing of it outlives the block."""
-    import signal
-
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log, served: bool = False) -> dict:

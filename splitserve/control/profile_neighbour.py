@@ -60,6 +60,7 @@ def run(threads: int, model: str | None, prompts: list[int], seed: int) -> None:
 def run_served(threads: int, model: str | None, prompts: list[int], seed: int) -> None:
     import asyncio
     import json
+    import pathlib
     import subprocess
     import sys
     import tempfile
@@ -67,6 +68,7 @@ def run_served(threads: int, model: str | None, prompts: list[int], seed: int) -
     import httpx
 
     from splitserve.trial.arrangements import free_port, wait_ready
+    from splitserve.trial.client import http_tokenizer
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -76,15 +78,12 @@ def run_served(threads: int, model: str | None, prompts: list[int], seed: int) -
            "--max-num-seqs", str(IN_FLIGHT), "--log-level", "warning"] + (["--model", model] if model else [])
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        import pathlib
         model_id = wait_ready(base, 300.0, server, pathlib.Path(log.name))
         # token ids this model's tokenizer makes (drawn at random, so no prompt shares a cached prefix)
         rng = random.Random(seed)
         words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
                          for _ in range(2000))
-        resp = httpx.post(f"{base}/tokenize", json={"prompt": words, "add_special_tokens": False}, timeout=60.0)
-        resp.raise_for_status()
-        pool = sorted(set(int(t) for t in resp.json()["tokens"]))
+        pool = sorted(set(http_tokenizer(base)(words)))
         parent = os.getppid()
         print("ready", flush=True)
 

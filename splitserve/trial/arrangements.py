@@ -102,15 +102,31 @@ def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup
         stop_process_group(proc)
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the server's own process group (its engines too), then SIGKILL what remains."""
-    if proc.poll() is not None:
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0, whole_group: bool = False) -> None:
+    """SIGTERM the server's own process group (its engines too), then SIGKILL what remains.
+    whole_group: signal the group even when its leader has already exited, and wait until every
+    process in it is gone, not only the leader (the profile's busy neighbours: nothing of them may
+    outlive the steps they were started for)."""
+    if proc.poll() is not None and not whole_group:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5.0)
+    if not whole_group:
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, so a finished group reads as gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                proc.wait()
+                return
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(5.0)
