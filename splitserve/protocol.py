@@ -35,9 +35,10 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 10  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 11  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
-# 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time
+# 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time;
+# 11: an API request's SLO class
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -259,6 +260,7 @@ class ApiSubmit(msgspec.Struct, tag="api_submit", frozen=True):
     prompt_token_ids: list[int]
     params: WireSamplingParams
     priority: int = 0
+    slo_class: str = ""  # the request's SLO class, for the adaptive mix's demand reading ("" : none)
 
 
 class ApiAbort(msgspec.Struct, tag="api_abort", frozen=True):

@@ -107,11 +107,11 @@ class RemoteEngineClient(ServedInstances):
         self.ctx.term()
 
     async def generate(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       stop: list[str], priority: int = 0) -> TextStream:
+                       stop: list[str], priority: int = 0, slo_class: str = "") -> TextStream:
         request_id = str(next(self._ids))
         try:
             payload = self._encoder.encode(ApiSubmit(request_id, client_request_id, prompt_token_ids,
-                                                     wire_params(params), priority))
+                                                     wire_params(params), priority, slo_class))
         except (OverflowError, msgspec.EncodeError) as e:  # as the dispatcher words it
             raise ValueError(f"a sampling parameter is out of range: {e}") from None
         stream = RemoteTokenStream(self, request_id)

@@ -24,13 +24,14 @@ class EngineClient(Coordinator):
         self.renderer = renderer
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stop: list[str], priority: int = 0) -> TextStream:
+               stop: list[str], priority: int = 0, slo_class: str = "") -> TextStream:
         """request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one."""
         output_text = self.renderer.new_output_text(stop)
-        return TextStream(self.submit_tokens(request_id, prompt_token_ids, params, priority), output_text)
+        return TextStream(self.submit_tokens(request_id, prompt_token_ids, params, priority, slo_class=slo_class),
+                          output_text)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       stop: list[str], priority: int = 0) -> TextStream:
+                       stop: list[str], priority: int = 0, slo_class: str = "") -> TextStream:
         """What the HTTP layer calls: submit() here; a round trip to this process from an API
         process (api_worker.RemoteEngineClient.generate)."""
-        return self.submit(request_id, prompt_token_ids, params, stop, priority)
+        return self.submit(request_id, prompt_token_ids, params, stop, priority, slo_class)

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_COUNT = 2**31 - 1  # token counts, top_k: far past any context, well inside int64
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed and msgpack accept
+MAX_SLO_CLASS_CHARS = 64
 PRIORITY_RANGE = dict(ge=PRIORITY_BOUNDS[0], le=PRIORITY_BOUNDS[1])
 TOKEN_ID = Field(ge=0, le=MAX_COUNT)
 
@@ -93,6 +94,9 @@ class _GenerationFields(_Body):
     return_token_ids: bool = False
     # as in vLLM: lower is served first when the server runs --scheduling-policy priority
     priority: int = Field(0, **PRIORITY_RANGE)
+    # the request's SLO class (`serve --adaptive --slo-classes`): the mix controller judges each
+    # class's TTFT and gap by its own targets; a class it was not given counts under the global ones
+    slo_class: str | None = Field(None, max_length=MAX_SLO_CLASS_CHARS)
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -143,9 +143,9 @@ class OpenAIServing:
         return list(prompt)
 
     async def submit(self, request_id: str, token_ids: list[int], params: SamplingParams, stop: list[str],
-                     priority: int = 0) -> TextStream:
+                     priority: int = 0, slo_class: str | None = None) -> TextStream:
         try:
-            return await self.client.generate(request_id, token_ids, params, stop, priority)
+            return await self.client.generate(request_id, token_ids, params, stop, priority, slo_class or "")
         except (NoInstanceAvailable, ValueError) as e:
             raise submit_error(e) from None
 
@@ -156,7 +156,8 @@ class OpenAIServing:
         plan = self.tool_plan(body)
         _, token_ids = await self.render_chat(body, plan)
         params = self.sampling_params(body, len(token_ids), plan.grammar)
-        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
+        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority,
+                                   body.slo_class)
         answer = Answer("chat", f"chatcmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
                         tool_parser=self.renderer.tool_format() if plan.parse else None)
@@ -179,7 +180,8 @@ class OpenAIServing:
             params.prompt_logprobs = params.logprobs
             echo = Echo(await self.detokenize(token_ids) if not isinstance(body.prompt, str) else body.prompt,
                         token_ids if params.logprobs is not None else None, score_only=body.max_tokens == 0)
-        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority)
+        stream = await self.submit(request_id, token_ids, params, body.stop_strings(), body.priority,
+                                   body.slo_class)
         answer = Answer("text", f"cmpl-{request_id}", self.client.model_name, body.include_usage,
                         body.return_token_ids, self.renderer.token_text if params.logprobs is not None else None,
                         echo)

@@ -25,8 +25,11 @@ over that horizon, in pressure-seconds; its cost is the measured
 seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
 change, times the pressure then. Demand that alternates faster than the horizon averages out,
 so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
-move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass:
-the mix must hold the strictest). When no mix within reach meets them (overload), mixes are
+move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass):
+where requests name their class (`slo_class`), each class present in the demand is judged by its
+own predicted TTFT against its own targets (whatif.py), so a burst of summaries allowed 15 s is
+not read as chats missing 4 s; where they name none, the one TTFT must hold the strictest class's
+target. When no mix within reach meets them (overload), mixes are
 ranked by the share of deadlines the step model predicts each meets, and the mix as it is held
 unless another meets `margin` more: the decision says "held (overload)". Two cheaper knobs move
 before any role change, whenever a setting of them alone is predicted to hold the targets: the
@@ -140,20 +143,35 @@ class MixTargets:
         if self.tpot_s is not None and not self.tpot_s > 0:
             raise ValueError(f"mix TPOT target must be positive seconds, got {self.tpot_s}")
 
+    def of(self, name: str) -> tuple[float, float]:
+        """A class's (TTFT, gap) targets; a class not given (or "") has the global ones."""
+        return next(((c.ttft_s, c.gap_s) for c in self.classes if c.name == name), (self.ttft_s, self.gap_s))
+
+    def by_class(self, p: "Prediction") -> list[tuple[str, float, float]]:
+        """(class, pressure, weight) for a prediction: per class of the demand, each by its own
+        TTFT and its own targets, where requests name their class (Prediction.ttft_by_class);
+        else the one TTFT by every class's targets (the strictest binds) or by the global ones."""
+        if p.ttft_by_class:
+            out = []
+            for name, ttft_s, share in p.ttft_by_class:
+                ttft_target, gap_target = self.of(name)
+                out.append((name, Prediction(ttft_s, p.gap_s, p.serving, tpot_s=p.tpot_s)
+                            .pressure(ttft_target, gap_target, self.tpot_s), share))
+            return out
+        classes = self.classes or (SloClass("", self.ttft_s, self.gap_s),)
+        return [(c.name, p.pressure(c.ttft_s, c.gap_s, self.tpot_s), c.share) for c in classes] + \
+            ([("", p.pressure(self.ttft_s, self.gap_s, self.tpot_s), 0.0)] if self.classes else [])
+
     def pressure(self, p: "Prediction") -> float:
         """The worst prediction over its target, over every class (a mix must hold the strictest)."""
-        own = p.pressure(self.ttft_s, self.gap_s, self.tpot_s)
-        return max([own] + [p.pressure(c.ttft_s, c.gap_s, self.tpot_s) for c in self.classes]) \
-            if self.classes else own
+        return max(x for _, x, _ in self.by_class(p))
 
     def deadlines_met(self, p: "Prediction") -> float:
         """The predicted share of deadlines met, weighted by class: a class at pressure x > 1 is
         taken to meet 1/x of its deadlines (an arrangement at twice its capacity serves about half
         in time). 1.0 when every class's targets hold."""
-        classes = self.classes or (SloClass("all", self.ttft_s, self.gap_s),)
-        total = sum(c.share for c in classes)
-        return sum(c.share * min(1.0, 1.0 / max(p.pressure(c.ttft_s, c.gap_s, self.tpot_s), 1e-9))
-                   for c in classes) / total
+        weighted = [(w, x) for _, x, w in self.by_class(p) if w > 0]
+        return sum(w * min(1.0, 1.0 / max(x, 1e-9)) for w, x in weighted) / sum(w for w, _ in weighted)
 
 
 @dataclass(slots=True, frozen=True)
@@ -545,7 +563,10 @@ class MixController:
     def _describe(self, p: Prediction, pressure: float) -> str:
         full = f", {' and '.join(p.saturated)} saturated" if p.saturated else ""
         tpot = f", TPOT {_fmt(p.tpot_s)} / {_fmt(self.targets.tpot_s)}" if self.targets.tpot_s else ""
-        return (f"{p.serving}: TTFT {_fmt(p.ttft_s)} / {_fmt(self.targets.ttft_s)}, inter-token {_fmt(p.gap_s)} / "
+        ttft = (", ".join(f"{name or 'unnamed'} {_fmt(t)} / {_fmt(self.targets.of(name)[0])}"
+                          for name, t, _ in p.ttft_by_class) if p.ttft_by_class
+                else f"{_fmt(p.ttft_s)} / {_fmt(self.targets.ttft_s)}")
+        return (f"{p.serving}: TTFT {ttft}, inter-token {_fmt(p.gap_s)} / "
                 f"{_fmt(self.targets.gap_s)}{tpot}, pressure {pressure:.2f}x{full}")
 
     def _rescue(self, views: list[InstanceView], now_s: float) -> Decision:

@@ -29,6 +29,13 @@ now, which stays where it is (a role change moves no queued prompt and no runnin
             its TPOT.
   running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
 
+Per SLO class (requests that name one: `slo_class` in the body; serve --slo-classes gives each
+class its targets): a class's TTFT is its own prompts' service (its mean prompt, chunked as above
+or whole on a prefill instance) plus the wait every arrival meets at that instance (the queueing
+factor times the mean prompt's service, and the queued prompt tokens ahead). So a burst of long
+summaries with a 15 s TTFT target is judged by their own service against 15 s, and the chats
+queued behind them by their short service plus that wait against theirs.
+
 An instance past its capacity is held at 2% slack: its prediction is large but finite, so a
 less overloaded arrangement still ranks better.
 """
@@ -43,6 +50,16 @@ MIN_SLACK = 0.02  # 1 - utilisation, for an instance given more work than it can
 
 
 @dataclass(slots=True, frozen=True)
+class ClassDemand:
+    """The requests of one SLO class among the prompt window's."""
+
+    name: str
+    share: float                   # its share of the window's requests
+    mean_prompt: float
+    prompts: tuple[int, ...] = ()  # its prompt lengths, sorted
+
+
+@dataclass(slots=True, frozen=True)
 class Demand:
     """What arrived over the last window, per second, and how long it was."""
 
@@ -52,6 +69,8 @@ class Demand:
     mean_prompt: float = 0.0
     mean_answer: float = 0.0
     prompts: tuple[int, ...] = ()  # the window's prompt lengths, sorted
+    # per SLO class, over the prompt window; () when no request there named one
+    classes: tuple[ClassDemand, ...] = ()
 
     def prompt_quantile(self, q: float) -> int:
         if not self.prompts:
@@ -59,20 +78,30 @@ class Demand:
         return self.prompts[min(len(self.prompts) - 1, max(0, int(q * len(self.prompts))))]
 
     @classmethod
-    def from_arrivals(cls, arrivals: list[tuple[float, int, int]], now_s: float, window_s: float,
+    def from_arrivals(cls, arrivals: list[tuple], now_s: float, window_s: float,
                       prompt_window_s: float | None = None) -> "Demand":
-        """arrivals: (time, prompt tokens, max answer tokens), any order; rates from those in
-        (now - window_s, now], prompt lengths from a window of prompt_window_s (default the same):
-        a longer one, since a few documents a minute already stall colocated streams."""
-        recent = [(p, a) for t, p, a in arrivals if now_s - window_s < t <= now_s]
+        """arrivals: (time, prompt tokens, max answer tokens[, SLO class name]), any order; rates
+        from those in (now - window_s, now], prompt lengths and classes from a window of
+        prompt_window_s (default the same): a longer one, since a few documents a minute already
+        stall colocated streams. Requests that name no class ("") count as one class "" when
+        others do."""
+        recent = [(x[1], x[2]) for x in arrivals if now_s - window_s < x[0] <= now_s]
         prompt_window_s = prompt_window_s or window_s
-        prompts = sorted(p for t, p, _ in arrivals if now_s - prompt_window_s < t <= now_s)
+        window = [(x[1], x[3] if len(x) > 3 else "") for x in arrivals if now_s - prompt_window_s < x[0] <= now_s]
+        prompts = tuple(sorted(p for p, _ in window))
+        classes: tuple[ClassDemand, ...] = ()
+        if any(name for _, name in window):
+            by_name: dict[str, list[int]] = {}
+            for p, name in window:
+                by_name.setdefault(name, []).append(p)
+            classes = tuple(ClassDemand(name, len(ps) / len(window), sum(ps) / len(ps), tuple(sorted(ps)))
+                            for name, ps in sorted(by_name.items()))
         if not recent:
-            return cls(prompts=tuple(prompts))
+            return cls(prompts=prompts, classes=classes)
         n = len(recent)
         return cls(request_rate=n / window_s, prompt_rate=sum(p for p, _ in recent) / window_s,
                    answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(p for p, _ in recent) / n,
-                   mean_answer=sum(a for _, a in recent) / n, prompts=tuple(prompts))
+                   mean_answer=sum(a for _, a in recent) / n, prompts=prompts, classes=classes)
 
     def describe(self) -> str:
         return (f"demand {self.request_rate:.2f} req/s, {self.prompt_rate:.0f} prompt + {self.answer_rate:.0f} "
@@ -95,6 +124,8 @@ class Prediction:
     serving: str                   # which instances take new work, e.g. "2 colocated"
     saturated: tuple[str, ...] = ()  # the stages given more work than they can do
     tpot_s: float = 0.0            # a stream's mean time per output token (the slowest instance's)
+    # per SLO class of the demand: (name, TTFT, share of requests); () when requests name none
+    ttft_by_class: tuple[tuple[str, float, float], ...] = ()
 
     def pressure(self, ttft_target_s: float, gap_target_s: float, tpot_target_s: float | None = None) -> float:
         """The worst prediction over its target. The gap is the worst stutter a stream sees; TPOT,
@@ -146,6 +177,7 @@ class WhatIf:
         gaps, ttfts, tpots = [], [], []
         prompt = max(int(demand.mean_prompt), 1)
         decode_share = max(1 - lp * c, MIN_SLACK)  # the share of its time not spent on prompts
+        by_class: list[list[float]] = [[] for _ in demand.classes]
         for h in serving:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
@@ -157,11 +189,18 @@ class WhatIf:
                 meets = demand.request_rate / k * life_s
                 chunk = max(chunk, self._chunk(demand.prompt_quantile(self.attainment ** (1 / max(meets, 1.0)))))
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
-            service = sum(m.step_s(self._chunk(prompt - s), prefill_attn_ktok2(s, self._chunk(prompt - s)), n, kv)
-                          for s in range(0, prompt, self.chunk_budget))
-            ttfts.append(service * (1 + _queueing(1 - slack)) + h.queued_prompt_tokens * c)
+
+            def service_of(tokens: int) -> float:
+                return sum(m.step_s(self._chunk(tokens - s), prefill_attn_ktok2(s, self._chunk(tokens - s)), n, kv)
+                           for s in range(0, tokens, self.chunk_budget))
+
+            service = service_of(prompt)
+            wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
+            ttfts.append(service + wait)
+            for ttft_c, cls in zip(by_class, demand.classes):
+                ttft_c.append(service_of(max(int(cls.mean_prompt), 1)) + wait)
         return Prediction(min(ttfts), max(gaps), f"{k} colocated", ("colocated",) if u >= 1 - MIN_SLACK else (),
-                          max(tpots))
+                          max(tpots), tuple((cls.name, min(t), cls.share) for cls, t in zip(demand.classes, by_class)))
 
     def _separated(self, prefill: list[Held], decode: list[Held], demand: Demand,
                    local_max_tokens: int = 0) -> Prediction:
@@ -179,24 +218,43 @@ class WhatIf:
         prompt = max(int(demand.mean_prompt), 1) if not local else remote_mean
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
         u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * m.overhead_s) / len(prefill)
-        ttft = (service * (1 + _queueing(min(u_prefill, 1 - MIN_SLACK)))
+        wait = (service * _queueing(min(u_prefill, 1 - MIN_SLACK))
                 + min(h.queued_prompt_tokens for h in prefill) * c)
+        ttft = service + wait
         ld = demand.answer_rate / len(decode)
         local_rate = demand.request_rate * share * local_mean / len(decode)  # prompt tokens/s on each
         u_decode = ld * a + local_rate * c
         fluid_n = ld * m.overhead_s / max(1 - u_decode, MIN_SLACK)
-        gaps, local_ttfts = [], []
+        gaps, decodes = [], []
         chunk = self._chunk(max(local)) if local else 0
         for h in decode:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
-            if local:
-                lp = max(int(local_mean), 1)
-                local_ttfts.append(m.step_s(self._chunk(lp), prefill_attn_ktok2(0, self._chunk(lp)), n, kv)
-                                   * (1 + _queueing(min(u_decode, 1 - MIN_SLACK))))
+            decodes.append((n, kv))
+        q_decode = _queueing(min(u_decode, 1 - MIN_SLACK))
+
+        def local_ttft(tokens: float) -> float:
+            lp = self._chunk(max(int(tokens), 1))
+            return min(m.step_s(lp, prefill_attn_ktok2(0, lp), n, kv) for n, kv in decodes) * (1 + q_decode)
+
+        def ttft_of(local_share: float, local_mean_tokens: float, remote_tokens: float) -> float:
+            """The TTFT at the attainment share: the faster group's if it holds that share."""
+            remote = m.step_s(max(int(remote_tokens), 1), prefill_attn_ktok2(0, max(int(remote_tokens), 1))) + wait
+            if local_share <= 0:
+                return remote
+            fast, slow = sorted(((local_ttft(local_mean_tokens), local_share), (remote, 1 - local_share)))
+            return fast[0] if fast[1] >= self.attainment else slow[0]
+
         if local:
-            fast, slow = sorted(((min(local_ttfts), share), (ttft, 1 - share)))
-            ttft = fast[0] if fast[1] >= self.attainment else slow[0]
+            ttft = ttft_of(share, local_mean, prompt)
+        by_class = []
+        for cls in demand.classes:
+            mine = [p for p in cls.prompts if p <= local_max_tokens] if local_max_tokens > 0 else []
+            rest = [p for p in cls.prompts if p > local_max_tokens] if mine else list(cls.prompts)
+            by_class.append((cls.name, ttft_of(len(mine) / max(len(cls.prompts), 1),
+                                               sum(mine) / len(mine) if mine else 0.0,
+                                               sum(rest) / len(rest) if rest else cls.mean_prompt), cls.share))
         saturated = tuple(stage for stage, u in (("prefill", u_prefill), ("decode", u_decode)) if u >= 1 - MIN_SLACK)
-        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated, max(gaps))
+        return Prediction(ttft, max(gaps), f"{len(prefill)} prefill + {len(decode)} decode", saturated, max(gaps),
+                          tuple(by_class))

@@ -67,7 +67,7 @@ class Coordinator(ServedInstances):
         self.address = self.link.address
         # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an
         # adaptive mix (coordinator/adaptive.py) plans for; bounded, read-only to others
-        self.arrivals: deque[tuple[float, int, int]] = deque(maxlen=4096)
+        self.arrivals: deque[tuple[float, int, int, str]] = deque(maxlen=4096)
 
     @property
     def instances(self) -> dict[str, Instance]:
@@ -99,14 +99,15 @@ class Coordinator(ServedInstances):
     # ---- requests and instances --------------------------------------------------------------
 
     def submit_tokens(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0, events: EventSink | None = None) -> TokenStream:
+                      priority: int = 0, events: EventSink | None = None, slo_class: str = "") -> TokenStream:
         """The coordinator's one way in: token ids in, a TokenStream of token ids out; closing
         the stream aborts the request (reason "abort", or "stop" for a stop string the API found).
         request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one.
         Raises router.NoInstanceAvailable or ValueError (a parameter that cannot be sent).
-        events: see Dispatcher.submit (a request of an API process)."""
+        events: see Dispatcher.submit (a request of an API process). slo_class: the request's
+        SLO class, kept with its arrival for the adaptive mix's demand reading."""
         stream = self.dispatcher.submit(request_id, prompt_token_ids, params, priority, events)
-        self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens))
+        self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens, slo_class))
         return stream
 
     def drain(self, engine_id: str) -> None:

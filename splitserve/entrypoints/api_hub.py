@@ -186,7 +186,8 @@ class ApiHub:
         try:
             params = SamplingParams(**msgspec.structs.asdict(message.params))
             stream = self.client.submit_tokens(message.client_request_id, message.prompt_token_ids, params,
-                                               message.priority, events=Outbound(self, key))
+                                               message.priority, events=Outbound(self, key),
+                                               slo_class=message.slo_class)
         except (NoInstanceAvailable, ValueError) as e:
             error = submit_error(e)
             self._send(ident, ApiSubmitted(message.request_id, error.status, error.message, error.type, error.param,

@@ -35,6 +35,8 @@ def completion_body(req: PlannedRequest, model: str | None) -> dict:
             "return_token_ids": True}
     if req.priority is not None:
         body["priority"] = req.priority
+    if req.class_name:
+        body["slo_class"] = req.class_name  # an adaptive server judges each class by its own targets
     if model:
         body["model"] = model
     return body
