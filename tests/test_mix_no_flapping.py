@@ -245,3 +245,23 @@ def test_past_every_setting_the_knobs_stay_where_they_are():
     decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(30)]
     assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions)
     assert decisions[-1].held == "overload" and ctrl.chunk_tokens == 32
+
+
+def test_targets_met_without_room_move_the_chunk_knob_to_a_calm_setting_before_any_role():
+    # changing_demand, session 18: chats at 256-token chunks read 0.61-0.69x (met, not calm), so
+    # the mix went to 1 prefill + 1 decode; the repeat whose knob went to 32 tokens stayed
+    # colocated and met every deadline when the documents came
+    chats_ = Demand(1.0, 70.0, 64.0, 70.0, 64.0, prompts=tuple(range(30, 121, 15)))
+    roles = run_trace(MixController(MODEL, TARGETS, chunk_knob=False), [(20, chats_)], mix_of("colocated", "colocated"))
+    assert roles, "premise: without the knob, this reading moves a role"
+    ctrl = MixController(MODEL, TARGETS, chunk_knob=True)
+    views, decisions = mix_of("colocated", "colocated"), []
+    for t in range(20):
+        d = ctrl.decide(views, float(t), chats_)
+        decisions.append(d)
+        if d.instance_id is not None:
+            views = apply(views, d)
+    assert all(d.instance_id is None for d in decisions), [d.reason for d in decisions]
+    moved = [d for d in decisions if d.chunk_tokens is not None]
+    assert len(moved) == 1 and moved[0].chunk_tokens == 32 and "every target met with room" in moved[0].reason
+    assert decisions[-1].held == "calm"

@@ -68,22 +68,26 @@ def test_a_class_is_judged_by_its_own_targets_and_an_unnamed_class_by_the_global
                                                                                   p.gap_s / 0.5))
 
 
-def test_labelled_summaries_hold_the_mix_where_unlabelled_ones_move_a_role():
-    def role_changes(d: Demand) -> list[str]:
+def test_labelled_summaries_keep_the_shortest_chunks_where_unlabelled_ones_lengthen_every_pause():
+    def run(d: Demand):
         ctrl = MixController(MODEL, TARGETS)
         ctrl.chunk_knob = True
         views = [InstanceView("e0", "colocated"), InstanceView("e1", "colocated")]
-        changes = []
+        changes, last = [], None
         for t in range(20):
-            decision = ctrl.decide(views, float(t), d)
-            if decision.instance_id is not None:
-                changes.append(decision.reason)
-                views = [InstanceView(v.instance_id, decision.to_role) if v.instance_id == decision.instance_id
+            last = ctrl.decide(views, float(t), d)
+            if last.instance_id is not None:
+                changes.append(last.reason)
+                views = [InstanceView(v.instance_id, last.to_role) if v.instance_id == last.instance_id
                          else v for v in views]
-        return changes
+        return changes, ctrl.chunk_tokens, last
 
-    assert role_changes(demand(True)) == []
-    assert role_changes(demand(False))  # the premise: judged against 4 s, the summaries move a role
+    changes, chunk, last = run(demand(True))
+    assert changes == [] and chunk == 32 and last.held == "calm"
+    # judged against the chats' 4 s, the summaries need larger chunks to start in time: every
+    # stream's steps, and so its longest pause, get longer (demand_rotation, session 17)
+    changes_plain, chunk_plain, last_plain = run(demand(False))
+    assert changes_plain == [] and chunk_plain > 32 and last_plain.gap_estimate_s > last.gap_estimate_s
 
 
 def test_the_decision_names_each_class_with_its_target():

@@ -36,10 +36,11 @@ before any role change, whenever a setting of them alone is predicted to hold th
 decode instances' local-prefill threshold (`serve --disagg-policy threshold`) and the chunk budget,
 the prompt tokens a step carries beside running streams on every instance (a colocated instance's
 chunks, a decode instance's local prefills, a prefill instance's inherited streams; engine
-message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. They move only
+message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. They move
 while a target is missed, to the setting with the shortest predicted gap among those that hold
-every target with `knob_headroom` to spare (a stream's longest pause is its longest step), and
-every mix a role change could lead to is judged at the knob setting it would then move to. When
+every target with `knob_headroom` to spare, and while the targets are met without room (pressure
+between `calm` and 1), to the shortest-gap setting predicted calm, if one is, before any role
+change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
 no setting holds the targets the knobs stay where they are. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
@@ -404,8 +405,9 @@ class MixController:
             if chunk != chunk_now:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
-            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, targets "
-                                   f"held without a role change; {state}",
+            held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held")
+            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, {held} "
+                                   f"without a role change; {state}",
                             ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
                             predicted_gain=(p_now - p_k) * self.horizon_s, predicted_cost=0.0, deadlines_met=met_now,
                             local_prefill_max_tokens=threshold if threshold != knob else None,
@@ -459,19 +461,28 @@ class MixController:
 
     def _choose_knobs(self, options: list[tuple[float, Prediction, tuple[int, int]]]) -> int | None:
         """options: (pressure, prediction, (threshold, chunk)) per knob setting, the knobs as they
-        are first. The index of the setting to move to, or None: the knobs stay while they hold the
-        targets (pressure <= 1) or no setting does. Of the settings predicted to hold every target
+        are first. The index of the setting to move to, or None: the knobs stay while every target
+        is met with room (pressure under `calm`) or no setting does better. Between calm and 1
+        (targets met, room short) they move to the shortest-gap setting predicted calm, if one is:
+        the cheaper move where a role change would otherwise be weighed (changing_demand, session
+        18: at 256-token chunks the chats read 0.61-0.69x, so the mix went to 1 prefill + 1 decode
+        at 2 s and was caught by the documents there, while the repeat whose knob went to 32 tokens
+        stayed colocated and met every deadline). Of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
         that room, the least pressure that still holds them. When none holds them (overload) the
         knobs stay: moving them to the setting predicted to meet the most deadlines was tried
         (session 17) and flapped the local-prefill threshold 0 <-> 512 past every capacity, with
         streams paused for 43-51 s (demand_rotation_overload_x2, docs/benchmarks.md)."""
-        if options[0][0] <= 1:
+        if options[0][0] < self.calm:
             return None
         (t0, c0) = options[0][2]
         keyed = [(x[0], x[1].gap_s, (x[2][0] != t0) + (x[2][1] != c0), abs(x[2][0] - t0), abs(x[2][1] - c0), i)
                  for i, x in enumerate(options)]
+        if options[0][0] <= 1:
+            calm = [k for k in keyed if k[0] < self.calm]
+            chosen = min(calm, key=lambda k: k[1:]) if calm else None
+            return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
         return None if chosen[0] > 1 or chosen[5] == 0 else chosen[5]
