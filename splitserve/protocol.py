@@ -35,10 +35,10 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 11  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 12  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
 # 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time;
-# 11: an API request's SLO class
+# 11: an API request's SLO class; 12: the prompts a new decode instance hands back
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -224,6 +224,9 @@ class RoleChanged(msgspec.Struct, tag="role_changed", frozen=True):
     engine_id: str
     role: str
     error: str = ""
+    # a new decode instance's prompts that waited untouched, dropped there for the frontend to
+    # place again (engine/core.py _release_unstarted), in queue order
+    released: list[str] = []
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -151,6 +151,9 @@ def test_documents_turn_two_colocated_instances_into_prefill_plus_decode_in_two_
                 async for event in stream:
                     finish = event.finish_reason or finish
                 assert finish == "length"
+            # one more request through the split, so the decode instance has stepped: the documents
+            # may all have been answered on engine-1 (engine-0 hands back the prompts it had not started)
+            assert (await cluster.generate(prompt_of(200, seed=99), 4))["finish"] == "length"
             # the engines' measured steps reach the controller: counted, and fitted once there are 30
             deadline = time.monotonic() + 60  # generous: stats come every 0.25 s, later on a loaded box
             while time.monotonic() < deadline:

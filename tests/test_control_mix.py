@@ -83,6 +83,33 @@ def test_what_an_instance_holds_stays_there_and_new_requests_go_to_the_least_loa
     assert cc.ttft_s < 1.0 and cc.gap_s > 0.6
 
 
+def test_a_local_prompt_costs_every_chunk_step_and_waits_behind_what_the_decode_instance_holds():
+    # a decode instance prefilling 430-token prompts itself in 32-token chunks takes 14 steps for
+    # each, beside its streams. Session 18's what-if priced a local prompt at one chunk step, so a
+    # threshold of 512 sending every retrieval prompt to the one decode instance read 1.00x
+    # (demand_rotation_overload_x2: the writers behind them then waited 33 s).
+    w = WhatIf(MODEL, chunk_budget=32)
+    retrieval = Demand(0.6, 0.6 * 430, 0.6 * 40, 430, 40, prompts=(430,) * 6)
+    local = w.predict([Held("prefill"), Held("decode", num_running=4)], retrieval, local_max_tokens=512)
+    fourteen_steps = sum(MODEL.step_s(min(32, 430 - s), 0.0, 4) for s in range(0, 430, 32))
+    assert local.ttft_s > fourteen_steps
+    # prompts left queued on the decode instance are prefilled there first: every local prompt waits
+    behind = w.predict([Held("prefill"), Held("decode", queued_prompt_tokens=3000, num_running=4)], retrieval,
+                       local_max_tokens=512)
+    assert behind.ttft_s > local.ttft_s + 3000 * MODEL.per_prefill_token_s
+
+
+def test_an_instance_turning_decode_is_predicted_to_hand_its_waiting_prompts_to_the_instances_taking_new_work():
+    live = [InstanceView("a", "colocated", queued_prompt_tokens=3000, num_running=3),
+            InstanceView("b", "colocated", queued_prompt_tokens=1000)]
+    held_after = MixController._held(live, {"a": "decode"})
+    assert held_after == [Held("decode", 0, 3), Held("colocated", 4000, 0)]
+    assert MixController._held(live, {"a": "decode", "b": "prefill"}) == [Held("decode", 0, 3), Held("prefill", 4000, 0)]
+    # a decode instance keeps its own (local prompts), and a prefill or colocated turn moves nothing
+    assert MixController._held([InstanceView("d", "decode", queued_prompt_tokens=500)] + live[1:], {"b": "prefill"}) \
+        == [Held("decode", 500, 0), Held("prefill", 1000, 0)]
+
+
 def test_a_prefill_queue_is_left_to_drain_while_the_decode_instance_takes_the_chats():
     # documents queued on the prefill instance when chats return: turning it colocated would put their
     # chunks beside new streams; turning the decode instance colocated serves the chats apart

@@ -77,6 +77,32 @@ def test_role_change_mid_stream_keeps_greedy_tokens_and_returns_every_block(tiny
     assert shm_segments() == segments_before  # the pools of both engines were released
 
 
+def test_a_colocated_instance_turning_decode_hands_back_its_unstarted_prompts_to_the_prefill_instance(tiny, reference):
+    # Two slots on c0: two prompts start there, the other four wait untouched. Turned decode, c0
+    # keeps the two it started and hands the four back; the router places them again (p0 prefills,
+    # c0 decodes), and every stream's greedy tokens equal the uninterrupted run's. Before, the four
+    # stayed queued on the decode instance (prefilled there in its small chunks, and short prompts
+    # the router sent it later waited behind them).
+    async def go():
+        async with Cluster(tiny, {"c0": "colocated", "p0": "prefill"}, max_num_seqs=2, kv="8MiB") as cluster:
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
+                       for s in range(6)]
+            assert await until(lambda: cluster.engines["c0"].core.scheduler.running, 10.0)
+            waiting = len(cluster.engines["c0"].core.scheduler.waiting)
+            await cluster.client.change_role("c0", "decode")
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
+            handed = sum(1 for r in results if r["event"].kv_transfer is not None and r["event"].kv_transfer.outcome == "ok")
+            metrics = cluster.client.metrics.render().decode()
+            print(f"waiting when the change began: {waiting}; prefilled on p0 after it: {handed}")
+            assert waiting >= 1 and handed >= 1
+            assert f"splitserve_prompts_handed_back_total {float(handed)}" in metrics
+            assert roles_of(cluster) == {"c0": "decode", "p0": "prefill"}
+            await cluster.wait_idle()
+            assert all(v.num_requests == 0 and v.num_kv_tokens_used == 0 for v in cluster.client.load_view())
+    asyncio.run(go())
+
+
 def test_refused_role_changes_say_why_with_409(tiny):
     async def go():
         async with Cluster(tiny, PD) as cluster:

@@ -309,6 +309,22 @@ class MixController:
         return [c for c in [(s,) for s in singles] + pairs if self.covered(views, c)]
 
     @staticmethod
+    def _held(live: list[InstanceView], moved: dict[str, str]) -> list[Held]:
+        """What each instance would hold in the mix: an instance turning decode hands its waiting
+        prompts back (engine/core.py _release_unstarted), and the router places them again on the
+        instances that take new work (the colocated ones if any serve, else the prefill ones), spread
+        evenly; what it started stays. The engine's report does not split started from waiting, so
+        the whole queue is taken to move."""
+        roles = {v.instance_id: moved.get(v.instance_id, v.role) for v in live}
+        handed = sum(v.queued_prompt_tokens for v in live if roles[v.instance_id] == "decode" != v.role)
+        takers = [i for i, r in roles.items() if r == "colocated"] or [i for i, r in roles.items() if r == "prefill"]
+        share = handed // len(takers) if takers and handed else 0
+        return [Held(roles[v.instance_id],
+                     0 if roles[v.instance_id] == "decode" != v.role
+                     else v.queued_prompt_tokens + (share if v.instance_id in takers else 0),
+                     v.num_running) for v in live]
+
+    @staticmethod
     def _disruption(views: list[InstanceView], changes: tuple[Change, ...]) -> int:
         """Work left in the wrong place by the changes (prompts queued on a new decode instance, streams
         running on a new prefill one): among mixes predicted equal, the one that moves less."""
@@ -331,9 +347,7 @@ class MixController:
 
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
-            moved = dict(changes)
-            return WhatIf(model, chunk).predict([Held(moved.get(v.instance_id, v.role), v.queued_prompt_tokens,
-                                                      v.num_running) for v in live], d, threshold)
+            return WhatIf(model, chunk).predict(self._held(live, dict(changes)), d, threshold)
 
         def pressure(p: Prediction) -> float:
             return self.targets.pressure(p)

@@ -26,7 +26,11 @@ now, which stays where it is (a role change moves no queued prompt and no runnin
             share of its time that prefill takes, (o + a * n) / (1 - lp * c).
   prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
   decode instance: n = ld * o / (1 - ld * a); every gap is one decode step, o + a * n, and so is
-            its TPOT.
+            its TPOT. Prompts up to the local-prefill threshold it prefills itself, in chunks of
+            the budget beside its streams: a local prompt's TTFT is all its chunk steps, the
+            queueing wait of the local prompts' mean service, and the prompt tokens queued there
+            ahead of it, chunked the same way. (Those queued tokens also chunk its streams' steps
+            while they last; the gap leaves that transient out, as a decision's horizon outlasts it.)
   running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
 
 Per SLO class (requests that name one: `slo_class` in the body; serve --slo-classes gives each
@@ -167,6 +171,12 @@ class WhatIf:
     def _chunk(self, tokens: float) -> int:
         return int(min(self.chunk_budget, tokens))
 
+    def _chunked_s(self, tokens: int, n: int, kv: int) -> float:
+        """One prompt of `tokens` prefilled in chunks of the budget, each step beside n decodes."""
+        m = self.model
+        return sum(m.step_s(self._chunk(tokens - s), prefill_attn_ktok2(s, self._chunk(tokens - s)), n, kv)
+                   for s in range(0, max(int(tokens), 0), self.chunk_budget))
+
     def _colocated(self, serving: list[Held], demand: Demand) -> Prediction:
         m, k = self.model, len(serving)
         c, a, context = self._per_token(demand)
@@ -191,8 +201,7 @@ class WhatIf:
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
 
             def service_of(tokens: int) -> float:
-                return sum(m.step_s(self._chunk(tokens - s), prefill_attn_ktok2(s, self._chunk(tokens - s)), n, kv)
-                           for s in range(0, tokens, self.chunk_budget))
+                return self._chunked_s(tokens, n, kv)
 
             service = service_of(prompt)
             wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
@@ -231,12 +240,17 @@ class WhatIf:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
             gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
-            decodes.append((n, kv))
+            decodes.append((n, kv, h.queued_prompt_tokens))
         q_decode = _queueing(min(u_decode, 1 - MIN_SLACK))
 
         def local_ttft(tokens: float) -> float:
-            lp = self._chunk(max(int(tokens), 1))
-            return min(m.step_s(lp, prefill_attn_ktok2(0, lp), n, kv) for n, kv in decodes) * (1 + q_decode)
+            """A local prompt's chunk steps beside the instance's streams, the queueing wait of the
+            local prompts' mean service, and the prompt tokens queued there ahead of it (chunked
+            as the arrivals are): on the decode instance the router would pick, the least waiting."""
+            own = max(int(tokens), 1)
+            typical = max(int(local_mean), 1)
+            return min(self._chunked_s(own, n, kv) + self._chunked_s(typical, n, kv) * q_decode
+                       + queued / typical * self._chunked_s(typical, n, kv) for n, kv, queued in decodes)
 
         def ttft_of(local_share: float, local_mean_tokens: float, remote_tokens: float) -> float:
             """The TTFT at the attainment share: the faster group's if it holds that share."""

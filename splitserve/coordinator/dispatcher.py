@@ -239,7 +239,29 @@ class Dispatcher:
             self.metrics.observe_stats(message)
             self.router.set_free_blocks(engine_id, message.num_free_blocks)
         elif isinstance(message, RoleChanged):
+            self._take_back(engine_id, message.released)
             self.roles.on_role_changed(engine_id, message)
+
+    def _take_back(self, engine_id: str, request_ids: list[str]) -> None:
+        """Prompts a new decode instance handed back untouched (engine/core.py _release_unstarted)
+        wait parked, in arrival order, and go out again once the change has settled, where the
+        router and the disaggregation policy send them now (long ones to a prefill instance)."""
+        taken = 0
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is None or state.instance_id != engine_id or state.token_ids:
+                continue  # ended meanwhile, or already moved on: nothing to place again
+            self.requests.pop(request_id)
+            self._release(state, abort=False)  # the engine dropped it already
+            state.instance_id = state.prefill_instance_id = state.decode_instance_id = None
+            self.parked.append(state)
+            taken += 1
+        if taken:
+            log.warning("engine %s: %d unstarted prompt(s) handed back by its change to decode; placing them again",
+                        engine_id, taken)
+            self.metrics.handed_back.inc(taken)
+            if not self.roles.changing():
+                self.dispatch_parked()
 
     def _on_outputs(self, engine_id: str, message: StepOutputs) -> None:
         self._process(engine_id, message.outputs)

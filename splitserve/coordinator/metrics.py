@@ -28,6 +28,8 @@ class FrontendMetrics:
                                "theirs died before their first token", registry=r)
         self.resumes = Counter("splitserve_request_resumes", "Streams resumed on another instance (prompt + "
                                "tokens so far recomputed) because theirs died mid-stream", registry=r)
+        self.handed_back = Counter("splitserve_prompts_handed_back", "Unstarted prompts an instance turning "
+                                   "decode handed back, placed again by the router", registry=r)
         self.role_changes = Counter("splitserve_role_changes", "Live role changes of engine instances",
                                     ["from_role", "to_role"], registry=r)
         self.mix_decisions = Counter("splitserve_mix_decisions", "serve --adaptive: decisions by action "

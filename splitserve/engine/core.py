@@ -71,6 +71,7 @@ class EngineCore:
         self.connector = self._make_connector(config.role)
         self.pending_role: str | None = None
         self.num_role_changes = 0
+        self.released: list[str] = []  # prompts handed back by the last swap to decode (try_swap_role)
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -116,6 +117,7 @@ class EngineCore:
         """Swaps the connector if a change is pending and the old one is idle; True if it did."""
         if self.pending_role is None or self.connector.has_unfinished():
             return False
+        self.released = []
         role, self.pending_role = self.pending_role, None
         try:
             new = self._make_connector(role)
@@ -125,8 +127,28 @@ class EngineCore:
         old.close()
         self.connector = new
         self.num_role_changes += 1
-        log.info("engine %s: role %s -> %s", self.config.instance_id, old.role, new.role)
+        if role == "decode" and old.role != "decode":
+            self.released = self._release_unstarted()
+        log.info("engine %s: role %s -> %s%s", self.config.instance_id, old.role, new.role,
+                 f"; {len(self.released)} unstarted prompt(s) handed back" if self.released else "")
         return True
+
+    def _release_unstarted(self) -> list[str]:
+        """A new decode instance keeps what it started (running streams, prompts partly prefilled)
+        and hands back the prompts still waiting untouched, for the frontend to place again: left
+        here, they were prefilled in the decode role's small chunks beside every stream, and the
+        short prompts the router then sent here waited behind them (demand_rotation_overload_x2,
+        session 18: writers' 20-120-token prompts met a 9-33 s TTFT behind retrieval prompts kept
+        from the colocated role). Ids in queue order."""
+        out = []
+        for request in list(self.scheduler.waiting):
+            if (request.num_computed_tokens == 0 and not request.output_token_ids
+                    and request.num_preemptions == 0):
+                self.scheduler.remove(request)
+                self.requests.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED_ABORTED
+                out.append(request.request_id)
+        return out
 
     @property
     def max_model_len(self) -> int:

@@ -258,7 +258,7 @@ class EngineProcess:
             self.outbox.put(RoleChanged(self.engine_id, self.core.role, str(e)))
             return
         if swapped:
-            self.outbox.put(RoleChanged(self.engine_id, self.core.role))
+            self.outbox.put(RoleChanged(self.engine_id, self.core.role, released=self.core.released))
             self.outbox.put(self.core.stats())
 
     def _apply(self, message) -> list[TokenOutput]:
