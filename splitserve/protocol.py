@@ -10,8 +10,8 @@ Only msgspec structs cross a socket; nothing on an input path evaluates code.
 
 Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)
-    frontend -> GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown  (to /in)
-    engine -> StepOutputs | EngineStats | RoleChanged | Heartbeat     (from /out)
+    frontend -> GenerateRequest | AbortRequests | SetRole | SetChunkTokens | ReleaseUnstarted | Shutdown  (to /in)
+    engine -> StepOutputs | EngineStats | RoleChanged | Released | Heartbeat     (from /out)
 
 The engine's settings cross the process boundary once, at start: `serve` builds and checks an
 `EngineConfig` and writes `encode_engine_config(config)` to the engine process's stdin.
@@ -35,10 +35,11 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 12  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 13  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
 # 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time;
-# 11: an API request's SLO class; 12: the prompts a new decode instance hands back
+# 11: an API request's SLO class; 12: the prompts a new decode instance hands back;
+# 13: ReleaseUnstarted / Released
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -112,6 +113,14 @@ class SetRole(msgspec.Struct, tag="set_role", frozen=True):
     """Swap the connector once the old one has nothing in flight; answered with RoleChanged."""
 
     role: str
+
+
+class ReleaseUnstarted(msgspec.Struct, tag="release_unstarted", frozen=True):
+    """Drop those of these requests that still wait untouched here (no token computed or generated,
+    never preempted); answered with Released, naming the ones dropped, for the frontend to place
+    again (a decode instance leaving its role need not wait for prompts not yet begun)."""
+
+    request_ids: list[str]
 
 
 class SetChunkTokens(msgspec.Struct, tag="set_chunk_tokens", frozen=True):
@@ -229,6 +238,13 @@ class RoleChanged(msgspec.Struct, tag="role_changed", frozen=True):
     released: list[str] = []
 
 
+class Released(msgspec.Struct, tag="released", frozen=True):
+    """The answer to ReleaseUnstarted: the requests dropped, in queue order."""
+
+    engine_id: str
+    request_ids: list[str]
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """Sent by the engine's output thread even during a long forward pass: 'still alive'."""
 
@@ -341,8 +357,8 @@ ToCoordinator = ApiHello | ApiSubmit | ApiAbort | ApiForward
 FromCoordinator = ApiInstances | ApiSubmitted | ApiEvents | ApiForwardReply
 
 
-ToEngine = GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown | ResendHello
-FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Heartbeat
+ToEngine = GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown | ResendHello | ReleaseUnstarted
+FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Released | Heartbeat
 
 
 def encode_engine_config(config: EngineConfig) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import re
 import time
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 from cluster_support import Cluster, mapped_segments, prompt_of, shm_segments
 from splitserve.api.api_server import build_app
 from splitserve.coordinator.role_change import RoleChangeRefused
+from splitserve.engine.scheduler import ScheduledBatch
 from tiny_models import write_tiny_checkpoint
 
 PD = {"prefill-0": "prefill", "decode-0": "decode"}
@@ -100,6 +102,45 @@ def test_a_colocated_instance_turning_decode_hands_back_its_unstarted_prompts_to
             assert roles_of(cluster) == {"c0": "decode", "p0": "prefill"}
             await cluster.wait_idle()
             assert all(v.num_requests == 0 and v.num_kv_tokens_used == 0 for v in cluster.client.load_view())
+    asyncio.run(go())
+
+
+def test_a_decode_instance_leaving_its_role_waits_only_for_the_prompts_already_prefilling_for_it(tiny, reference):
+    # Two slots on p0: two prompts planned onto d0 prefill there, four wait. d0 turning colocated
+    # used to wait until p0 had prefilled and handed over all six (under a long prefill queue,
+    # past the 60 s change timeout: demand_rotation_overload_x2, session 19); now p0 drops the four
+    # it has not begun, the change waits for the two, and the four are placed again after it, on
+    # the new colocated instance. Greedy tokens equal an uninterrupted run's.
+    async def go():
+        async with Cluster(tiny, PD, max_num_seqs=2, kv="8MiB") as cluster:
+            scheduler = cluster.engines["prefill-0"].core.scheduler
+            schedule, steps_left = scheduler.schedule, [0]
+
+            def gated():  # prefill-0 steps only when the test lets it
+                if steps_left[0] <= 0:
+                    time.sleep(0.002)  # the engine thread would spin on empty steps
+                    return ScheduledBatch()
+                steps_left[0] -= 1
+                return schedule()
+
+            scheduler.schedule = gated
+            streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
+                       for s in range(6)]
+            assert await until(lambda: len(scheduler.waiting) == 6, 10.0)
+            steps_left[0] = 1  # one step: the two slots' prompts, whole (64-token budget)
+            assert await until(lambda: len(scheduler.waiting) == 4 and not scheduler.running, 10.0)
+            await cluster.client.change_role("decode-0", "colocated")
+            dispatcher = cluster.client.dispatcher
+            untouched = len(dispatcher.parked) + sum(1 for st in dispatcher.requests.values() if not st.token_ids)
+            results = await asyncio.gather(*streams)
+            assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
+            metrics = cluster.client.metrics.render().decode()
+            released = float(re.search(r"^splitserve_prompts_handed_back_total (\S+)$", metrics, re.M).group(1))
+            print(f"released by prefill-0: {released:g}; without a first token when the change returned: {untouched}")
+            assert released == 4 and untouched == 4
+            assert roles_of(cluster) == {"prefill-0": "prefill", "decode-0": "colocated"}
+            assert sum(1 for r in results if r["event"].kv_transfer is None) == 4  # served on d0, colocated
+            await cluster.wait_idle()
     asyncio.run(go())
 
 

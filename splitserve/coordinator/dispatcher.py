@@ -32,8 +32,8 @@ from splitserve.coordinator.output_processor import OutputProcessor
 from splitserve.coordinator.request_state import EventSink, RequestState, TokenStream
 from splitserve.coordinator.role_change import RoleChanger
 from splitserve.coordinator.router import NoInstanceAvailable, RoutableRequest, RoutePlan, Router, prefix_key
-from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, RoleChanged, StepOutputs,
-                                 WireSamplingParams)
+from splitserve.protocol import (AbortRequests, EngineStats, GenerateRequest, Released, ReleaseUnstarted, RoleChanged,
+                                 StepOutputs, WireSamplingParams)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class Dispatcher:
         self.retry_on_engine_failure = retry_on_engine_failure
         self.requests: dict[str, RequestState] = {}  # by internal request id
         self.parked: list[RequestState] = []  # no instance could take them while roles were changing
-        self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked, num_inbound=self._num_inbound)
+        self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked, num_inbound=self._num_inbound,
+                                 release_inbound=self._release_inbound)
         self._ids = itertools.count()
         self.refusing: str | None = None  # set when the coordinator restarts: new requests get 503 with this
 
@@ -116,6 +117,21 @@ class Dispatcher:
 
     def _num_inbound(self, decode_id: str) -> int:
         return sum(1 for s in self.requests.values() if s.decode_instance_id == decode_id != s.instance_id)
+
+    def _release_inbound(self, decode_id: str) -> None:
+        """Decode instance `decode_id` is leaving its role: the prefill instances are asked to drop
+        the prompts planned onto it that they have not begun (answered with Released, placed again
+        by _take_back once the change settles), so the change waits only for those already
+        prefilling (demand_rotation_overload_x2, session 19: a decode -> colocated change waited
+        out its 60 s timeout behind the prefill instance's queue)."""
+        by_prefill: dict[str, list[str]] = {}
+        for s in self.requests.values():
+            if s.decode_instance_id == decode_id != s.instance_id and s.streamed_to is None and not s.token_ids:
+                by_prefill.setdefault(s.instance_id, []).append(s.request_id)
+        for prefill_id, request_ids in by_prefill.items():
+            inst = self.link.instances.get(prefill_id)
+            if inst is not None and inst.alive:
+                self.link.send(prefill_id, ReleaseUnstarted(request_ids))
 
     @staticmethod
     def _set_plan(state: RequestState, plan: RoutePlan) -> None:
@@ -241,11 +257,14 @@ class Dispatcher:
         elif isinstance(message, RoleChanged):
             self._take_back(engine_id, message.released)
             self.roles.on_role_changed(engine_id, message)
+        elif isinstance(message, Released):
+            self._take_back(engine_id, message.request_ids)
 
     def _take_back(self, engine_id: str, request_ids: list[str]) -> None:
-        """Prompts a new decode instance handed back untouched (engine/core.py _release_unstarted)
-        wait parked, in arrival order, and go out again once the change has settled, where the
-        router and the disaggregation policy send them now (long ones to a prefill instance)."""
+        """Prompts an engine dropped untouched (engine/core.py release_unstarted: a new decode
+        instance's queue, or a prefill instance's prompts planned onto a decode instance leaving
+        its role) wait parked, in arrival order, and go out again once the change has settled,
+        where the router and the disaggregation policy send them now."""
         taken = 0
         for request_id in request_ids:
             state = self.requests.get(request_id)
@@ -257,7 +276,7 @@ class Dispatcher:
             self.parked.append(state)
             taken += 1
         if taken:
-            log.warning("engine %s: %d unstarted prompt(s) handed back by its change to decode; placing them again",
+            log.warning("engine %s: %d unstarted prompt(s) handed back for a role change; placing them again",
                         engine_id, taken)
             self.metrics.handed_back.inc(taken)
             if not self.roles.changing():

@@ -2,8 +2,9 @@
 
     change_role(id, role):  refuse (RoleChangeRefused, 409) if no instance could then prefill or
         none could decode -> the router stops sending the instance new work -> a decode instance
-        first takes the streams already planned onto it (prefilling elsewhere: recomputing them
-        after the change stalled them for seconds) -> SetRole -> the
+        first takes the streams already planned onto it and prefilling elsewhere (recomputing them
+        after the change stalled them for seconds); those not begun there are dropped by their
+        prefill instance (ReleaseUnstarted) and placed again after the change -> SetRole -> the
         engine swaps its connector once the old one holds nothing in flight (prompts handed over,
         leases confirmed, pulls landed; running decodes just carry on) -> RoleChanged -> the
         router sends it work of its new kind, and requests parked meanwhile are dispatched.
@@ -75,11 +76,13 @@ class RoleChanger:
 
     def __init__(self, link: EngineLink, router: Router, metrics: FrontendMetrics, settled: Callable[[], None],
                  timeout_s: float = ROLE_CHANGE_TIMEOUT_S,
-                 num_inbound: Callable[[str], int] = lambda instance_id: 0) -> None:
+                 num_inbound: Callable[[str], int] = lambda instance_id: 0,
+                 release_inbound: Callable[[str], None] = lambda instance_id: None) -> None:
         """num_inbound(id): requests planned to be handed over to decode instance `id`, still
-        prefilling elsewhere."""
+        prefilling elsewhere; release_inbound(id): asks their prefill instances to drop those not
+        begun (placed again once the change settles), so the change waits only for the rest."""
         self.link, self.router, self.metrics, self.settled = link, router, metrics, settled
-        self.num_inbound = num_inbound
+        self.num_inbound, self.release_inbound = num_inbound, release_inbound
         self.timeout_s = timeout_s
         self._pending: dict[str, asyncio.Future] = {}
         self._takeovers: set[asyncio.Task] = set()
@@ -116,6 +119,7 @@ class RoleChanger:
         if serving[instance_id] != "decode" or not self.num_inbound(instance_id):
             self.link.send(instance_id, SetRole(role))
         else:
+            self.release_inbound(instance_id)
             asyncio.get_running_loop().create_task(self._after_handovers(instance_id, role, future))
         log.warning("engine %s: changing role %s -> %s", instance_id, serving[instance_id], role)
         return future

@@ -128,20 +128,24 @@ class EngineCore:
         self.connector = new
         self.num_role_changes += 1
         if role == "decode" and old.role != "decode":
-            self.released = self._release_unstarted()
+            self.released = self.release_unstarted()
         log.info("engine %s: role %s -> %s%s", self.config.instance_id, old.role, new.role,
                  f"; {len(self.released)} unstarted prompt(s) handed back" if self.released else "")
         return True
 
-    def _release_unstarted(self) -> list[str]:
-        """A new decode instance keeps what it started (running streams, prompts partly prefilled)
-        and hands back the prompts still waiting untouched, for the frontend to place again: left
-        here, they were prefilled in the decode role's small chunks beside every stream, and the
-        short prompts the router then sent here waited behind them (demand_rotation_overload_x2,
-        session 18: writers' 20-120-token prompts met a 9-33 s TTFT behind retrieval prompts kept
-        from the colocated role). Ids in queue order."""
+    def release_unstarted(self, request_ids: set[str] | None = None) -> list[str]:
+        """Drops the prompts still waiting untouched (of `request_ids`, or all), for the frontend to
+        place again; ids in queue order. A new decode instance keeps what it started (running
+        streams, prompts partly prefilled) and hands back the rest: left here, they were prefilled
+        in the decode role's small chunks beside every stream, and the short prompts the router
+        then sent here waited behind them (demand_rotation_overload_x2, session 18: writers'
+        20-120-token prompts met a 9-33 s TTFT behind retrieval prompts kept from the colocated
+        role). A prefill instance releases the prompts planned onto a decode instance that is
+        leaving its role (ReleaseUnstarted)."""
         out = []
         for request in list(self.scheduler.waiting):
+            if request_ids is not None and request.request_id not in request_ids:
+                continue
             if (request.num_computed_tokens == 0 and not request.output_token_ids
                     and request.num_preemptions == 0):
                 self.scheduler.remove(request)

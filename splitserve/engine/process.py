@@ -35,8 +35,8 @@ from splitserve.devices import check_device
 from splitserve.link_security import EngineLinkSecurity, add_engine_link_arguments, engine_link_from_args
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
-                                 ResendHello, RoleChanged, SetChunkTokens, SetRole, Shutdown, StepOutputs,
-                                 TokenOutput, decode_engine_config, socket_identity)
+                                 Released, ReleaseUnstarted, ResendHello, RoleChanged, SetChunkTokens, SetRole,
+                                 Shutdown, StepOutputs, TokenOutput, decode_engine_config, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -275,6 +275,8 @@ class EngineProcess:
                     log.exception("engine %s: aborting request %s failed", self.engine_id, request_id)
         elif isinstance(message, SetRole):
             self._set_role(message.role)
+        elif isinstance(message, ReleaseUnstarted):
+            self.outbox.put(Released(self.engine_id, self.core.release_unstarted(set(message.request_ids))))
         elif isinstance(message, SetChunkTokens):
             try:
                 self.core.set_chunk_tokens(message.tokens or None)
