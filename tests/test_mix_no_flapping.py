@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
 from splitserve.control.stepmodel import StepModel
-from splitserve.control.whatif import Demand
+from splitserve.control.whatif import Demand, Prediction
 
 # a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
 MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
@@ -265,3 +265,22 @@ def test_targets_met_without_room_move_the_chunk_knob_to_a_calm_setting_before_a
     moved = [d for d in decisions if d.chunk_tokens is not None]
     assert len(moved) == 1 and moved[0].chunk_tokens == 32 and "every target met with room" in moved[0].reason
     assert decisions[-1].held == "calm"
+
+
+def test_a_calm_seeking_knob_move_must_lower_the_pressure_by_the_margin():
+    # demand_rotation, session 19: with every target met at 0.60-0.65x the chunk knob went 32 -> 64
+    # tokens for a predicted 0.57x, and 64 -> 32 for 0.58x, undone 3 s later by a missed target;
+    # small steps inside the band chase noise and lengthen the chunks the streams meet
+    ctrl = MixController(MODEL, TARGETS, chunk_knob=True)
+
+    def option(pressure: float, gap_s: float, chunk: int):
+        return (pressure, Prediction(pressure * 4.0, gap_s, "2 colocated"), (0, chunk))
+
+    now = option(0.65, 0.15, 32)
+    assert ctrl._choose_knobs([now, option(0.57, 0.20, 64)]) is None  # calm, but 12% lower only
+    assert ctrl._choose_knobs([now, option(0.57, 0.20, 64), option(0.50, 0.30, 128)]) == 2
+    assert ctrl._choose_knobs([option(0.60, 0.30, 64), option(0.58, 0.15, 32)]) is None
+    # a missed target still moves to the shortest-gap setting that holds the targets, by any margin
+    assert ctrl._choose_knobs([option(1.02, 0.15, 32), option(0.91, 0.20, 64)]) == 1
+    loose = MixController(MODEL, TARGETS, chunk_knob=True, margin=0.0)
+    assert loose._choose_knobs([now, option(0.57, 0.20, 64)]) == 1

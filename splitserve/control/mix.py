@@ -39,8 +39,8 @@ chunks, a decode instance's local prefills, a prefill instance's inherited strea
 message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. They move
 while a target is missed, to the setting with the shortest predicted gap among those that hold
 every target with `knob_headroom` to spare, and while the targets are met without room (pressure
-between `calm` and 1), to the shortest-gap setting predicted calm, if one is, before any role
-change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
+between `calm` and 1), to the shortest-gap setting predicted calm and `margin` below the pressure
+now, if one is, before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
 no setting holds the targets the knobs stay where they are. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
@@ -481,7 +481,7 @@ class MixController:
         the cheaper move where a role change would otherwise be weighed (changing_demand, session
         18: at 256-token chunks the chats read 0.61-0.69x, so the mix went to 1 prefill + 1 decode
         at 2 s and was caught by the documents there, while the repeat whose knob went to 32 tokens
-        stayed colocated and met every deadline). Of the settings predicted to hold every target
+        stayed colocated and met every deadline), and `margin` below the pressure now. Of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
         that room, the least pressure that still holds them. When none holds them (overload) the
@@ -494,7 +494,12 @@ class MixController:
         keyed = [(x[0], x[1].gap_s, (x[2][0] != t0) + (x[2][1] != c0), abs(x[2][0] - t0), abs(x[2][1] - c0), i)
                  for i, x in enumerate(options)]
         if options[0][0] <= 1:
-            calm = [k for k in keyed if k[0] < self.calm]
+            # a setting predicted calm, and by the margin below the pressure now: the band between
+            # calm and 1 is where predictions sit near their targets, and a smaller step chases noise
+            # (demand_rotation, session 19: 32 -> 64 tokens for 0.65x -> 0.57x, 64 -> 32 for 0.60x
+            # -> 0.58x, undone 3 s later by a missed target; longer chunks, longer pauses)
+            bar = min(self.calm, options[0][0] * (1 - self.margin))
+            calm = [k for k in keyed if k[0] < bar]
             chosen = min(calm, key=lambda k: k[1:]) if calm else None
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
