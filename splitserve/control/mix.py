@@ -311,7 +311,7 @@ class MixController:
     @staticmethod
     def _held(live: list[InstanceView], moved: dict[str, str]) -> list[Held]:
         """What each instance would hold in the mix: an instance turning decode hands its waiting
-        prompts back (engine/core.py _release_unstarted), and the router places them again on the
+        prompts back (engine/core.py release_unstarted), and the router places them again on the
         instances that take new work (the colocated ones if any serve, else the prefill ones), spread
         evenly; what it started stays. The engine's report does not split started from waiting, so
         the whole queue is taken to move."""

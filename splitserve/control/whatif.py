@@ -6,7 +6,9 @@ itself a result of the arrangement (one decode instance holding every stream ste
 streams pile up on it). So each prediction starts from the demand (requests, prompt and answer
 tokens per second over a window, and how long the prompts are) and finds each instance's
 steady state under the new work the router would send it, then adds what each instance holds
-now, which stays where it is (a role change moves no queued prompt and no running stream):
+now, which stays where it is (a role change moves no running stream; the caller says what each
+instance holds after it, e.g. an instance turning decode hands its waiting prompts back,
+control/mix.py _held):
 
   router    new requests go to the colocated instances whenever one serves (coordinator/router.py);
             only an arrangement without one splits them over prefill and decode instances.

@@ -28,8 +28,9 @@ class FrontendMetrics:
                                "theirs died before their first token", registry=r)
         self.resumes = Counter("splitserve_request_resumes", "Streams resumed on another instance (prompt + "
                                "tokens so far recomputed) because theirs died mid-stream", registry=r)
-        self.handed_back = Counter("splitserve_prompts_handed_back", "Unstarted prompts an instance turning "
-                                   "decode handed back, placed again by the router", registry=r)
+        self.handed_back = Counter("splitserve_prompts_handed_back", "Unstarted prompts an engine dropped for a "
+                                   "role change (a new decode instance's queue, or a prefill instance's prompts "
+                                   "planned onto a decode instance leaving its role), placed again", registry=r)
         self.role_changes = Counter("splitserve_role_changes", "Live role changes of engine instances",
                                     ["from_role", "to_role"], registry=r)
         self.mix_decisions = Counter("splitserve_mix_decisions", "serve --adaptive: decisions by action "
