@@ -141,6 +141,8 @@ def test_a_decode_instance_leaving_its_role_waits_only_for_the_prompts_already_p
             assert roles_of(cluster) == {"prefill-0": "prefill", "decode-0": "colocated"}
             assert sum(1 for r in results if r["event"].kv_transfer is None) == 4  # served on d0, colocated
             await cluster.wait_idle()
+            # the released prompts left nothing in prefill-0's connector: it can change its role too
+            assert not cluster.engines["prefill-0"].core.connector.has_unfinished()
     asyncio.run(go())
 
 

@@ -249,10 +249,9 @@ class WhatIf:
             """A local prompt's chunk steps beside the instance's streams, the queueing wait of the
             local prompts' mean service, and the prompt tokens queued there ahead of it (chunked
             as the arrivals are): on the decode instance the router would pick, the least waiting."""
-            own = max(int(tokens), 1)
-            typical = max(int(local_mean), 1)
-            return min(self._chunked_s(own, n, kv) + self._chunked_s(typical, n, kv) * q_decode
-                       + queued / typical * self._chunked_s(typical, n, kv) for n, kv, queued in decodes)
+            own, typical = max(int(tokens), 1), max(int(local_mean), 1)
+            return min(self._chunked_s(own, n, kv) + self._chunked_s(typical, n, kv) * (q_decode + queued / typical)
+                       for n, kv, queued in decodes)
 
         def ttft_of(local_share: float, local_mean_tokens: float, remote_tokens: float) -> float:
             """The TTFT at the attainment share: the faster group's if it holds that share."""

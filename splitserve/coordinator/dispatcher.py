@@ -115,8 +115,12 @@ class Dispatcher:
         self._set_plan(state, plan)
         self.requests[request_id] = state
 
+    def _inbound(self, decode_id: str) -> list[RequestState]:
+        """Requests planned to be handed over to decode instance `decode_id`, still prefilling elsewhere."""
+        return [s for s in self.requests.values() if s.decode_instance_id == decode_id != s.instance_id]
+
     def _num_inbound(self, decode_id: str) -> int:
-        return sum(1 for s in self.requests.values() if s.decode_instance_id == decode_id != s.instance_id)
+        return len(self._inbound(decode_id))
 
     def _release_inbound(self, decode_id: str) -> None:
         """Decode instance `decode_id` is leaving its role: the prefill instances are asked to drop
@@ -125,8 +129,8 @@ class Dispatcher:
         prefilling (demand_rotation_overload_x2, session 19: a decode -> colocated change waited
         out its 60 s timeout behind the prefill instance's queue)."""
         by_prefill: dict[str, list[str]] = {}
-        for s in self.requests.values():
-            if s.decode_instance_id == decode_id != s.instance_id and s.streamed_to is None and not s.token_ids:
+        for s in self._inbound(decode_id):
+            if s.streamed_to is None and not s.token_ids:
                 by_prefill.setdefault(s.instance_id, []).append(s.request_id)
         for prefill_id, request_ids in by_prefill.items():
             inst = self.link.instances.get(prefill_id)

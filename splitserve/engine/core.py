@@ -148,9 +148,7 @@ class EngineCore:
                 continue
             if (request.num_computed_tokens == 0 and not request.output_token_ids
                     and request.num_preemptions == 0):
-                self.scheduler.remove(request)
-                self.requests.pop(request.request_id, None)
-                request.status = RequestStatus.FINISHED_ABORTED
+                self.abort_request(request.request_id)  # the connector forgets it too (a prefill one tracks it)
                 out.append(request.request_id)
         return out
 
