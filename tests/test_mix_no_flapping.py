@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
 from splitserve.control.stepmodel import StepModel
-from splitserve.control.whatif import Demand, Prediction
+from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
 
 # a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
 MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
@@ -236,15 +236,27 @@ def test_missed_deadlines_weigh_more_so_a_phase_that_saturates_a_stage_is_answer
 
 
 
-def test_past_every_setting_the_knobs_stay_where_they_are():
+def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_deadlines_and_stay():
     # long answers beside prompts in 32-token chunks: the TTFT is far past its target and no chunk
-    # budget holds every target; larger chunks would meet more TTFTs at longer pauses. Moving the
-    # knobs under overload flapped them past every capacity (session 17), so they stay
+    # budget holds every target; larger chunks meet more TTFTs at longer pauses. The knobs go where
+    # the most deadlines are predicted met, once, and stay there (session 17 moved them with no
+    # margin and flapped them past every capacity)
     writing = Demand(0.6, 0.6 * 300, 0.6 * 200, 300, 200, prompts=(200, 250, 300, 350, 400))
     ctrl = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
     decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(30)]
+    moves = [d for d in decisions if d.chunk_tokens is not None]
+    assert len(moves) == 1 and all(d.instance_id is None for d in decisions)
+    assert "no setting holds the targets; predicted to meet" in moves[0].reason
+    assert decisions[-1].held == "overload"
+    met = {c: ctrl.targets.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, writing))
+           for c in ctrl.chunk_choices}
+    assert ctrl.chunk_tokens == max(met, key=met.get) != 32 and met[ctrl.chunk_tokens] > met[32]
+    # a setting that misses fewer deadlines, but not by the margin: the knobs stay
+    assert (1 - met[ctrl.chunk_tokens]) > (1 - met[32]) * 0.1
+    strict = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32, margin=0.9)
+    decisions = [strict.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(10)]
     assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions)
-    assert decisions[-1].held == "overload" and ctrl.chunk_tokens == 32
+    assert decisions[-1].held == "overload" and strict.chunk_tokens == 32
 
 
 def test_targets_met_without_room_move_the_chunk_knob_to_a_calm_setting_before_any_role():

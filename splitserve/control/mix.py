@@ -41,7 +41,8 @@ while a target is missed, to the setting with the shortest predicted gap among t
 every target with `knob_headroom` to spare, and while the targets are met without room (pressure
 between `calm` and 1), to the shortest-gap setting predicted calm and `margin` below the pressure
 now, if one is, before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
-no setting holds the targets the knobs stay where they are. A change that
+no setting holds the targets they move to the one predicted to meet the most deadlines, if it
+misses `margin` fewer than now. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
@@ -275,7 +276,9 @@ class MixController:
         info = {"threads": threads, **online.describe()}
         if online.ready:
             return online.model, info, (f"model: online fit of {online.num_samples} steps, median error "
-                                        f"{online.median_error:.0%} ({describe_model(online.model)})")
+                                        f"{online.median_error:.0%} ({describe_model(online.model)}); steps with "
+                                        f"prompt tokens x{online.prompt_step_tail:.2f} at their 90th percentile "
+                                        f"({online.num_prompt_steps} measured)")
         scale = self._correction(views, online.prior)
         info["scale"] = scale
         return online.prior.scaled(scale), info, (f"model: prior x{scale:.2f} ({online.num_samples} of "
@@ -345,9 +348,11 @@ class MixController:
         model, info, model_text = self._model(views)
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
+        tail = info["prompt_step_tail"] if info["source"] == "online" else 1.0
+
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
-            return WhatIf(model, chunk).predict(self._held(live, dict(changes)), d, threshold)
+            return WhatIf(model, chunk, gap_tail=tail).predict(self._held(live, dict(changes)), d, threshold)
 
         def pressure(p: Prediction) -> float:
             return self.targets.pressure(p)
@@ -376,7 +381,7 @@ class MixController:
         gap_bar = max(self._gap_target(), now.gap_s)
         candidates, stalling = [], []
         for c in self._candidates(views):
-            (stalling if self._carried_gap(views, c, model) > gap_bar else candidates).append(c)
+            (stalling if self._carried_gap(views, c, model, tail) > gap_bar else candidates).append(c)
         scored = sorted(((p_c, len(c), self._disruption(views, c), c, p)
                          for c in candidates for p_c, p in [best(c)]), key=lambda x: x[:4])
         self.last = {"now": now, "scale": info.get("scale", 1.0), "model": info,
@@ -398,7 +403,7 @@ class MixController:
             follow, self._follow = self._follow, None
             after = predict((follow,))
             if (self.covered(views, follow) and pressure(after) < p_now * (1 - self.margin)
-                    and self._carried_gap(views, (follow,), model) <= gap_bar):
+                    and self._carried_gap(views, (follow,), model, tail) <= gap_bar):
                 decision = self._change(views, follow, now, after, now_s, "second of two steps", model_text)
                 return Decision(**{**decision.to_dict(), **self._follow_numbers})
             self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
@@ -410,6 +415,8 @@ class MixController:
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
         knob_options = options(())
         chosen = self._choose_knobs(knob_options)
+        if chosen is not None and knob_options[chosen][0] > 1 and any(x[0] <= 1 for x in scored):
+            chosen = None  # no setting holds the targets, but a role change would: weigh that instead
         if chosen is not None:
             p_k, _, (threshold, chunk) = knob_options[chosen]
             moved = []
@@ -419,7 +426,9 @@ class MixController:
             if chunk != chunk_now:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
-            held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held")
+            held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
+                    else f"no setting holds the targets; predicted to meet "
+                         f"{self.targets.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
             return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, {held} "
                                    f"without a role change; {state}",
                             ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
@@ -484,10 +493,15 @@ class MixController:
         stayed colocated and met every deadline), and `margin` below the pressure now. Of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
-        that room, the least pressure that still holds them. When none holds them (overload) the
-        knobs stay: moving them to the setting predicted to meet the most deadlines was tried
-        (session 17) and flapped the local-prefill threshold 0 <-> 512 past every capacity, with
-        streams paused for 43-51 s (demand_rotation_overload_x2, docs/benchmarks.md)."""
+        that room, the least pressure that still holds them. When none holds them (overload) they
+        move to the setting predicted to meet the most deadlines if it misses `margin` fewer than
+        now (changing_demand, session 19: at 32-token chunks the documents' TTFT read 1.09x; once
+        a gap is read at the tail of the steps' spread, 128 tokens miss the gap target, so no
+        setting holds the targets, and the knobs would stay at the documents' slowest). Session 17 let
+        them move there with no margin and flapped the local-prefill threshold 0 <-> 512 past
+        every capacity (demand_rotation_overload_x2, docs/benchmarks.md); the local-prompt pricing
+        behind that flap was fixed in session 19, and the margin on missed deadlines leaves no
+        two settings each better than the other."""
         if options[0][0] < self.calm:
             return None
         (t0, c0) = options[0][2]
@@ -504,7 +518,13 @@ class MixController:
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
-        return None if chosen[0] > 1 or chosen[5] == 0 else chosen[5]
+        if chosen[0] <= 1:
+            return None if chosen[5] == 0 else chosen[5]
+        # past every setting: the one predicted to meet the most deadlines, if it misses `margin`
+        # fewer than the knobs as they are (two settings cannot each miss fewer than the other)
+        missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
+        i = min(range(len(options)), key=lambda j: (missed[j], j))
+        return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
 
     def _knob_settings(self, roles: set[str]) -> list[tuple[int, int]]:
         """(threshold, chunk) settings the knobs may take in a mix with these roles; the first is
@@ -521,12 +541,14 @@ class MixController:
     def _gap_target(self) -> float:
         return min([self.targets.gap_s] + [c.gap_s for c in self.targets.classes])
 
-    def _carried_gap(self, views: list[InstanceView], changes: tuple[Change, ...], model: StepModel) -> float:
+    def _carried_gap(self, views: list[InstanceView], changes: tuple[Change, ...], model: StepModel,
+                     tail: float = 1.0) -> float:
         """The longest step a change predicts for the streams an instance turning prefill keeps: they
-        step there beside chunks of carry_chunk_tokens (the chunk knob's, if set) until they end."""
+        step there beside chunks of carry_chunk_tokens (the chunk knob's, if set) until they end, at
+        the tail of such steps' spread (whatif.WhatIf.gap_tail)."""
         by_id = {v.instance_id: v for v in views}
         carry = self.chunk_tokens or self.carry_chunk_tokens
-        return max([model.step_s(carry, prefill_attn_ktok2(0, carry), v.num_running, v.decode_kv_tokens)
+        return max([tail * model.step_s(carry, prefill_attn_ktok2(0, carry), v.num_running, v.decode_kv_tokens)
                     for i, r in changes for v in [by_id[i]]
                     if r == "prefill" and v.role != "prefill" and v.num_running], default=0.0)
 

@@ -19,11 +19,15 @@ control/mix.py _held):
             continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
             (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
             prefill chunk: o + a * n + the chunk of the longest prompt that the stream at the
-            attainment target meets (of the m prompts that arrive there during its life, the
-            longest is below the t^(1/m) quantile of recent prompts for a share t of streams,
-            t = 0.9: one document among ten chats is a chunk one stream in ten meets, and one
-            chunk of a long prompt is enough to break a stream's p99 gap; up to the budget). TTFT: the prompt's chunk steps, stretched by the queueing factor
-            1 + u / (2 (1 - u)) of its utilisation u, plus the queued prompt tokens ahead.
+            attainment target meets (the prompts arriving there while it is prefilled and while it
+            answers are Poisson, m on average, so for a share t of streams none of them is longer
+            than the 1 + ln(t) / m quantile of recent prompts, t = 0.9; below m = -ln t that share
+            meets no prompt at all, and its gaps are decode steps. One chunk of a long prompt is
+            enough to break a stream's p99 gap; the chunk is up to the budget), that step taken
+            at the same share of its measured spread (gap_tail: one slow step is the gap, where a
+            prompt's many chunk steps average out in its TTFT). TTFT: the prompt's chunk steps,
+            stretched by the queueing factor 1 + u / (2 (1 - u)) of its utilisation u, plus the
+            queued prompt tokens ahead.
             Its streams' mean time per token (TPOT): a step of its n decodes, stretched by the
             share of its time that prefill takes, (o + a * n) / (1 - lp * c).
   prefill instance: TTFT of a whole prompt's step, stretched the same way, plus the queue.
@@ -151,6 +155,13 @@ class WhatIf:
     model: StepModel
     chunk_budget: int = 256
     attainment: float = 0.9  # the share of streams whose worst gap the prediction covers
+    gap_tail: float = 1.0    # a step carrying prompt tokens, at that share of its spread, over the model's mean
+                             # (online_stepmodel.OnlineStepModel.prompt_step_tail): a gap is one step, not a mean
+
+    def _gap(self, chunk: int, n: int, kv: int) -> float:
+        """The gap a stream meets at a step with a `chunk`-token prompt piece beside n decodes."""
+        step = self.model.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv)
+        return step * self.gap_tail if chunk > 0 else step
 
     def _per_token(self, demand: Demand) -> tuple[float, float, float]:
         """(c, a, context): seconds per prompt token and per decode, and a decode's mean context."""
@@ -195,17 +206,21 @@ class WhatIf:
             kv = int(n * context)
             decode_step = m.step_s(0, 0.0, n, kv)
             tpots.append(decode_step / decode_share)
-            chunk = self._chunk(h.queued_prompt_tokens)
-            if demand.prompts:
-                life_s = demand.mean_answer * decode_step / slack  # its steps, prefills among them
-                meets = demand.request_rate / k * life_s
-                chunk = max(chunk, self._chunk(demand.prompt_quantile(self.attainment ** (1 / max(meets, 1.0)))))
-            gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
 
             def service_of(tokens: int) -> float:
                 return self._chunked_s(tokens, n, kv)
 
             service = service_of(prompt)
+            chunk = self._chunk(h.queued_prompt_tokens)
+            if demand.prompts:
+                # the prompts whose chunks a stream's steps carry: those arriving while it is prefilled
+                # and while it answers (its steps, prefills among them), m of them on average
+                life_s = service + demand.mean_answer * decode_step / slack
+                meets = demand.request_rate / k * life_s
+                share = 1 + math.log(self.attainment) / meets if meets > 0 else 0.0
+                if share > 0:  # else that share of streams meets no prompt at all
+                    chunk = max(chunk, self._chunk(demand.prompt_quantile(share)))
+            gaps.append(self._gap(chunk, n, kv))
             wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
             ttfts.append(service + wait)
             for ttft_c, cls in zip(by_class, demand.classes):
@@ -241,7 +256,7 @@ class WhatIf:
         for h in decode:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
-            gaps.append(m.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv))
+            gaps.append(self._gap(chunk, n, kv))
             decodes.append((n, kv, h.queued_prompt_tokens))
         q_decode = _queueing(min(u_decode, 1 - MIN_SLACK))
 
