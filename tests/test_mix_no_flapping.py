@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
 from splitserve.control.stepmodel import StepModel
-from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
+from splitserve.control.whatif import ClassDemand, Demand, Held, Prediction, WhatIf
 
 # a CPU-like instance: 45 ms per step, 2.6 ms per prompt token, 5 ms per decode
 MODEL = StepModel(overhead_s=0.045, per_prefill_token_s=0.0026, per_prefill_attn_s=0.001, per_decode_seq_s=0.005,
@@ -279,6 +279,24 @@ def test_targets_met_without_room_move_the_chunk_knob_to_a_calm_setting_before_a
     assert decisions[-1].held == "calm"
 
 
+def test_a_knob_setting_the_margin_below_now_is_taken_before_a_role_change_even_if_not_calm():
+    # changing_demand, session 20: one document among the first chats; 256-token chunks read 0.91x
+    # (a chat's chunk in the gap), 64-token ones 0.67x (the document's TTFT: not calm), so the knob
+    # stayed and the mix went to 1 prefill + 1 decode, which a role change may do for 20% less
+    chats_p = tuple(range(30, 151, 10))
+    mean = (sum(chats_p) + 700) / 14
+    demand = Demand(0.4, 0.4 * mean, 0.4 * 64, mean, 64, prompts=chats_p + (700,),
+                    classes=(ClassDemand("chat", 13 / 14, sum(chats_p) / 13, chats_p),
+                             ClassDemand("document", 1 / 14, 700, (700,))))
+    assert run_trace(MixController(MODEL, TARGETS, chunk_knob=False), [(10, demand)],
+                     mix_of("colocated", "colocated")), "premise: without the knob, this reading moves a role"
+    ctrl = MixController(MODEL, TARGETS, chunk_knob=True)
+    decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), demand) for t in range(10)]
+    assert all(d.instance_id is None for d in decisions), [d.reason for d in decisions]
+    moved = [d for d in decisions if d.chunk_tokens is not None]
+    assert len(moved) == 1 and moved[0].chunk_tokens == 64 and "targets held" in moved[0].reason
+
+
 def test_a_calm_seeking_knob_move_must_lower_the_pressure_by_the_margin():
     # demand_rotation, session 19: with every target met at 0.60-0.65x the chunk knob went 32 -> 64
     # tokens for a predicted 0.57x, and 64 -> 32 for 0.58x, undone 3 s later by a missed target;
@@ -292,6 +310,8 @@ def test_a_calm_seeking_knob_move_must_lower_the_pressure_by_the_margin():
     assert ctrl._choose_knobs([now, option(0.57, 0.20, 64)]) is None  # calm, but 12% lower only
     assert ctrl._choose_knobs([now, option(0.57, 0.20, 64), option(0.50, 0.30, 128)]) == 2
     assert ctrl._choose_knobs([option(0.60, 0.30, 64), option(0.58, 0.15, 32)]) is None
+    # by the margin but not calm: the least pressure of those below the bar (a role change needs no more)
+    assert ctrl._choose_knobs([option(0.97, 0.45, 256), option(0.66, 0.13, 32), option(0.70, 0.2, 64)]) == 1
     # a missed target still moves to the shortest-gap setting that holds the targets, by any margin
     assert ctrl._choose_knobs([option(1.02, 0.15, 32), option(0.91, 0.20, 64)]) == 1
     loose = MixController(MODEL, TARGETS, chunk_knob=True, margin=0.0)

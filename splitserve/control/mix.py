@@ -39,8 +39,8 @@ chunks, a decode instance's local prefills, a prefill instance's inherited strea
 message SetChunkTokens): smaller chunks shorten the gaps and lengthen the TTFT. They move
 while a target is missed, to the setting with the shortest predicted gap among those that hold
 every target with `knob_headroom` to spare, and while the targets are met without room (pressure
-between `calm` and 1), to the shortest-gap setting predicted calm and `margin` below the pressure
-now, if one is, before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
+between `calm` and 1), if a setting is `margin` below the pressure now, to the shortest-gap one
+of those predicted calm (else the least pressure), before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
 no setting holds the targets they move to the one predicted to meet the most deadlines, if it
 misses `margin` fewer than now. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
@@ -486,11 +486,12 @@ class MixController:
         """options: (pressure, prediction, (threshold, chunk)) per knob setting, the knobs as they
         are first. The index of the setting to move to, or None: the knobs stay while every target
         is met with room (pressure under `calm`) or no setting does better. Between calm and 1
-        (targets met, room short) they move to the shortest-gap setting predicted calm, if one is:
-        the cheaper move where a role change would otherwise be weighed (changing_demand, session
+        (targets met, room short) they move, if some setting is `margin` below the pressure now, to
+        the shortest-gap one of those predicted calm, else to the least pressure of them: the
+        cheaper move where a role change would otherwise be weighed (changing_demand, session
         18: at 256-token chunks the chats read 0.61-0.69x, so the mix went to 1 prefill + 1 decode
         at 2 s and was caught by the documents there, while the repeat whose knob went to 32 tokens
-        stayed colocated and met every deadline), and `margin` below the pressure now. Of the settings predicted to hold every target
+        stayed colocated and met every deadline). While a target is missed: of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
         that room, the least pressure that still holds them. When none holds them (overload) they
@@ -512,9 +513,14 @@ class MixController:
             # calm and 1 is where predictions sit near their targets, and a smaller step chases noise
             # (demand_rotation, session 19: 32 -> 64 tokens for 0.65x -> 0.57x, 64 -> 32 for 0.60x
             # -> 0.58x, undone 3 s later by a missed target; longer chunks, longer pauses)
-            bar = min(self.calm, options[0][0] * (1 - self.margin))
-            calm = [k for k in keyed if k[0] < bar]
-            chosen = min(calm, key=lambda k: k[1:]) if calm else None
+            # Below that bar, the shortest-gap setting predicted calm, else the least pressure: the
+            # bar a role change must pass too, so the cheaper move is never the harder one to make
+            # (changing_demand, session 20: one document among the first chats put 32-token chunks
+            # at 0.6x or more, not calm, so the knob stayed at 256 (0.97x) and the mix went to
+            # 1 prefill + 1 decode for 0.52x at 2 s, as in session 18)
+            below = [k for k in keyed if k[0] < options[0][0] * (1 - self.margin)]
+            calm = [k for k in below if k[0] < self.calm]
+            chosen = min(calm, key=lambda k: k[1:]) if calm else min(below) if below else None
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
