@@ -246,6 +246,7 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(30)]
     moves = [d for d in decisions if d.chunk_tokens is not None]
     assert len(moves) == 1 and all(d.instance_id is None for d in decisions)
+    assert decisions.index(moves[0]) == ctrl.patience - 1  # the same setting won `patience` intervals
     assert "no setting holds the targets; predicted to meet" in moves[0].reason
     assert decisions[-1].held == "overload"
     met = {c: ctrl.targets.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, writing))
@@ -253,6 +254,21 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     assert ctrl.chunk_tokens == max(met, key=met.get) != 32 and met[ctrl.chunk_tokens] > met[32]
     # a setting that misses fewer deadlines, but not by the margin: the knobs stay
     assert (1 - met[ctrl.chunk_tokens]) > (1 - met[32]) * 0.1
+    # the move waits for the same setting to win `patience` intervals running: with the demand read
+    # alternating between two overloads whose best settings differ, nothing moves
+    # (session 20, on 5ecb415: 64 -> 128 -> 64 -> 128 tokens in 4 s)
+    alternating = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
+    prompts = (40,) * 8 + (1000,) * 2  # chats writing long answers beside documents: 64-token chunks best
+    other = Demand(0.5, 0.5 * 232, 0.5 * 256, 232, 256, prompts=prompts)
+    best = {}
+    for d_ in (writing, other):
+        met = {c: alternating.targets.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, d_))
+               for c in alternating.chunk_choices}
+        best[d_] = max(met, key=met.get)
+    assert best[writing] != best[other] != 32, best
+    decisions = [alternating.decide(mix_of("colocated", "colocated"), float(t), (writing, other)[t % 2])
+                 for t in range(12)]
+    assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions), [d.reason for d in decisions]
     strict = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32, margin=0.9)
     decisions = [strict.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(10)]
     assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions)

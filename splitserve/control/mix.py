@@ -42,7 +42,7 @@ every target with `knob_headroom` to spare, and while the targets are met withou
 between `calm` and 1), if a setting is `margin` below the pressure now, to the shortest-gap one
 of those predicted calm (else the least pressure), before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
 no setting holds the targets they move to the one predicted to meet the most deadlines, if it
-misses `margin` fewer than now. A change that
+misses `margin` fewer than now and has won `patience` intervals running. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
@@ -222,6 +222,8 @@ class MixController:
     cooldown: int = 5                 # intervals after a move during which nothing else moves (no flapping)
     _wanted: str = ""                 # the better mix of the last intervals, by what serves in it
     _streak: int = 0
+    _knob_wanted: tuple[int, int] | None = None  # the knob setting winning past every setting, and for how long
+    _knob_streak: int = 0
     _follow: Change | None = None     # the second change of a two-change move, due next interval
     min_samples: int = MIN_SAMPLES    # measured steps before the online model replaces the scaled prior
     prior_weight: float = PRIOR_WEIGHT  # the prior's pseudo-samples, in measured steps' worth
@@ -339,6 +341,8 @@ class MixController:
 
     def decide(self, views: list[InstanceView], now_s: float = 0.0, demand: Demand | None = None) -> Decision:
         self._since_change += 1
+        # the last interval's winning knob setting past every setting; it must win again to count
+        (knob_wanted, knob_streak), self._knob_wanted, self._knob_streak = (self._knob_wanted, self._knob_streak), None, 0
         demand = demand or Demand()
         self._history = [(t, d) for t, d in self._history if now_s - t < self.horizon_s] + [(now_s, demand)]
         if not self.covered(views):
@@ -415,8 +419,19 @@ class MixController:
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
         knob_options = options(())
         chosen = self._choose_knobs(knob_options)
-        if chosen is not None and knob_options[chosen][0] > 1 and any(x[0] <= 1 for x in scored):
-            chosen = None  # no setting holds the targets, but a role change would: weigh that instead
+        if chosen is not None and knob_options[chosen][0] > 1:
+            if any(x[0] <= 1 for x in scored):
+                chosen = None  # no setting holds the targets, but a role change would: weigh that instead
+            else:
+                # past every setting, a few deadlines either way just past 1 are noise: the same
+                # setting must win `patience` intervals running, as a role change must
+                # (changing_demand, session 20, on 5ecb415: 64 -> 128 -> 64 -> 128 tokens in 4 s,
+                # each for "86% vs 83%", "96% vs 95%", "100% vs 99%" of deadlines)
+                setting = knob_options[chosen][2]
+                self._knob_wanted = setting
+                self._knob_streak = knob_streak + 1 if setting == knob_wanted else 1
+                if self._knob_streak < self.patience:
+                    chosen = None
         if chosen is not None:
             p_k, _, (threshold, chunk) = knob_options[chosen]
             moved = []
@@ -496,7 +511,7 @@ class MixController:
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
         that room, the least pressure that still holds them. When none holds them (overload) they
         move to the setting predicted to meet the most deadlines if it misses `margin` fewer than
-        now (changing_demand, session 19: at 32-token chunks the documents' TTFT read 1.09x; once
+        now, once it has won `patience` intervals running (decide; changing_demand, session 19: at 32-token chunks the documents' TTFT read 1.09x; once
         a gap is read at the tail of the steps' spread, 128 tokens miss the gap target, so no
         setting holds the targets, and the knobs would stay at the documents' slowest). Session 17 let
         them move there with no margin and flapped the local-prefill threshold 0 <-> 512 past
@@ -527,7 +542,8 @@ class MixController:
         if chosen[0] <= 1:
             return None if chosen[5] == 0 else chosen[5]
         # past every setting: the one predicted to meet the most deadlines, if it misses `margin`
-        # fewer than the knobs as they are (two settings cannot each miss fewer than the other)
+        # fewer than the knobs as they are (two settings cannot each miss fewer than the other);
+        # decide() makes the move once the same setting has won `patience` intervals running
         missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
         i = min(range(len(options)), key=lambda j: (missed[j], j))
         return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
