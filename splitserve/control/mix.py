@@ -530,9 +530,10 @@ class MixController:
             # -> 0.58x, undone 3 s later by a missed target; longer chunks, longer pauses)
             # Below that bar, the shortest-gap setting predicted calm, else the least pressure: the
             # bar a role change must pass too, so the cheaper move is never the harder one to make
-            # (changing_demand, session 20: one document among the first chats put 32-token chunks
-            # at 0.6x or more, not calm, so the knob stayed at 256 (0.97x) and the mix went to
-            # 1 prefill + 1 decode for 0.52x at 2 s, as in session 18)
+            # (changing_demand, session 20: with one document among the first chats, every smaller
+            # chunk reads 0.6x or more for its TTFT (reproduced in tests/test_mix_no_flapping.py),
+            # not calm, so the knob stayed at 256 (0.97x) and the mix went to 1 prefill + 1 decode
+            # for 0.52x at 11.6 s, as session 18 saw)
             below = [k for k in keyed if k[0] < options[0][0] * (1 - self.margin)]
             calm = [k for k in below if k[0] < self.calm]
             chosen = min(calm, key=lambda k: k[1:]) if calm else min(below) if below else None
