@@ -14,8 +14,8 @@ load-based planner fits from measured steps; with few samples the prior, scaled 
 to modelled ratio (mix.MixController._correction), serves instead.
 
 The fit predicts a step's mean time. A stream's worst gap is one step, not a mean: the steps that
-carry prompt tokens spread (on a 2-vCPU box, 1.12-1.35x the fit at their 90th percentile, mostly
-when the other engine computes at the same time), so `prompt_step_tail` keeps a quantile of their
+carry prompt tokens spread (on a 2-vCPU box, 1.12-1.35x the fit at their 90th percentile; issue
+28 measured prompt steps 9-35% longer beside a second engine), so `prompt_step_tail` keeps a quantile of their
 measured to fitted ratio for control/whatif.py's gap (changing_demand, session 19: a 128-token
 chunk predicted at 450 ms against a 500 ms gap target ran 0.51-0.78 s, and the documents that met
 those steps missed their p99 gap).
