@@ -352,7 +352,7 @@ class MixController:
         model, info, model_text = self._model(views)
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
-        tail = info["prompt_step_tail"] if info["source"] == "online" else 1.0
+        tail = info["prompt_step_tail"]  # 1.0 until the online fit has enough prompt steps
 
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
@@ -571,7 +571,8 @@ class MixController:
         the tail of such steps' spread (whatif.WhatIf.gap_tail)."""
         by_id = {v.instance_id: v for v in views}
         carry = self.chunk_tokens or self.carry_chunk_tokens
-        return max([tail * model.step_s(carry, prefill_attn_ktok2(0, carry), v.num_running, v.decode_kv_tokens)
+        gap = WhatIf(model, gap_tail=tail).gap_s
+        return max([gap(carry, v.num_running, v.decode_kv_tokens)
                     for i, r in changes for v in [by_id[i]]
                     if r == "prefill" and v.role != "prefill" and v.num_running], default=0.0)
 

@@ -158,7 +158,7 @@ class WhatIf:
     gap_tail: float = 1.0    # a step carrying prompt tokens, at that share of its spread, over the model's mean
                              # (online_stepmodel.OnlineStepModel.prompt_step_tail): a gap is one step, not a mean
 
-    def _gap(self, chunk: int, n: int, kv: int) -> float:
+    def gap_s(self, chunk: int, n: int, kv: int) -> float:
         """The gap a stream meets at a step with a `chunk`-token prompt piece beside n decodes."""
         step = self.model.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv)
         return step * self.gap_tail if chunk > 0 else step
@@ -220,7 +220,7 @@ class WhatIf:
                 share = 1 + math.log(self.attainment) / meets if meets > 0 else 0.0
                 if share > 0:  # else that share of streams meets no prompt at all
                     chunk = max(chunk, self._chunk(demand.prompt_quantile(share)))
-            gaps.append(self._gap(chunk, n, kv))
+            gaps.append(self.gap_s(chunk, n, kv))
             wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
             ttfts.append(service + wait)
             for ttft_c, cls in zip(by_class, demand.classes):
@@ -256,7 +256,7 @@ class WhatIf:
         for h in decode:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
-            gaps.append(self._gap(chunk, n, kv))
+            gaps.append(self.gap_s(chunk, n, kv))
             decodes.append((n, kv, h.queued_prompt_tokens))
         q_decode = _queueing(min(u_decode, 1 - MIN_SLACK))
 
