@@ -48,6 +48,13 @@ chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predic
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
 decision carries its predicted gain and cost, and `held` says in a word why nothing moved.
 
+Two more bars (session 21). The demand may carry its newest seconds alone (Demand.newest;
+`serve --adaptive` reads the last 5 s): a role move, and a knob move past every setting, chosen
+on the window's demand must win on the newest seconds' too, since the window lags a burst's onset
+and mixes two regimes at a boundary ("held (newest)"). And the knobs go back to the setting they
+left within `cooldown` intervals only for a missed target, once it has won `patience` intervals
+running ("held (knob undo)", "held (patience)").
+
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
 the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.
@@ -224,6 +231,8 @@ class MixController:
     _streak: int = 0
     _knob_wanted: tuple[int, int] | None = None  # the knob setting winning past every setting, and for how long
     _knob_streak: int = 0
+    _knob_left: tuple[int, int] | None = None  # the knob setting the last knob move left, and how long ago
+    _since_knob: int = 1 << 30
     _follow: Change | None = None     # the second change of a two-change move, due next interval
     min_samples: int = MIN_SAMPLES    # measured steps before the online model replaces the scaled prior
     prior_weight: float = PRIOR_WEIGHT  # the prior's pseudo-samples, in measured steps' worth
@@ -341,6 +350,7 @@ class MixController:
 
     def decide(self, views: list[InstanceView], now_s: float = 0.0, demand: Demand | None = None) -> Decision:
         self._since_change += 1
+        self._since_knob += 1
         # the last interval's winning knob setting past every setting; it must win again to count
         (knob_wanted, knob_streak), self._knob_wanted, self._knob_streak = (self._knob_wanted, self._knob_streak), None, 0
         demand = demand or Demand()
@@ -419,19 +429,41 @@ class MixController:
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
         knob_options = options(())
         chosen = self._choose_knobs(knob_options)
-        if chosen is not None and knob_options[chosen][0] > 1:
-            if any(x[0] <= 1 for x in scored):
+        if chosen is not None:
+            p_k, _, setting = knob_options[chosen]
+            # back to the setting the knobs left within the cooldown: a higher bar, as for a role
+            # (demand_rotation, session 20: 64 -> 128 tokens for a missed TTFT, back to 64 a second
+            # later for 0.79x vs 0.99x, on again 4 s later: 64 -> 128 -> 64 -> 128 -> 64 in 7 s)
+            undo = setting == self._knob_left and self._since_knob <= self.cooldown
+            if p_k > 1 and any(x[0] <= 1 for x in scored):
                 chosen = None  # no setting holds the targets, but a role change would: weigh that instead
-            else:
-                # past every setting, a few deadlines either way just past 1 are noise: the same
-                # setting must win `patience` intervals running, as a role change must
-                # (changing_demand, session 20, on 5ecb415: 64 -> 128 -> 64 -> 128 tokens in 4 s,
-                # each for "86% vs 83%", "96% vs 95%", "100% vs 99%" of deadlines)
-                setting = knob_options[chosen][2]
+            elif undo and p_now <= 1:
+                return none("knob undo", f"{state}: the knobs left {self._setting_text(setting)} "
+                                         f"{self._since_knob} interval(s) ago and every target holds now "
+                                         f"(there: {p_k:.2f}x); they go back only for a missed target")
+            elif p_k > 1 or undo:
+                # past every setting, a few deadlines either way just past 1 are noise, and a move
+                # back is a flap unless it keeps winning: the same setting must win `patience`
+                # intervals running, as a role change must (changing_demand, session 20, on 5ecb415:
+                # 64 -> 128 -> 64 -> 128 tokens in 4 s, each for "86% vs 83%", "96% vs 95%", "100% vs
+                # 99%" of deadlines)
                 self._knob_wanted = setting
                 self._knob_streak = knob_streak + 1 if setting == knob_wanted else 1
                 if self._knob_streak < self.patience:
+                    if p_k <= 1:
+                        return none("patience", f"{state}: {self._setting_text(setting)} ({p_k:.2f}x) is where "
+                                                f"the knobs were {self._since_knob} interval(s) ago; better for "
+                                                f"{self._knob_streak} of {self.patience} intervals")
                     chosen = None
+                elif p_k > 1 and demand.newest is not None:
+                    # the lesser evil chosen on the window's demand must be chosen on the newest
+                    # seconds' too (demand_rotation_overload_x2, session 20: 4 s into a 3.8 req/s
+                    # burst the window read 0.87 req/s, 128-token chunks were predicted to meet 85%
+                    # of deadlines vs 72%, and the streams that met their TTFT lost their gaps)
+                    fresh = options((), demand.newest)
+                    agree = self._choose_knobs(fresh)
+                    if agree is None or fresh[agree][2] != setting:
+                        chosen = None
         if chosen is not None:
             p_k, _, (threshold, chunk) = knob_options[chosen]
             moved = []
@@ -441,6 +473,7 @@ class MixController:
             if chunk != chunk_now:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
+            self._knob_left, self._since_knob = (knob, chunk_now), 0
             held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
                     else f"no setting holds the targets; predicted to meet "
                          f"{self.targets.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
@@ -485,6 +518,22 @@ class MixController:
                                 f"{self.horizon_s:.0f} s of demand, not more than its cost {cost:.1f}"
                                 f"{' (undoing a recent move: x' + format(self.undo_bar, 'g') + ')' if undo else ''}",
                         **numbers)
+        if demand.newest is not None:
+            # chosen on the window's demand, the move must win on the newest seconds' too: the window
+            # lags a burst's onset and mixes two regimes at a boundary (demand_rotation, session 20:
+            # the first step to 1 prefill + 1 decode at the writing -> summaries boundary, its halfway
+            # mix read 4.44x vs 1.68x now, undone 4.6 s later once the summaries filled the window)
+            fresh_now = predict((), demand.newest)
+            p_fresh, fresh = best(move, demand.newest)
+            p_fresh_now = pressure(fresh_now)
+            if min(p_fresh, p_fresh_now) > 1:
+                wins = self.targets.deadlines_met(fresh) > self.targets.deadlines_met(fresh_now) * (1 + self.margin)
+            else:
+                wins = p_fresh < p_fresh_now * (1 - self.margin)
+            if not wins:
+                return none("newest", f"{state}: {target} chosen on the window's demand, but not better on "
+                                      f"the newest seconds ({demand.newest.describe()}: {p_fresh:.2f}x vs "
+                                      f"{p_fresh_now:.2f}x now)", **numbers)
         first = min((c for c in move if self.covered(views, c)),
                     key=lambda c: (pressure(predict((c,))), self._disruption(views, (c,)), c))
         rest = [c for c in move if c != first]
@@ -548,6 +597,10 @@ class MixController:
         missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
         i = min(range(len(options)), key=lambda j: (missed[j], j))
         return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
+
+    def _setting_text(self, setting: tuple[int, int]) -> str:
+        chunk = f"chunk budget {setting[1]} tokens"
+        return chunk if self.local_prefill_max_tokens is None else f"local-prefill threshold {setting[0]}, {chunk}"
 
     def _knob_settings(self, roles: set[str]) -> list[tuple[int, int]]:
         """(threshold, chunk) settings the knobs may take in a mix with these roles; the first is

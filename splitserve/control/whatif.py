@@ -81,6 +81,10 @@ class Demand:
     prompts: tuple[int, ...] = ()  # the window's prompt lengths, sorted
     # per SLO class, over the prompt window; () when no request there named one
     classes: tuple[ClassDemand, ...] = ()
+    # the same read over only the newest few seconds (rates and prompts alike; None: not read): a
+    # move chosen on the window's demand must also hold on it, since the window lags a burst's onset
+    # and mixes two regimes at a boundary (MixController.decide)
+    newest: "Demand | None" = None
 
     def prompt_quantile(self, q: float) -> int:
         if not self.prompts:
@@ -89,12 +93,13 @@ class Demand:
 
     @classmethod
     def from_arrivals(cls, arrivals: list[tuple], now_s: float, window_s: float,
-                      prompt_window_s: float | None = None) -> "Demand":
+                      prompt_window_s: float | None = None, newest_s: float | None = None) -> "Demand":
         """arrivals: (time, prompt tokens, max answer tokens[, SLO class name]), any order; rates
         from those in (now - window_s, now], prompt lengths and classes from a window of
         prompt_window_s (default the same): a longer one, since a few documents a minute already
         stall colocated streams. Requests that name no class ("") count as one class "" when
-        others do."""
+        others do. newest_s: also read the newest that many seconds alone, as `newest`."""
+        newest = cls.from_arrivals(arrivals, now_s, newest_s) if newest_s else None
         recent = [(x[1], x[2]) for x in arrivals if now_s - window_s < x[0] <= now_s]
         prompt_window_s = prompt_window_s or window_s
         window = [(x[1], x[3] if len(x) > 3 else "") for x in arrivals if now_s - prompt_window_s < x[0] <= now_s]
@@ -107,11 +112,11 @@ class Demand:
             classes = tuple(ClassDemand(name, len(ps) / len(window), sum(ps) / len(ps), tuple(sorted(ps)))
                             for name, ps in sorted(by_name.items()))
         if not recent:
-            return cls(prompts=prompts, classes=classes)
+            return cls(prompts=prompts, classes=classes, newest=newest)
         n = len(recent)
         return cls(request_rate=n / window_s, prompt_rate=sum(p for p, _ in recent) / window_s,
                    answer_rate=sum(a for _, a in recent) / window_s, mean_prompt=sum(p for p, _ in recent) / n,
-                   mean_answer=sum(a for _, a in recent) / n, prompts=prompts, classes=classes)
+                   mean_answer=sum(a for _, a in recent) / n, prompts=prompts, classes=classes, newest=newest)
 
     def describe(self) -> str:
         return (f"demand {self.request_rate:.2f} req/s, {self.prompt_rate:.0f} prompt + {self.answer_rate:.0f} "

@@ -49,6 +49,12 @@ DEMAND_WINDOW_S = 15.0
 # measured demand-shift run moved only 11-35 s into its document phase, this the likely reason;
 # docs/benchmarks.md, "Adaptive stage mix").
 PROMPT_WINDOW_S = 30.0
+# The newest seconds alone, rates and prompts: a move chosen on the windows above must also hold on
+# them (MixController.decide). The 15 s window lags a burst's onset (demand_rotation_overload_x2,
+# session 20: 0.87 req/s read 4 s into a 3.8 req/s burst, and the chunk knob moved for it) and
+# mixes two regimes at a phase boundary (demand_rotation: the first step to 1 prefill + 1 decode
+# taken at the writing -> summaries boundary, undone 4.6 s later).
+NEWEST_WINDOW_S = 5.0
 
 
 def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,7 +165,8 @@ class AdaptiveMix:
         return mix_views(self.client.load_view(), self.threads, self.default_threads)
 
     def demand(self) -> Demand:
-        return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S, PROMPT_WINDOW_S)
+        return Demand.from_arrivals(list(self.client.arrivals), time.monotonic(), DEMAND_WINDOW_S, PROMPT_WINDOW_S,
+                                    NEWEST_WINDOW_S)
 
     def _set_threshold(self, tokens: int) -> None:
         self.client.dispatcher.disagg_policy.local_max_tokens = tokens
