@@ -464,6 +464,8 @@ class MixController:
                     agree = self._choose_knobs(fresh)
                     if agree is None or fresh[agree][2] != setting:
                         chosen = None
+                        state += (f"; the knobs stay: {self._setting_text(setting)} would meet the most deadlines "
+                                  f"on the window's demand, not on the newest seconds' ({demand.newest.describe()})")
         if chosen is not None:
             p_k, _, (threshold, chunk) = knob_options[chosen]
             moved = []
