@@ -231,8 +231,8 @@ class MixController:
     _streak: int = 0
     _knob_wanted: tuple[int, int] | None = None  # the knob setting winning past every setting, and for how long
     _knob_streak: int = 0
-    _knob_left: tuple[int, int] | None = None  # the knob setting the last knob move left, and how long ago
-    _since_knob: int = 1 << 30
+    _knob_left: tuple[int, int] | None = None  # the knob setting the last knob move left
+    _since_knob: int = 1 << 30                 # intervals since that move
     _follow: Change | None = None     # the second change of a two-change move, due next interval
     min_samples: int = MIN_SAMPLES    # measured steps before the online model replaces the scaled prior
     prior_weight: float = PRIOR_WEIGHT  # the prior's pseudo-samples, in measured steps' worth
@@ -494,12 +494,12 @@ class MixController:
             by_met = max(scored, key=lambda x: (self.targets.deadlines_met(x[4]), -x[0]))
             best_p, _, _, move, best_pred = by_met
             met_best = self.targets.deadlines_met(best_pred)
-            if met_best <= met_now * (1 + self.margin):
+            if not self._beats(best_p, best_pred, p_now, now):
                 self._wanted, self._streak = "", 0
                 return none("overload", f"{state}: no mix within reach meets the targets; holding {now.serving}, "
                                         f"predicted to meet {met_now:.0%} of deadlines (best other: "
                                         f"{best_pred.serving}, {met_best:.0%}, not {self.margin:.0%} more)", overload=True)
-        elif best_p >= p_now * (1 - self.margin):
+        elif not self._beats(best_p, best_pred, p_now, now):
             self._wanted, self._streak = "", 0
             return none("no better mix", f"{state}: no mix predicts {self.margin:.0%} less pressure (best: "
                                          f"{best_pred.serving}, {best_p:.2f}x)")
@@ -528,11 +528,7 @@ class MixController:
             fresh_now = predict((), demand.newest)
             p_fresh, fresh = best(move, demand.newest)
             p_fresh_now = pressure(fresh_now)
-            if min(p_fresh, p_fresh_now) > 1:
-                wins = self.targets.deadlines_met(fresh) > self.targets.deadlines_met(fresh_now) * (1 + self.margin)
-            else:
-                wins = p_fresh < p_fresh_now * (1 - self.margin)
-            if not wins:
+            if not self._beats(p_fresh, fresh, p_fresh_now, fresh_now):
                 return none("newest", f"{state}: {target} chosen on the window's demand, but not better on "
                                       f"the newest seconds ({demand.newest.describe()}: {p_fresh:.2f}x vs "
                                       f"{p_fresh_now:.2f}x now)", **numbers)
@@ -599,6 +595,13 @@ class MixController:
         missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
         i = min(range(len(options)), key=lambda j: (missed[j], j))
         return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
+
+    def _beats(self, p: float, pred: Prediction, p_base: float, base: Prediction) -> bool:
+        """A mix predicted at pressure p beats the base by the margin: 20% less pressure, or, where
+        neither holds the targets (overload), 20% more of the deadlines met."""
+        if min(p, p_base) > 1:
+            return self.targets.deadlines_met(pred) > self.targets.deadlines_met(base) * (1 + self.margin)
+        return p < p_base * (1 - self.margin)
 
     def _setting_text(self, setting: tuple[int, int]) -> str:
         chunk = f"chunk budget {setting[1]} tokens"
