@@ -55,6 +55,14 @@ and mixes two regimes at a boundary ("held (newest)"). And the knobs go back to 
 left within `cooldown` intervals only for a missed target, once it has won `patience` intervals
 running ("held (knob undo)", "held (patience)").
 
+The streams' longest pause (session 22). A stream's longest pause is its longest step, and the
+chunk knob sets it, while the step model tells settings a few per cent apart in TTFT only within its
+own error. So settings within `knob_tie` (10%) of the least pressure (or, past every setting, of the
+fewest missed deadlines) count as equal and the shortest gap of them is taken; and with every target
+held, the gap past `calm` of its target, the knobs move to a setting whose gap is `margin` shorter
+if it holds the targets at no more than `knob_tie` more pressure (128 -> 64 tokens: steps of 0.22 s
+instead of 0.41 s for a TTFT a few per cent longer).
+
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
 the steps say nothing), so a loaded box or a profile from another machine does not steer the mix.
@@ -243,6 +251,9 @@ class MixController:
     undo_bar: float = 3.0             # undoing a move made within the horizon must gain this many times its cost
     pressure_cap: float = 10.0        # past this, pressures are "overloaded" alike (a saturated stage's is noise)
     knob_headroom: float = 0.9        # a knob setting with pressure under this holds the targets with room
+    # settings within this share of the best one's pressure (or missed deadlines) count as equal, and
+    # the shortest predicted gap of them is taken: a stream's longest pause is its longest step
+    knob_tie: float = 0.1
     miss_weight: float = 4.0          # a move's gain counts pressure past 1 (deadlines lost) this many times more
     # serve --disagg-policy threshold: the decode instances' local-prefill threshold, the controller's
     # cheaper knob (None: no such knob), and the values it may set
@@ -479,7 +490,8 @@ class MixController:
             held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
                     else f"no setting holds the targets; predicted to meet "
                          f"{self.targets.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
-            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, {held} "
+            return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, inter-token "
+                                   f"{_fmt(knob_options[chosen][1].gap_s)} vs {_fmt(now.gap_s)}, {held} "
                                    f"without a role change; {state}",
                             ttft_estimate_s=now.ttft_s, gap_estimate_s=now.gap_s,
                             predicted_gain=(p_now - p_k) * self.horizon_s, predicted_cost=0.0, deadlines_met=met_now,
@@ -583,18 +595,44 @@ class MixController:
             # for 0.52x at 11.6 s, as session 18 saw)
             below = [k for k in keyed if k[0] < options[0][0] * (1 - self.margin)]
             calm = [k for k in below if k[0] < self.calm]
-            chosen = min(calm, key=lambda k: k[1:]) if calm else min(below) if below else None
+            chosen = min(calm, key=lambda k: k[1:]) if calm else self._tied(below) if below else None
+            if chosen is None:
+                chosen = self._shorter_pause(keyed)
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
-        chosen = min(roomy, key=lambda k: k[1:]) if roomy else min(keyed)
+        chosen = min(roomy, key=lambda k: k[1:]) if roomy else self._tied([k for k in keyed if k[0] <= 1] or keyed)
         if chosen[0] <= 1:
             return None if chosen[5] == 0 else chosen[5]
         # past every setting: the one predicted to meet the most deadlines, if it misses `margin`
         # fewer than the knobs as they are (two settings cannot each miss fewer than the other);
-        # decide() makes the move once the same setting has won `patience` intervals running
+        # decide() makes the move once the same setting has won `patience` intervals running. Those
+        # missing within knob_tie of the fewest count as equal: the shortest gap of them
         missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
-        i = min(range(len(options)), key=lambda j: (missed[j], j))
+        fewest = min(missed)
+        i = min((j for j in range(len(options)) if missed[j] <= fewest * (1 + self.knob_tie) + 1e-9),
+                key=lambda j: (options[j][1].gap_s, missed[j], j))
         return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
+
+    def _tied(self, keyed: list[tuple]) -> tuple:
+        """Of knob settings keyed (pressure, gap, ...), those within knob_tie of the least pressure
+        count as equal, and the shortest gap of them is taken (demand_shift and demand_unseen_overload,
+        session 21: the least pressure, 0.97x at 128-token chunks, was taken over 64, the documents'
+        and the agents' TTFT a few per cent longer there and the streams' steps twice as long: the
+        pause p99 0.43 and 0.68 s vs 1P1D's 0.39 and 0.33 s)."""
+        least = min(k[0] for k in keyed)
+        return min((k for k in keyed if k[0] <= least * (1 + self.knob_tie)), key=lambda k: k[1:])
+
+    def _shorter_pause(self, keyed: list[tuple]) -> tuple | None:
+        """The targets held without room and no setting `margin` less pressure: a setting whose
+        streams' gap is `margin` shorter, still holding the targets at no more than knob_tie more
+        pressure, when the gap now is past `calm` of its target (a 128-token chunk's step, 0.41 s of
+        0.5, where 64 tokens step in 0.22 s; below calm the pauses are short already, and a smaller
+        chunk only chases a TTFT reading near its edge: demand_rotation, session 19). None if none."""
+        p0, gap0 = keyed[0][0], keyed[0][1]
+        if not gap0 > self.calm * self._gap_target():
+            return None
+        shorter = [k for k in keyed if k[1] <= gap0 * (1 - self.margin) and k[0] <= min(1.0, p0 * (1 + self.knob_tie))]
+        return min(shorter, key=lambda k: k[1:]) if shorter else None
 
     def _beats(self, p: float, pred: Prediction, p_base: float, base: Prediction) -> bool:
         """A mix predicted at pressure p beats the base by the margin: 20% less pressure, or, where

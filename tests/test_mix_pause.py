@@ -1,0 +1,69 @@
+"""The chunk knob weighs the streams' longest pause (issue 31, session 22): among settings the step
+model reads as equal on deadlines, the shortest gap; and with every target held, a much shorter
+gap for a little more pressure."""
+from __future__ import annotations
+
+import numpy as np
+
+from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
+from splitserve.control.stepmodel import StepModel
+from splitserve.control.whatif import ClassDemand, Demand, Held, Prediction, WhatIf
+
+# the online fit of demand_unseen_overload's adaptive run (session 21, AMD EPYC Zen 4, 1 thread):
+# a 32-token chunk step beside 3 streams about 0.14 s, 128 tokens about 0.38 s
+ZEN4 = StepModel(overhead_s=0.0104, per_prefill_token_s=0.00257, per_prefill_attn_s=0.000996,
+                 per_decode_seq_s=0.00324, per_decode_kv_token_s=3.48e-6)
+TARGETS = MixTargets(4.0, 0.5, classes=(SloClass("agent", 2.5, 0.5), SloClass("chat", 4.0, 0.5)))
+
+
+def option(pressure: float, gap_s: float, chunk: int):
+    return (pressure, Prediction(pressure * 2.5, gap_s, "2 colocated"), (0, chunk))
+
+
+def test_settings_equal_on_pressure_are_told_apart_by_the_gap():
+    ctrl = MixController(ZEN4, TARGETS, chunk_knob=True)
+    # a missed target: none holds the targets with room, 64 and 128 hold them within 10% of each other
+    opts = [option(1.06, 0.13, 32), option(0.98, 0.22, 64), option(0.93, 0.41, 128)]
+    assert ctrl._choose_knobs(opts) == 1
+    assert MixController(ZEN4, TARGETS, chunk_knob=True, knob_tie=0.0)._choose_knobs(opts) == 2
+    # 64 further from the least pressure than the tie: the least pressure
+    assert ctrl._choose_knobs([option(1.06, 0.13, 32), option(0.99, 0.22, 64), option(0.85, 0.41, 128)]) == 2
+    # a setting past the targets is never taken for its gap over one that holds them
+    assert ctrl._choose_knobs([option(1.06, 0.13, 32), option(1.01, 0.22, 64), option(0.95, 0.41, 128)]) == 2
+
+
+def test_targets_held_at_long_steps_move_to_a_much_shorter_gap_for_a_little_pressure():
+    ctrl = MixController(ZEN4, TARGETS, chunk_knob=True)
+    now = option(0.85, 0.41, 128)  # held without room; the gap 82% of its target
+    assert ctrl._choose_knobs([now, option(1.2, 0.13, 32), option(0.92, 0.22, 64)]) == 2
+    # more than knob_tie more pressure, or past the targets: the knobs stay
+    assert ctrl._choose_knobs([now, option(1.2, 0.13, 32), option(0.95, 0.22, 64)]) is None
+    assert ctrl._choose_knobs([now, option(1.05, 0.13, 32)]) is None
+    # a gap not `margin` shorter
+    assert ctrl._choose_knobs([now, option(0.86, 0.35, 96)]) is None
+    # the gap now within `calm` of its target: short pauses already, nothing chased
+    assert ctrl._choose_knobs([option(0.62, 0.29, 64), option(0.63, 0.13, 32)]) is None
+
+
+def agents(rate: float, seed: int = 0) -> Demand:
+    """Agent-style requests: 80-480-token tool results, 24-64-token answers (demand_unseen's bursts)."""
+    prompts = tuple(sorted(int(x) for x in np.random.default_rng(seed).uniform(80, 480, int(rate * 30))))
+    mean = sum(prompts) / len(prompts)
+    return Demand(rate, rate * mean, rate * 44, mean, 44, prompts, (ClassDemand("agent", 1.0, mean, prompts),))
+
+
+def test_agent_bursts_run_the_shorter_chunk_that_holds_their_first_token_and_stay_there():
+    # demand_unseen_overload, session 21: the agents' TTFT missed at 32-token chunks, and the knob went
+    # to 128 (the least pressure) where 64 held the TTFT a few per cent later at half the step: every
+    # agent then answering paused 0.38-0.7 s, against 1P1D's 0.33 s p99
+    demand = agents(1.2)
+    views = [InstanceView(f"e{i}", "colocated", queued_prompt_tokens=300, num_running=3, decode_kv_tokens=900)
+             for i in range(2)]
+    preds = {c: WhatIf(ZEN4, c).predict([Held("colocated", 300, 3)] * 2, demand) for c in (32, 64, 128, 256)}
+    pressure = {c: TARGETS.pressure(p) for c, p in preds.items()}
+    assert pressure[32] > 1 >= pressure[64] > pressure[128] > 0.9, pressure  # premise: 128 the least pressure
+    ctrl = MixController(ZEN4, TARGETS, chunk_knob=True, chunk_tokens=32, min_samples=10 ** 6)
+    decisions = [ctrl.decide(views, float(t), demand) for t in range(12)]
+    moved = [d for d in decisions if d.chunk_tokens is not None]
+    assert [d.chunk_tokens for d in moved] == [64], [d.reason for d in decisions]
+    assert all(d.instance_id is None for d in decisions)
