@@ -67,3 +67,35 @@ def test_agent_bursts_run_the_shorter_chunk_that_holds_their_first_token_and_sta
     moved = [d for d in decisions if d.chunk_tokens is not None]
     assert [d.chunk_tokens for d in moved] == [64], [d.reason for d in decisions]
     assert all(d.instance_id is None for d in decisions)
+
+
+def test_at_rest_the_chunk_budget_is_the_largest_whose_whole_chunk_step_is_calm():
+    # demand_unseen_overload, session 22: the first 1.7 s at serve's 256-token budget, before any
+    # decision moved it, paused four agents 0.58-0.72 s; with every target met with room the knob
+    # now rests at the largest budget whose whole-chunk step is within calm of the gap target
+    chats = (30, 40, 50)  # a few short chats: no step carries a whole chunk now, so every budget reads calm
+    quiet = Demand(0.1, 4.0, 12.0, 40, 120, chats, (ClassDemand("chat", 1.0, 40, chats),))
+    views = [InstanceView(f"e{i}", "colocated") for i in range(2)]
+    for model, rest in ((ZEN4, 64), (ZEN4.scaled(2.0), 32)):  # an AVX2 box is about half as fast
+        ctrl = MixController(model, TARGETS, chunk_knob=True, min_samples=10 ** 6)
+        decisions = [ctrl.decide(views, float(t), quiet) for t in range(8)]
+        moved = [d for d in decisions if d.chunk_tokens is not None]
+        assert [d.chunk_tokens for d in moved] == [rest] and decisions.index(moved[0]) == 0, \
+            [d.reason for d in decisions]
+        assert "at rest" in moved[0].reason and all(d.held == "calm" for d in decisions[1:])
+        assert WhatIf(model).gap_s(rest * 2, 1, 0) > ctrl.calm * 0.5 >= WhatIf(model).gap_s(rest, 1, 0)
+    # already at or below the resting budget: nothing moves
+    low = MixController(ZEN4, TARGETS, chunk_knob=True, chunk_tokens=32, min_samples=10 ** 6)
+    assert all(low.decide(views, float(t), quiet).chunk_tokens is None for t in range(5))
+
+
+def test_the_knobs_do_not_rest_back_at_a_budget_they_left_within_the_cooldown():
+    # 64 -> 128 for a missed TTFT, and calm a moment later: back to 64 only after the cooldown
+    ctrl = MixController(ZEN4, TARGETS, chunk_knob=True, chunk_tokens=128, min_samples=10 ** 6)
+    ctrl._knob_left, ctrl._since_knob = (0, 64), 0
+    views = [InstanceView(f"e{i}", "colocated") for i in range(2)]
+    chats = (30, 40, 50)
+    quiet = Demand(0.1, 4.0, 12.0, 40, 120, chats, (ClassDemand("chat", 1.0, 40, chats),))
+    decisions = [ctrl.decide(views, float(t), quiet) for t in range(ctrl.cooldown + 2)]
+    moved = [i for i, d in enumerate(decisions) if d.chunk_tokens is not None]
+    assert moved == [ctrl.cooldown] and decisions[ctrl.cooldown].chunk_tokens == 64, [d.reason for d in decisions]

@@ -61,7 +61,11 @@ own error. So settings within `knob_tie` (10%) of the least pressure (or, past e
 fewest missed deadlines) count as equal and the shortest gap of them is taken; and with every target
 held, the gap past `calm` of its target, the knobs move to a setting whose gap is `margin` shorter
 if it holds the targets at no more than `knob_tie` more pressure (128 -> 64 tokens: steps of 0.22 s
-instead of 0.41 s for a TTFT a few per cent longer).
+instead of 0.41 s for a TTFT a few per cent longer). And with every target met with room, the chunk
+budget rests at the largest whose whole-chunk step is within `calm` of the gap target, if that is
+smaller than now and predicted calm too: the predicted gap covers 90% of streams, and while few
+prompts come the rest, which meet one, pause for a whole chunk's step (serve's own budget, before
+the first decision, or one a burst left behind).
 
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
@@ -434,13 +438,18 @@ class MixController:
             self._since_change = 1 << 30  # a halfway mix left as it is must not wait out a cooldown
         if not scored and not stalling:
             return none("no other mix", f"{state}: no other mix keeps both stages covered")
-        if p_now < self.calm:
-            self._wanted, self._streak = "", 0
-            return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
         # the cheaper knobs first (the local-prefill threshold, the chunk budget), no role changes
         knob_options = options(())
-        chosen = self._choose_knobs(knob_options)
-        if chosen is not None:
+        resting = False
+        if p_now < self.calm:
+            self._wanted, self._streak = "", 0
+            chosen = self._resting_chunk(knob_options, live, model, tail)
+            if chosen is None or (knob_options[chosen][2] == self._knob_left and self._since_knob <= self.cooldown):
+                return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
+            resting = True
+        else:
+            chosen = self._choose_knobs(knob_options)
+        if chosen is not None and not resting:
             p_k, _, setting = knob_options[chosen]
             # back to the setting the knobs left within the cooldown: a higher bar, as for a role
             # (demand_rotation, session 20: 64 -> 128 tokens for a missed TTFT, back to 64 a second
@@ -487,7 +496,10 @@ class MixController:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
             self._knob_left, self._since_knob = (knob, chunk_now), 0
-            held = ("every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
+            held = (f"every target met with room, at rest: a step carrying a whole chunk predicted "
+                    f"{_fmt(self._full_step(chunk, live, model, tail))}, within {self.calm:.2f} of the gap target"
+                    if resting else
+                    "every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
                     else f"no setting holds the targets; predicted to meet "
                          f"{self.targets.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
             return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, inter-token "
@@ -612,6 +624,32 @@ class MixController:
         i = min((j for j in range(len(options)) if missed[j] <= fewest * (1 + self.knob_tie) + 1e-9),
                 key=lambda j: (options[j][1].gap_s, missed[j], j))
         return i if i != 0 and missed[i] <= missed[0] * (1 - self.margin) else None
+
+    def _full_step(self, chunk: int, live: list[InstanceView], model: StepModel, tail: float) -> float:
+        """The longest step a stream may meet at this chunk budget: a whole chunk beside the busiest
+        instance's streams (at least one), at the tail of prompt steps' spread."""
+        busiest = max(live, key=lambda v: (v.num_running, v.decode_kv_tokens))
+        return WhatIf(model, gap_tail=tail).gap_s(chunk, max(busiest.num_running, 1), busiest.decode_kv_tokens)
+
+    def _resting_chunk(self, options: list[tuple[float, Prediction, tuple[int, int]]], live: list[InstanceView],
+                       model: StepModel, tail: float) -> int | None:
+        """Every target met with room: the index of the chunk budget the knobs rest at, or None if they
+        rest where they are. The predicted gap covers the streams at the attainment share (90%), and
+        while few prompts come it reads as a decode step at any budget, so the knobs stayed wherever
+        the last burst left them, and the few streams that met a prompt paused for a whole chunk's step
+        (demand_unseen_overload, session 22: the first 1.7 s at `serve`'s 256 tokens, before the first
+        decision, paused four agents 0.58-0.72 s, the pause p99 0.69 s against 1P1D's 0.35). At rest
+        the budget is the largest whose whole-chunk step stays within `calm` of the gap target (else
+        the smallest), if it is smaller than now and also predicted calm."""
+        threshold, chunk_now = options[0][2]
+        bound = self.calm * self._gap_target()
+        if self._full_step(chunk_now, live, model, tail) <= bound:
+            return None
+        smaller = [(x[2][1], i) for i, x in enumerate(options)
+                   if x[2][0] == threshold and x[2][1] < chunk_now and x[0] < self.calm]
+        fits = [c for c in smaller if self._full_step(c[0], live, model, tail) <= bound]
+        chosen = max(fits) if fits else min(smaller, default=None)
+        return None if chosen is None else chosen[1]
 
     def _tied(self, keyed: list[tuple]) -> tuple:
         """Of knob settings keyed (pressure, gap, ...), those within knob_tie of the least pressure
