@@ -28,7 +28,12 @@ def test_settings_equal_on_pressure_are_told_apart_by_the_gap():
     assert MixController(ZEN4, TARGETS, chunk_knob=True, knob_tie=0.0)._choose_knobs(opts) == 2
     # 64 further from the least pressure than the tie: the least pressure
     assert ctrl._choose_knobs([option(1.06, 0.13, 32), option(0.99, 0.22, 64), option(0.85, 0.41, 128)]) == 2
-    # a setting past the targets is never taken for its gap over one that holds them
+    # the knobs as they are just past the targets, within the tie of one that holds them, at a
+    # shorter gap: they stay (session 22: 64 -> 128 for 1.01x -> 0.97x doubled the agents' pauses)
+    opts = [option(1.01, 0.22, 64), option(1.2, 0.13, 32), option(0.97, 0.41, 128)]
+    assert ctrl._choose_knobs(opts) is None
+    assert MixController(ZEN4, TARGETS, chunk_knob=True, knob_tie=0.0)._choose_knobs(opts) == 2
+    # a setting past the targets is never moved to for its gap over one that holds them
     assert ctrl._choose_knobs([option(1.06, 0.13, 32), option(1.01, 0.22, 64), option(0.95, 0.41, 128)]) == 2
 
 

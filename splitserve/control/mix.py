@@ -58,7 +58,8 @@ running ("held (knob undo)", "held (patience)").
 The streams' longest pause (session 22). A stream's longest pause is its longest step, and the
 chunk knob sets it, while the step model tells settings a few per cent apart in TTFT only within its
 own error. So settings within `knob_tie` (10%) of the least pressure (or, past every setting, of the
-fewest missed deadlines) count as equal and the shortest gap of them is taken; and with every target
+fewest missed deadlines) count as equal and the shortest gap of them is taken (the knobs as they
+are, just past a target but within that tie of a setting holding it at a longer gap, stay); and with every target
 held, the gap past `calm` of its target, the knobs move to a setting whose gap is `margin` shorter
 if it holds the targets at no more than `knob_tie` more pressure (128 -> 64 tokens: steps of 0.22 s
 instead of 0.41 s for a TTFT a few per cent longer). And with every target met with room, the chunk
@@ -612,6 +613,12 @@ class MixController:
                 chosen = self._shorter_pause(keyed)
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
+        if not roomy and any(k[0] <= 1 for k in keyed) and self._tied(keyed)[5] == 0:
+            # the knobs as they are miss by less than the model tells apart (knob_tie) from a setting
+            # that holds, at a shorter gap: they stay (demand_unseen_overload, session 22, on 68dadc0:
+            # 64 -> 128 tokens for 1.01x -> 0.97x in two of three repeats, the agents' pauses 0.4 s;
+            # the repeat that stayed at 64 met the most agents' deadlines, 47% against 42-43%)
+            return None
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else self._tied([k for k in keyed if k[0] <= 1] or keyed)
         if chosen[0] <= 1:
             return None if chosen[5] == 0 else chosen[5]
