@@ -445,7 +445,7 @@ class MixController:
         if p_now < self.calm:
             self._wanted, self._streak = "", 0
             chosen = self._resting_chunk(knob_options, live, model, tail)
-            if chosen is None or (knob_options[chosen][2] == self._knob_left and self._since_knob <= self.cooldown):
+            if chosen is None or self._knob_undo(knob_options[chosen][2]):
                 return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
             resting = True
         else:
@@ -455,7 +455,7 @@ class MixController:
             # back to the setting the knobs left within the cooldown: a higher bar, as for a role
             # (demand_rotation, session 20: 64 -> 128 tokens for a missed TTFT, back to 64 a second
             # later for 0.79x vs 0.99x, on again 4 s later: 64 -> 128 -> 64 -> 128 -> 64 in 7 s)
-            undo = setting == self._knob_left and self._since_knob <= self.cooldown
+            undo = self._knob_undo(setting)
             if p_k > 1 and any(x[0] <= 1 for x in scored):
                 chosen = None  # no setting holds the targets, but a role change would: weigh that instead
             elif undo and p_now <= 1:
@@ -685,6 +685,10 @@ class MixController:
         if min(p, p_base) > 1:
             return self.targets.deadlines_met(pred) > self.targets.deadlines_met(base) * (1 + self.margin)
         return p < p_base * (1 - self.margin)
+
+    def _knob_undo(self, setting: tuple[int, int]) -> bool:
+        """Moving to `setting` would return the knobs to where the last knob move left, within the cooldown."""
+        return setting == self._knob_left and self._since_knob <= self.cooldown
 
     def _setting_text(self, setting: tuple[int, int]) -> str:
         chunk = f"chunk budget {setting[1]} tokens"
