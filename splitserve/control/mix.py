@@ -42,8 +42,7 @@ every target with `knob_headroom` to spare, and while the targets are met withou
 between `calm` and 1), if a setting is `margin` below the pressure now, to the shortest-gap one
 of those predicted calm (else the least pressure), before any role change is weighed (shortest gap: a stream's longest pause is its longest step); and every mix a role change could lead to is judged at the knob setting it would then move to. When
 no setting holds the targets they move to the one predicted to meet the most deadlines, if it
-meets `margin` more than now (of the smaller of the shares met and missed; no margin to leave a
-resting setting) and has won `patience` intervals running. A change that
+misses `margin` fewer than now and has won `patience` intervals running. A change that
 turns an instance with running streams into a prefill one keeps them there, stepping beside
 chunks of `carry_chunk_tokens` (engine/connectors.py) until they end; one predicted to step them
 past the gap target (and past the worst gap now) is not made, nor is such a second step. Each
@@ -59,7 +58,7 @@ running ("held (knob undo)", "held (patience)").
 The streams' longest pause (session 22). A stream's longest pause is its longest step, and the
 chunk knob sets it, while the step model tells settings a few per cent apart in TTFT only within its
 own error. So settings within `knob_tie` (10%) of the least pressure (or, past every setting, of the
-most deadlines met, on the smaller of the shares met and missed) count as equal and the shortest gap of them is taken (the knobs as they
+fewest missed deadlines) count as equal and the shortest gap of them is taken (the knobs as they
 are, just past a target but within that tie of a setting holding it at a longer gap, stay); and with every target
 held, the gap past `calm` of its target, the knobs move to a setting whose gap is `margin` shorter
 if it holds the targets at no more than `knob_tie` more pressure (128 -> 64 tokens: steps of 0.22 s
@@ -67,8 +66,7 @@ instead of 0.41 s for a TTFT a few per cent longer). And with every target met w
 budget rests at the largest whose whole-chunk step is within `calm` of the gap target, if that is
 smaller than now and predicted calm too: the predicted gap covers 90% of streams, and while few
 prompts come the rest, which meet one, pause for a whole chunk's step (serve's own budget, before
-the first decision, or one a burst left behind). A resting budget was chosen for no load: once no
-setting holds the targets, the knobs leave it for the most deadlines without the margin.
+the first decision, or one a burst left behind).
 
 The step-time model is learnt online from the engines' measured steps (control/online_stepmodel.py:
 a refit per interval with new samples, anchored to the profile's or the fallback's model where
@@ -247,7 +245,7 @@ class MixController:
     _knob_wanted: tuple[int, int] | None = None  # the knob setting winning past every setting, and for how long
     _knob_streak: int = 0
     _knob_left: tuple[int, int] | None = None  # the knob setting the last knob move left
-    _knob_rested: bool = False  # the knobs are where a resting move (every target met with room) put them
+    _knob_note: str = ""  # why the last _choose_knobs left the knobs where they are, when a tie or a bar did
     _since_knob: int = 1 << 30                 # intervals since that move
     _follow: Change | None = None     # the second change of a two-change move, due next interval
     min_samples: int = MIN_SAMPLES    # measured steps before the online model replaces the scaled prior
@@ -259,7 +257,7 @@ class MixController:
     undo_bar: float = 3.0             # undoing a move made within the horizon must gain this many times its cost
     pressure_cap: float = 10.0        # past this, pressures are "overloaded" alike (a saturated stage's is noise)
     knob_headroom: float = 0.9        # a knob setting with pressure under this holds the targets with room
-    # settings within this share of the best one's pressure (or deadlines met) count as equal, and
+    # settings within this share of the best one's pressure (or missed deadlines) count as equal, and
     # the shortest predicted gap of them is taken: a stream's longest pause is its longest step
     knob_tie: float = 0.1
     miss_weight: float = 4.0          # a move's gain counts pressure past 1 (deadlines lost) this many times more
@@ -453,6 +451,8 @@ class MixController:
             resting = True
         else:
             chosen = self._choose_knobs(knob_options)
+            if self._knob_note:
+                state += f"; {self._knob_note}"
         if chosen is not None and not resting:
             p_k, _, setting = knob_options[chosen]
             # back to the setting the knobs left within the cooldown: a higher bar, as for a role
@@ -499,7 +499,7 @@ class MixController:
             if chunk != chunk_now:
                 self.chunk_tokens = chunk
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
-            self._knob_left, self._since_knob, self._knob_rested = (knob, chunk_now), 0, resting
+            self._knob_left, self._since_knob = (knob, chunk_now), 0
             held = (f"every target met with room, at rest: a step carrying a whole chunk predicted "
                     f"{_fmt(self._full_step(chunk, live, model, tail))}, within {self.calm:.2f} of the gap target"
                     if resting else
@@ -593,6 +593,7 @@ class MixController:
         every capacity (demand_rotation_overload_x2, docs/benchmarks.md); the local-prompt pricing
         behind that flap was fixed in session 19, and the margin on missed deadlines leaves no
         two settings each better than the other."""
+        self._knob_note = ""
         if options[0][0] < self.calm:
             return None
         (t0, c0) = options[0][2]
@@ -621,37 +622,33 @@ class MixController:
             # that holds, at a shorter gap: they stay (demand_unseen_overload, session 22, on 68dadc0:
             # 64 -> 128 tokens for 1.01x -> 0.97x in two of three repeats, the agents' pauses 0.4 s;
             # the repeat that stayed at 64 met the most agents' deadlines, 47% against 42-43%)
+            holding = min((k for k in keyed if k[0] <= 1), key=lambda k: k[0])
+            self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])} ({keyed[0][0]:.2f}x, "
+                               f"inter-token {_fmt(keyed[0][1])}): within {self.knob_tie:.0%} of "
+                               f"{self._setting_text(options[holding[5]][2])} ({holding[0]:.2f}x, inter-token "
+                               f"{_fmt(holding[1])}), which the model does not tell apart")
             return None
         chosen = min(roomy, key=lambda k: k[1:]) if roomy else self._tied([k for k in keyed if k[0] <= 1] or keyed)
         if chosen[0] <= 1:
             return None if chosen[5] == 0 else chosen[5]
-        # past every setting: the one predicted to meet the most deadlines, if it meets `margin` more
-        # than the knobs as they are (two settings cannot each meet more than the other); decide()
-        # makes the move once the same setting has won `patience` intervals running. Those within
-        # knob_tie of the most count as equal: the shortest gap of them. Both bars are shares of the
-        # smaller of the deadlines met and missed (_overload_scale), so they hold near 100% met and near 0%
-        met = [self.targets.deadlines_met(x[1]) for x in options]
-        most = max(met)
-        i = min((j for j in range(len(options)) if most - met[j] <= self.knob_tie * self._overload_scale(most) + 1e-9),
-                key=lambda j: (options[j][1].gap_s, -met[j], j))
-        # The knobs where a resting move put them were not chosen for any load, so leaving them for
-        # the most deadlines is no flap: no margin then (demand_rotation_overload_x2, session 22: the
-        # budget rested at 64 tokens before the burst and 128 was predicted to meet 16% more, under
-        # the 20% bar)
-        bar = 0.0 if self._knob_rested else self.margin * self._overload_scale(met[0])
-        return i if i != 0 and met[i] - met[0] > bar else None
-
-    @staticmethod
-    def _overload_scale(met: float) -> float:
-        """The scale on which two overloaded settings' shares of deadlines met are told apart: the
-        smaller of that share and the share missed. Near 100% met, a few deadlines missed more is what
-        counts (20% -> 16% missed); deep in overload, a few met more (5% -> 6% met: the first tokens
-        of a backlog 20% shorter). Session 22 read both as a share of those missed: past twice every
-        capacity (demand_rotation_overload_x2, about 5% met) no two settings differed by 10%, so the
-        chunk budget stayed at the 64 tokens it rested at before the burst, where 256 was predicted
-        to meet 1.25x as many (its prompts' steps carry the streams' decodes 4x less often), and the
-        writing surge after it met 0% of deadlines against session 21's 8-10% at 256."""
-        return min(met, 1.0 - met)
+        # past every setting: the one predicted to meet the most deadlines, if it misses `margin`
+        # fewer than the knobs as they are (two settings cannot each miss fewer than the other);
+        # decide() makes the move once the same setting has won `patience` intervals running. Those
+        # missing within knob_tie of the fewest count as equal: the shortest gap of them
+        missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
+        fewest = min(missed)
+        i = min((j for j in range(len(options)) if missed[j] <= fewest * (1 + self.knob_tie) + 1e-9),
+                key=lambda j: (options[j][1].gap_s, missed[j], j))
+        if i != 0 and missed[i] <= missed[0] * (1 - self.margin):
+            return i
+        top = min(range(len(options)), key=lambda j: (missed[j], j))
+        why = (f"{self._setting_text(options[i][2])} would miss {missed[i]:.0%}, not {self.margin:.0%} fewer"
+               if i != 0 else "the fewest of any setting" if top == 0 else
+               f"within {self.knob_tie:.0%} of the fewest ({self._setting_text(options[top][2])}, "
+               f"{missed[top]:.0%}), at the shortest gap")
+        self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])}, predicted to miss "
+                           f"{missed[0]:.0%} of deadlines: {why}")
+        return None
 
     def _full_step(self, chunk: int, live: list[InstanceView], model: StepModel, tail: float) -> float:
         """The longest step a stream may meet at this chunk budget: a whole chunk beside the busiest
