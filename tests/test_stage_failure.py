@@ -90,7 +90,12 @@ def test_queued_request_is_retried_on_the_survivor_and_the_dead_engine_leaves_at
 
     outcomes = [drain(s) for s in running]
     assert outcomes == ["finished:length"] * 2, outcomes  # the victim's stream was resumed, not failed
-    assert sum(metric_samples(server.base_url, "splitserve_request_resumes_total").values()) == 1
+    server.victim = victim
+    # The victim's stream is resumed on the survivor when it still ran at the kill. On a busy box
+    # (make test, session 23) the tiny model may finish it first: then nothing is resumed, and the
+    # log and /metrics must both say so
+    resumed = f"engine {victim} resumed after" in server.log()
+    assert sum(metric_samples(server.base_url, "splitserve_request_resumes_total").values()) == resumed
     waiter.join(timeout=120)
     assert not waiter.is_alive(), "the retried request hangs"
     assert queued["answer"].usage.completion_tokens == 40  # retried once on the survivor, complete
@@ -111,7 +116,8 @@ def test_queued_request_is_retried_on_the_survivor_and_the_dead_engine_leaves_at
         assert client.completions.create(model=model, prompt="hi", max_tokens=3,
                                          extra_body={"ignore_eos": True}).usage.completion_tokens == 3
     print(f"dead engine out of rotation after {noticed_s:.2f} s")
-    server.victim = victim
+    if not (resumed or retried):
+        pytest.skip("the killed engine finished what it held before the kill: no resume or retry exercised")
 
 
 def test_an_engine_restarted_by_hand_rejoins_and_takes_traffic(server, tmp_path):
