@@ -50,9 +50,14 @@ def test_targets_held_at_long_steps_move_to_a_much_shorter_gap_for_a_little_pres
     assert ctrl._choose_knobs([option(0.62, 0.29, 64), option(0.63, 0.13, 32)]) is None
 
 
+def uniform_prompts(low: int, high: int, n: int, seed: int = 0) -> tuple[int, ...]:
+    """A window's n prompt lengths drawn uniformly in [low, high), sorted, as Demand keeps them."""
+    return tuple(sorted(int(x) for x in np.random.default_rng(seed).uniform(low, high, n)))
+
+
 def agents(rate: float, seed: int = 0) -> Demand:
     """Agent-style requests: 80-480-token tool results, 24-64-token answers (demand_unseen's bursts)."""
-    prompts = tuple(sorted(int(x) for x in np.random.default_rng(seed).uniform(80, 480, int(rate * 30))))
+    prompts = uniform_prompts(80, 480, int(rate * 30), seed)
     mean = sum(prompts) / len(prompts)
     return Demand(rate, rate * mean, rate * 44, mean, 44, prompts, (ClassDemand("agent", 1.0, mean, prompts),))
 
@@ -113,7 +118,7 @@ X2 = StepModel(overhead_s=0.0037, per_prefill_token_s=0.00261, per_prefill_attn_
 
 
 def retrieval(rate: float) -> Demand:
-    prompts = tuple(sorted(int(x) for x in np.random.default_rng(0).uniform(250, 450, max(int(rate * 30), 1))))
+    prompts = uniform_prompts(250, 450, max(int(rate * 30), 1))
     mean = sum(prompts) / len(prompts)
     return Demand(rate, rate * mean, rate * 48, mean, 48, prompts)
 

@@ -1,8 +1,9 @@
 """Bounds on what one HTTP request may send: body size and content type.
 
 An ASGI middleware in front of the API: a body larger than `--max-request-bytes` gets a 413
-JSON error without being read past the limit (the declared Content-Length is checked first,
-then the bytes actually received, for chunked uploads), and a POST whose declared content
+JSON error without being kept past the limit (the declared Content-Length is checked first,
+then the bytes actually received, for chunked uploads; what the client still sends is read
+and dropped, bounded, so it can read the 413), and a POST whose declared content
 type is not JSON gets 415. The body is not buffered here: the app reads it through a counting
 receive channel (buffering and replaying it once broke the noticing of a client that leaves
 mid-stream).
@@ -16,7 +17,7 @@ import msgspec
 from fastapi import HTTPException
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
-# after a 413 for a body still arriving, drop at most this many times the limit, for at most this long
+# before a 413 that closes the connection, drop at most this many times the limit, for at most this long
 LINGER_BYTES_FACTOR = 4
 LINGER_S = 2.0
 
@@ -98,17 +99,16 @@ class RequestLimitsMiddleware:
                 body_done = True
             return message
 
+        # A 413 raised in counting_receive is the app's JSON answer, which keeps the connection: uvicorn
+        # reads and drops the rest of the body itself, so nothing lingers here
         await self.app(scope, counting_receive, send)
-        if size > self.max_request_bytes and not body_done:
-            await self._linger(receive)
 
     async def _linger(self, receive) -> None:
-        """For a 413 for a body still arriving: read and drop what the client goes on sending, for a
-        bounded time and amount, so it gets to read the answer. Closing at once with its bytes unread
-        makes the kernel reset the connection, and the client sees 'connection reset' instead of the
-        413 (nginx's lingering close does the same). Only before the answer is complete: after it,
-        uvicorn's receive() reads a disconnect (and drops the rest of a body itself while the
-        connection is kept alive)."""
+        """Before a 413 that closes the connection, for a body still arriving: read and drop what the
+        client goes on sending, for a bounded time and amount, so it gets to read the answer. Closing
+        at once with its bytes unread makes the kernel reset the connection, and the client sees
+        'connection reset' instead of the 413 (nginx's lingering close does the same). Only before
+        the answer is complete: after it, uvicorn's receive() reads a disconnect at once."""
         budget = LINGER_BYTES_FACTOR * self.max_request_bytes
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LINGER_S
