@@ -12,8 +12,8 @@ from splitserve.control.whatif import Demand, Held, WhatIf
 from test_mix_no_flapping import MODEL, TARGETS, apply, chats, documents, mix_of
 
 
-def writing(rate: float) -> Demand:  # long answers beside 200-400-token prompts
-    return Demand(rate, rate * 300, rate * 200, 300, 200, prompts=(200, 250, 300, 350, 400))
+def writing(rate: float) -> Demand:  # long answers beside 150-350-token prompts
+    return Demand(rate, rate * 250, rate * 200, 250, 200, prompts=(150, 200, 250, 300, 350))
 
 
 def retrieval(rate: float) -> Demand:  # 250-450-token prompts, short answers
@@ -48,18 +48,20 @@ def test_a_lesser_evil_knob_move_read_on_a_lagging_window_waits_for_the_newest_s
     # demand_rotation_overload_x2, session 20: 4 s into a 3.8 req/s burst the 15 s window read 0.87
     # req/s; past every setting, 128-token chunks were predicted to meet 85% of deadlines vs 72% at
     # 32, the knob moved, and the streams that met their TTFT lost their gaps. At the rate the newest
-    # seconds show, every setting misses nearly every deadline and none misses 20% fewer.
-    met = {c: TARGETS.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, writing(1.2)))
+    # seconds show, every setting misses nearly every deadline and none misses 20% fewer. (Session 24:
+    # 150-350-token prompts at 0.65 and 1.3 req/s, was 200-400 at 0.6 and 1.2, where with the gap
+    # share counted no setting now misses 20% fewer than 32 tokens even on the lagging window.)
+    met = {c: TARGETS.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, writing(1.3)))
            for c in (32, 64, 128, 256)}
     assert max(met.values()) < 0.05, met  # premise: the newest rate is deep past every setting
-    lagging = dataclasses.replace(writing(0.6), newest=writing(1.2))
+    lagging = dataclasses.replace(writing(0.65), newest=writing(1.3))
     decisions = run(MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32), [lagging] * 10)
     assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions), [d.reason for d in decisions]
     assert decisions[-1].held == "overload" and "the knobs stay" in decisions[-1].reason
     # the same reading with the newest seconds agreeing (a steady overload): the knob moves, once
-    for newest in (None, writing(0.6)):
+    for newest in (None, writing(0.65)):
         ctrl = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
-        decisions = run(ctrl, [dataclasses.replace(writing(0.6), newest=newest)] * 10)
+        decisions = run(ctrl, [dataclasses.replace(writing(0.65), newest=newest)] * 10)
         moves = [d for d in decisions if d.chunk_tokens is not None]
         assert len(moves) == 1 and decisions.index(moves[0]) == ctrl.patience - 1 and ctrl.chunk_tokens != 32
 

@@ -245,7 +245,10 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     # budget holds every target; larger chunks meet more TTFTs at longer pauses. The knobs go where
     # the most deadlines are predicted met, once, and stay there (session 17 moved them with no
     # margin and flapped them past every capacity)
-    writing = Demand(0.6, 0.6 * 300, 0.6 * 200, 300, 200, prompts=(200, 250, 300, 350, 400))
+    # (session 24: a deadline counts as met for the TTFT share times the gap share, a gap held only
+    # with knob_headroom to spare; the demand here was 0.6 req/s of 300-token prompts, where 64 and
+    # 128 now miss less than 20% fewer deadlines than 32 and the knobs rightly stay)
+    writing = Demand(0.65, 0.65 * 250, 0.65 * 200, 250, 200, prompts=(150, 200, 250, 300, 350))
     ctrl = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
     decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(30)]
     moves = [d for d in decisions if d.chunk_tokens is not None]
@@ -254,9 +257,9 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     assert "no setting holds the targets; predicted to meet" in moves[0].reason
     assert decisions[-1].held == "overload"
     preds = {c: WhatIf(MODEL, c).predict([Held("colocated")] * 2, writing) for c in ctrl.chunk_choices}
-    met = {c: ctrl.targets.deadlines_met(p) for c, p in preds.items()}
+    met = {c: ctrl.deadlines_met(p) for c, p in preds.items()}
     # the most deadlines, settings missing within knob_tie of the fewest counted equal and the
-    # shortest gap of those taken (here 128 tokens, missing 52% where 256 miss 50% at longer steps)
+    # shortest gap of those taken (here 64 tokens, missing 45% where 128 miss 41% at longer steps)
     fewest = min(1 - m for m in met.values())
     tied = [c for c in met if 1 - met[c] <= fewest * (1 + ctrl.knob_tie)]
     assert ctrl.chunk_tokens == min(tied, key=lambda c: preds[c].gap_s) != 32 and met[ctrl.chunk_tokens] > met[32]
@@ -267,13 +270,16 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     # alternating between two overloads whose best settings differ, nothing moves
     # (session 20, on 5ecb415: 64 -> 128 -> 64 -> 128 tokens in 4 s)
     alternating = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
-    prompts = (40,) * 8 + (1000,) * 2  # chats writing long answers beside documents: 64-token chunks best
-    other = Demand(0.5, 0.5 * 232, 0.5 * 256, 232, 256, prompts=prompts)
+    # documents among chats: 128-token chunks best (the tie broken by the gap, as the controller does)
+    prompts = (40,) * 4 + (800,) * 6
+    other = Demand(0.5, 0.5 * 496, 0.5 * 128, 496, 128, prompts=prompts)
     best = {}
     for d_ in (writing, other):
-        met = {c: alternating.targets.deadlines_met(WhatIf(MODEL, c).predict([Held("colocated")] * 2, d_))
-               for c in alternating.chunk_choices}
-        best[d_] = max(met, key=met.get)
+        preds_ = {c: WhatIf(MODEL, c).predict([Held("colocated")] * 2, d_) for c in alternating.chunk_choices}
+        missed_ = {c: 1 - alternating.deadlines_met(p) for c, p in preds_.items()}
+        tied_ = [c for c in missed_ if missed_[c] <= min(missed_.values()) * (1 + alternating.knob_tie)]
+        best[d_] = min(tied_, key=lambda c: preds_[c].gap_s)
+        assert missed_[best[d_]] <= missed_[32] * (1 - alternating.margin), "premise: each alone would move"
     assert best[writing] != best[other] != 32, best
     decisions = [alternating.decide(mix_of("colocated", "colocated"), float(t), (writing, other)[t % 2])
                  for t in range(12)]

@@ -141,3 +141,25 @@ def test_the_decision_says_when_the_knobs_stay_by_the_tie_or_the_margin():
            "tokens would miss 93%, not 20% fewer" in decision.reason, decision.reason
     # a move leaves no note behind
     assert ctrl._choose_knobs([option(1.3, 0.13, 32), option(0.8, 0.22, 64)]) == 1 and ctrl._knob_note == ""
+
+
+def test_past_every_setting_a_gap_at_its_target_counts_as_missed_not_met():
+    # demand_rotation_overload_x2, session 23 (654a69c): in the retrieval burst 128-token chunks read
+    # 82% of deadlines met against 64's 75%, the TTFT alone deciding (a class's share was 1/x of its
+    # worst ratio) while 128's predicted gap sat at 0.96-1.03 of the 0.5 s target; the knobs moved
+    # and the retrieval streams lost their gaps (0-1 of 36 met against 12 of 36 at 64)
+    targets = MixTargets(4.0, 0.5, classes=(SloClass("retrieval", 4.0, 0.5),))
+    at_64 = Prediction(4.0 * 1.33, 0.26, "2 colocated", ttft_by_class=(("retrieval", 4.0 * 1.33, 1.0),))
+    at_128 = Prediction(4.0 * 1.22, 0.495, "2 colocated", ttft_by_class=(("retrieval", 4.0 * 1.22, 1.0),))
+    # the TTFT share alone (a gap within its target counted met) prefers 128 by more than the tie
+    assert targets.deadlines_met(at_128) > targets.deadlines_met(at_64) * 1.05
+    ctrl = MixController(ZEN4, targets, chunk_knob=True, chunk_tokens=64)
+    # read as the controller does, the gap held only with knob_headroom to spare: 128 meets no more
+    assert ctrl.deadlines_met(at_128) <= ctrl.deadlines_met(at_64)
+    assert ctrl.deadlines_met(at_64) == targets.deadlines_met(at_64) == 1 / 1.33  # a short gap: TTFT alone
+    opts = [(targets.pressure(at_64), at_64, (0, 64)), (targets.pressure(at_128), at_128, (0, 128))]
+    assert min(x[0] for x in opts) > 1  # premise: past every setting
+    assert ctrl._choose_knobs(opts) is None and "the knobs stay at chunk budget 64" in ctrl._knob_note
+    # TTFT and gap missed together: the shares multiply (a request is good only if it meets both)
+    both = Prediction(8.0, 1.0, "2 colocated", ttft_by_class=(("retrieval", 8.0, 1.0),))
+    assert targets.deadlines_met(both) == 0.5 * 0.5

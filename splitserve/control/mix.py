@@ -30,7 +30,9 @@ where requests name their class (`slo_class`), each class present in the demand 
 own predicted TTFT against its own targets (whatif.py), so a burst of summaries allowed 15 s is
 not read as chats missing 4 s; where they name none, the one TTFT must hold the strictest class's
 target. When no mix within reach meets them (overload), mixes are
-ranked by the share of deadlines the step model predicts each meets, and the mix as it is held
+ranked by the share of deadlines the step model predicts each meets (per class, the share meeting
+its TTFT times the share keeping its gaps, a gap counted held only with `knob_headroom` to spare),
+and the mix as it is held
 unless another meets `margin` more: the decision says "held (overload)". Two cheaper knobs move
 before any role change, whenever a setting of them alone is predicted to hold the targets: the
 decode instances' local-prefill threshold (`serve --disagg-policy threshold`) and the chunk budget,
@@ -188,12 +190,27 @@ class MixTargets:
         """The worst prediction over its target, over every class (a mix must hold the strictest)."""
         return max(x for _, x, _ in self.by_class(p))
 
-    def deadlines_met(self, p: "Prediction") -> float:
-        """The predicted share of deadlines met, weighted by class: a class at pressure x > 1 is
-        taken to meet 1/x of its deadlines (an arrangement at twice its capacity serves about half
-        in time). 1.0 when every class's targets hold."""
-        weighted = [(w, x) for _, x, w in self.by_class(p) if w > 0]
-        return sum(w * min(1.0, 1.0 / max(x, 1e-9)) for w, x in weighted) / sum(w for w, _ in weighted)
+    def deadlines_met(self, p: "Prediction", gap_room: float = 1.0) -> float:
+        """The predicted share of deadlines met, weighted by class: a class's requests meet their
+        TTFT in the share target/TTFT (an arrangement at twice its capacity serves about half in
+        time), and the streams among those keep their gaps in the share gap_room x target/gap, and
+        their pace (TPOT, when a target) likewise: a request is good only if it meets every deadline,
+        so the shares multiply. gap_room < 1 counts a gap as held only with that much to spare: a
+        predicted gap within a few per cent of its target is a coin toss, not a deadline met
+        (demand_rotation_overload_x2, session 23 on 654a69c: 128-token chunks read 82% met against
+        64's 75%, the TTFT alone deciding while their gap sat at 0.96-1.03 of the target, and the
+        retrieval streams lost their gaps: 0-1 of 36 against 12 at 64). 1.0 when every class's
+        targets hold (with that room)."""
+        def share(ttft_target: float, gap_target: float, ttft: float) -> float:
+            met = min(1.0, ttft_target / max(ttft, 1e-9)) * min(1.0, gap_room * gap_target / max(p.gap_s, 1e-9))
+            return met * min(1.0, self.tpot_s / max(p.tpot_s, 1e-9)) if self.tpot_s else met
+
+        if p.ttft_by_class:
+            weighted = [(w, share(*self.of(name), ttft)) for name, ttft, w in p.ttft_by_class if w > 0]
+        else:
+            classes = self.classes or (SloClass("", self.ttft_s, self.gap_s),)
+            weighted = [(c.share, share(c.ttft_s, c.gap_s, p.ttft_s)) for c in classes if c.share > 0]
+        return sum(w * m for w, m in weighted) / sum(w for w, _ in weighted)
 
 
 @dataclass(slots=True, frozen=True)
@@ -407,7 +424,7 @@ class MixController:
 
         now = predict(())
         p_now = pressure(now)
-        met_now = self.targets.deadlines_met(now)
+        met_now = self.deadlines_met(now)
         # streams an instance turning prefill keeps must not step slower than the target (or than now)
         gap_bar = max(self._gap_target(), now.gap_s)
         candidates, stalling = [], []
@@ -505,7 +522,7 @@ class MixController:
                     if resting else
                     "every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
                     else f"no setting holds the targets; predicted to meet "
-                         f"{self.targets.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
+                         f"{self.deadlines_met(knob_options[chosen][1]):.0%} of deadlines vs {met_now:.0%}")
             return Decision(now_s, f"{' and '.join(moved)}: predicted pressure {p_k:.2f}x vs {p_now:.2f}x, inter-token "
                                    f"{_fmt(knob_options[chosen][1].gap_s)} vs {_fmt(now.gap_s)}, {held} "
                                    f"without a role change; {state}",
@@ -519,9 +536,9 @@ class MixController:
         overload = min(best_p, p_now) > 1
         if overload:
             # the lesser evil: rank by the deadlines the step model predicts each mix meets
-            by_met = max(scored, key=lambda x: (self.targets.deadlines_met(x[4]), -x[0]))
+            by_met = max(scored, key=lambda x: (self.deadlines_met(x[4]), -x[0]))
             best_p, _, _, move, best_pred = by_met
-            met_best = self.targets.deadlines_met(best_pred)
+            met_best = self.deadlines_met(best_pred)
             if not self._beats(best_p, best_pred, p_now, now):
                 self._wanted, self._streak = "", 0
                 return none("overload", f"{state}: no mix within reach meets the targets; holding {now.serving}, "
@@ -635,7 +652,7 @@ class MixController:
         # fewer than the knobs as they are (two settings cannot each miss fewer than the other);
         # decide() makes the move once the same setting has won `patience` intervals running. Those
         # missing within knob_tie of the fewest count as equal: the shortest gap of them
-        missed = [1 - self.targets.deadlines_met(x[1]) for x in options]
+        missed = [1 - self.deadlines_met(x[1]) for x in options]
         fewest = min(missed)
         i = min((j for j in range(len(options)) if missed[j] <= fewest * (1 + self.knob_tie) + 1e-9),
                 key=lambda j: (options[j][1].gap_s, missed[j], j))
@@ -701,7 +718,7 @@ class MixController:
         """A mix predicted at pressure p beats the base by the margin: 20% less pressure, or, where
         neither holds the targets (overload), 20% more of the deadlines met."""
         if min(p, p_base) > 1:
-            return self.targets.deadlines_met(pred) > self.targets.deadlines_met(base) * (1 + self.margin)
+            return self.deadlines_met(pred) > self.deadlines_met(base) * (1 + self.margin)
         return p < p_base * (1 - self.margin)
 
     def _knob_undo(self, setting: tuple[int, int]) -> bool:
@@ -723,6 +740,11 @@ class MixController:
             chunks = tuple(sorted({c for c in self.chunk_choices if c <= self.chunk_budget} | {chunk_now}))
         settings = [(t, c) for t in thresholds for c in chunks]
         return sorted(settings, key=lambda x: x != (knob, chunk_now))
+
+    def deadlines_met(self, p: Prediction) -> float:
+        """The share of deadlines a prediction meets as this controller reads it: a gap counts as
+        held only with knob_headroom to spare (MixTargets.deadlines_met)."""
+        return self.targets.deadlines_met(p, self.knob_headroom)
 
     def _gap_target(self) -> float:
         return min([self.targets.gap_s] + [c.gap_s for c in self.targets.classes])
