@@ -24,6 +24,22 @@ def _span(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
+def _host(summaries: list[dict]) -> dict | None:
+    """The watched host over the runs (trials since session 24 watch every fixed-rate run): the
+    machine's speed before each (a fixed CPU benchmark, units/s), the most of the cores others and
+    steal took, the runs flagged disturbed, the engine's median decode-only step. None for older
+    results."""
+    watched = [s for s in summaries if s.get("host")]
+    if not watched:
+        return None
+    steps = [s["decode_step_median_s"] for s in watched if s.get("decode_step_median_s")]
+    return {"speed_units_per_s": _span([s["speed_units_per_s"] for s in watched if s.get("speed_units_per_s")]),
+            "others_share_max": max(s["host"]["others_share"] for s in watched),
+            "steal_share_max": max(s["host"]["steal_share"] for s in watched),
+            "disturbed": sum(bool(s.get("disturbed")) for s in watched), "watched": len(watched),
+            "decode_step_median_s": _span(steps)}
+
+
 def summarize(results: dict) -> dict:
     out = {"trial": results.get("trial"), "arrangements": []}
     for arr in results["arrangements"]:
@@ -51,6 +67,7 @@ def summarize(results: dict) -> dict:
             "role_changes": changes,
             "role_changes_per_minute": ([c / m for c, m in zip(changes, minutes)] if changes is not None else None),
             "failures": [s.get("failures") for s in summaries],
+            "host": _host(summaries),
         })
     fixed = [a for a in out["arrangements"] if a["role_changes"] is None]
     adaptive = [a for a in out["arrangements"] if a["role_changes"] is not None]
@@ -84,6 +101,13 @@ def render(doc: dict) -> str:
                      f"(requests {a['phase_requests']})  pause p99 {pause['median']:.2f} s "
                      f"({pause['min']:.2f}-{pause['max']:.2f})  role changes {changes}")
         lines.append(f"  {'':24} per run: " + ", ".join(f"{100 * x:.1f}%" for x in a["attainment_per_run"]))
+        host = a.get("host")
+        if host:
+            speed, step = host["speed_units_per_s"], host["decode_step_median_s"]
+            lines.append(f"  {'':24} host: speed {speed['min']:.0f}-{speed['max']:.0f} units/s, others up to "
+                         f"{100 * host['others_share_max']:.0f}%, steal up to {100 * host['steal_share_max']:.0f}%, "
+                         f"{host['disturbed']} of {host['watched']} runs disturbed"
+                         + (f", decode step median {1000 * step['min']:.0f}-{1000 * step['max']:.0f} ms" if step else ""))
         vs = a.get("against_best_fixed")
         if vs:
             lines.append(f"  {'':24} against {vs['best_fixed']}: overall {vs['overall_points']:+.1f} points "

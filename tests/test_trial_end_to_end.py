@@ -84,6 +84,13 @@ def test_two_arrangements_produce_json_and_html_with_every_failure_counted(tmp_p
     assert s["longest_pause_s"]["max"] >= 0.3
     assert separated["runs"][0]["server_counters"]["splitserve_kv_transfer_failures_total"] == 4
     assert "fake-1P1D" in doc["verdict"] and "fake-colocated" in doc["verdict"]
+    # a fixed-rate run launched alone is watched too: the host over the run, the machine's speed
+    # before it, flagged (not redone) when others took the cores
+    for arr in (colocated, separated):
+        assert len(arr["runs"]) == 1
+        watched = arr["runs"][0]["summary"]
+        assert watched["host"]["available"] and 0 <= watched["host"]["others_share"] <= 1
+        assert watched["speed_units_per_s"] > 0 and watched["disturbed"] == watched["host"]["disturbed"]
 
 
 @pytest.fixture

@@ -285,9 +285,17 @@ class Trial:
                 if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
                     rate = offered_rate_of(self.plan) * self.main_multiplier
                     self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
-                result.runs.append(self._replay(endpoint, self.plan_for_run(0)[: self.num_fixed],
-                                                self.main_multiplier, f"{arr.name} fixed rate (repeat {repeat + 1})",
-                                                repeat, "fixed"))
+                # watched as a side-by-side run is (sidebyside._watched): the host's others and steal
+                # over the run, a speed benchmark before it and the engine's median decode step, so
+                # runs of different launches, repeats or days can be told apart by the machine's state
+                # (session 24: the same box read prompt steps 18-26% slower than the day before with
+                # no steal and nothing else running). Flagged `disturbed`, not redone: the phases'
+                # run is the whole plan, and its count of runs is what --repeat asked for.
+                from splitserve.trial.sidebyside import _watched
+
+                _watched(self, {arr.name: endpoint}, arr.name, lambda _redo: self._replay(
+                    endpoint, self.plan_for_run(0)[: self.num_fixed], self.main_multiplier,
+                    f"{arr.name} fixed rate (repeat {repeat + 1})", repeat, "fixed"), redo=False)
                 self._notify()
                 if sweep:
                     target = self.spec.sweep.target_attainment if self.spec.sweep else self.spec.slo.attainment

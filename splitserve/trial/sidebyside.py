@@ -312,11 +312,12 @@ def _watched_fixed(trial, endpoints, name, repeat, started):
     trial._notify()
 
 
-def _watched(trial, endpoints, name, replay):
+def _watched(trial, endpoints, name, replay, redo: bool = True):
     """One run (a probe or a fixed-rate run), watched; redone once when other processes took the
-    cores. The idle servers' CPU during it is measured: side by side means they must sleep while
-    another is probed. Also kept: the engine's median decode-only step, a symptom of a slow engine
-    the host reading may miss (quote.step_check puts it beside the arrangement's median)."""
+    cores (redo=False: flagged `disturbed` only, as a fixed-rate run launched alone is). The idle
+    servers' CPU during it is measured: side by side means they must sleep while another is probed.
+    Also kept: the engine's median decode-only step, a symptom of a slow engine the host reading may
+    miss (quote.step_check puts it beside the arrangement's median)."""
     idle = {n: _tree(e.pid) for n, e in endpoints.items() if n != name and e.pid}
     wall = 0.0
     for attempt in (0, 1):
@@ -337,7 +338,7 @@ def _watched(trial, endpoints, name, replay):
         wall += run.summary["wall_s"]
         disturbed = bool(reading and reading.disturbed)
         run.summary["disturbed"] = disturbed
-        if not disturbed or attempt == 1:
+        if not disturbed or attempt == 1 or not redo:
             break
         run.purpose = f"{run.purpose}-disturbed"  # kept for the record, not fitted nor compared
         trial.result_for(name).runs.append(run)
