@@ -288,7 +288,7 @@ class Trial:
                 # watched as a side-by-side run is (sidebyside._watched): the host's others and steal
                 # over the run, a speed benchmark before it and the engine's median decode step, so
                 # runs of different launches, repeats or days can be told apart by the machine's state
-                # (session 24: the same box read prompt steps 18-26% slower than the day before with
+                # (session 24: the same box stepped 64-token chunks 4-20% slower than the day before, with
                 # no steal and nothing else running). Flagged `disturbed`, not redone: the phases'
                 # run is the whole plan, and its count of runs is what --repeat asked for.
                 from splitserve.trial.sidebyside import _watched
