@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from splitserve.config import CARRIED_CHUNK_TOKENS
 from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
@@ -171,20 +171,21 @@ class MixTargets:
         """A class's (TTFT, gap) targets; a class not given (or "") has the global ones."""
         return next(((c.ttft_s, c.gap_s) for c in self.classes if c.name == name), (self.ttft_s, self.gap_s))
 
-    def by_class(self, p: "Prediction") -> list[tuple[str, float, float]]:
-        """(class, pressure, weight) for a prediction: per class of the demand, each by its own
-        TTFT and its own targets, where requests name their class (Prediction.ttft_by_class);
-        else the one TTFT by every class's targets (the strictest binds) or by the global ones."""
+    def _rows(self, p: "Prediction") -> list[tuple[str, float, float, float, float]]:
+        """(class, its TTFT, its TTFT target, its gap target, weight) for a prediction: per class of
+        the demand, each by its own TTFT and its own targets, where requests name their class
+        (Prediction.ttft_by_class); else the one TTFT by every class's targets (the strictest binds)
+        or by the global ones (weight 0 beside given classes: it binds, but counts no deadlines)."""
         if p.ttft_by_class:
-            out = []
-            for name, ttft_s, share in p.ttft_by_class:
-                ttft_target, gap_target = self.of(name)
-                out.append((name, Prediction(ttft_s, p.gap_s, p.serving, tpot_s=p.tpot_s)
-                            .pressure(ttft_target, gap_target, self.tpot_s), share))
-            return out
+            return [(name, ttft_s, *self.of(name), share) for name, ttft_s, share in p.ttft_by_class]
         classes = self.classes or (SloClass("", self.ttft_s, self.gap_s),)
-        return [(c.name, p.pressure(c.ttft_s, c.gap_s, self.tpot_s), c.share) for c in classes] + \
-            ([("", p.pressure(self.ttft_s, self.gap_s, self.tpot_s), 0.0)] if self.classes else [])
+        return [(c.name, p.ttft_s, c.ttft_s, c.gap_s, c.share) for c in classes] + \
+            ([("", p.ttft_s, self.ttft_s, self.gap_s, 0.0)] if self.classes else [])
+
+    def by_class(self, p: "Prediction") -> list[tuple[str, float, float]]:
+        """(class, pressure, weight) for a prediction, each class by its own TTFT and targets (_rows)."""
+        return [(name, replace(p, ttft_s=ttft_s).pressure(ttft_target, gap_target, self.tpot_s), share)
+                for name, ttft_s, ttft_target, gap_target, share in self._rows(p)]
 
     def pressure(self, p: "Prediction") -> float:
         """The worst prediction over its target, over every class (a mix must hold the strictest)."""
@@ -201,15 +202,12 @@ class MixTargets:
         64's 75%, the TTFT alone deciding while their gap sat at 0.96-1.03 of the target, and the
         retrieval streams lost their gaps: 0-1 of 36 against 12 at 64). 1.0 when every class's
         targets hold (with that room)."""
-        def share(ttft_target: float, gap_target: float, ttft: float) -> float:
+        def share(ttft: float, ttft_target: float, gap_target: float) -> float:
             met = min(1.0, ttft_target / max(ttft, 1e-9)) * min(1.0, gap_room * gap_target / max(p.gap_s, 1e-9))
             return met * min(1.0, self.tpot_s / max(p.tpot_s, 1e-9)) if self.tpot_s else met
 
-        if p.ttft_by_class:
-            weighted = [(w, share(*self.of(name), ttft)) for name, ttft, w in p.ttft_by_class if w > 0]
-        else:
-            classes = self.classes or (SloClass("", self.ttft_s, self.gap_s),)
-            weighted = [(c.share, share(c.ttft_s, c.gap_s, p.ttft_s)) for c in classes if c.share > 0]
+        weighted = [(w, share(ttft, ttft_target, gap_target)) for _, ttft, ttft_target, gap_target, w in self._rows(p)
+                    if w > 0]
         return sum(w * m for w, m in weighted) / sum(w for w, _ in weighted)
 
 

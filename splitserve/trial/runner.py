@@ -41,6 +41,7 @@ from splitserve.trial.mix_timeline import add_attainment_after, fetch_role_timel
 from splitserve.trial.resources import (arrangement_resources, check_equal, core_set, read_affinity,
                                         with_kv_split)
 from splitserve.trial.results import arrangement_kind
+from splitserve.trial.sidebyside import run_repeat, watched_run
 from splitserve.trial.tuning import tune_colocated
 from splitserve.trial.spec import Arrangement, SpecError, TrialSpec
 from splitserve.trial.workload import (PlannedRequest, PromptSource, content_stream, plan_requests, probe_length,
@@ -154,8 +155,6 @@ class Trial:
     def run(self, sweep: bool = False, repeat: int = 1, capacity: bool = False) -> list[ArrangementResult]:
         search = capacity or self.spec.capacity is not None
         if search and search_settings(self.spec).method == "fitted":
-            from splitserve.trial.sidebyside import run_repeat
-
             for r in range(repeat):
                 self.order.append(rotation([a.name for a in self.arrangements], r))
                 run_repeat(self, r)
@@ -285,15 +284,13 @@ class Trial:
                 if self.num_fixed is None:  # once, after the calibration: the same for every arrangement
                     rate = offered_rate_of(self.plan) * self.main_multiplier
                     self.num_fixed = Budget.fixed_requests(share / weight if share else None, rate, len(self.plan))
-                # watched as a side-by-side run is (sidebyside._watched): the host's others and steal
+                # watched as a side-by-side run is (sidebyside.watched_run): the host's others and steal
                 # over the run, a speed benchmark before it and the engine's median decode step, so
                 # runs of different launches, repeats or days can be told apart by the machine's state
                 # (session 24: the same box stepped 64-token chunks 4-20% slower than the day before, with
                 # no steal and nothing else running). Flagged `disturbed`, not redone: the phases'
                 # run is the whole plan, and its count of runs is what --repeat asked for.
-                from splitserve.trial.sidebyside import _watched
-
-                _watched(self, {arr.name: endpoint}, arr.name, lambda _redo: self._replay(
+                watched_run(self, {arr.name: endpoint}, arr.name, lambda _redo: self._replay(
                     endpoint, self.plan_for_run(0)[: self.num_fixed], self.main_multiplier,
                     f"{arr.name} fixed rate (repeat {repeat + 1})", repeat, "fixed"), redo=False)
                 self._notify()

@@ -302,17 +302,17 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
         run = trial._probe(ep, name, multiplier, repeat, cap.probe_requests, 1 + k + redo * REDO_STREAM, fitted=True)
         run.summary["round"] = k
         return run
-    return _watched(trial, endpoints, name, replay)
+    return watched_run(trial, endpoints, name, replay)
 
 
 def _watched_fixed(trial, endpoints, name, repeat, started):
     """The fixed-rate run under the same watch as a probe (issue 25: the check guards them too)."""
-    _watched(trial, endpoints, name, lambda redo: trial.fixed_replay(endpoints[name], name, repeat, started,
+    watched_run(trial, endpoints, name, lambda redo: trial.fixed_replay(endpoints[name], name, repeat, started,
                                                                       redo * REDO_STREAM))
     trial._notify()
 
 
-def _watched(trial, endpoints, name, replay, redo: bool = True):
+def watched_run(trial, endpoints, name, replay, redo: bool = True):
     """One run (a probe or a fixed-rate run), watched; redone once when other processes took the
     cores (redo=False: flagged `disturbed` only, as a fixed-rate run launched alone is). The idle
     servers' CPU during it is measured: side by side means they must sleep while another is probed.
