@@ -33,6 +33,13 @@ def test_settings_equal_on_pressure_are_told_apart_by_the_gap():
     opts = [option(1.01, 0.22, 64), option(1.2, 0.13, 32), option(0.97, 0.41, 128)]
     assert ctrl._choose_knobs(opts) is None
     assert MixController(ZEN4, TARGETS, chunk_knob=True, knob_tie=0.0)._choose_knobs(opts) == 2
+    # the same with a third setting tied on pressure at a shorter gap but past the targets: it is
+    # not where a move would go, so it does not unseat the stay (session 24, demand_unseen_overload:
+    # 32 tokens tied at 1.05x, the knobs left 64 (1.01x, 246 ms) for 128 (0.99x, 467 ms))
+    opts = [option(1.01, 0.246, 64), option(1.05, 0.13, 32), option(0.99, 0.467, 128)]
+    assert ctrl._choose_knobs(opts) is None
+    # ... unless the move's target has the shorter gap
+    assert ctrl._choose_knobs([option(1.01, 0.246, 64), option(1.05, 0.13, 32), option(0.99, 0.2, 96)]) == 2
     # a setting past the targets is never moved to for its gap over one that holds them
     assert ctrl._choose_knobs([option(1.06, 0.13, 32), option(1.01, 0.22, 64), option(0.95, 0.41, 128)]) == 2
 

@@ -632,12 +632,18 @@ class MixController:
                 chosen = self._shorter_pause(keyed)
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
-        if not roomy and any(k[0] <= 1 for k in keyed) and self._tied(keyed)[5] == 0:
-            # the knobs as they are miss by less than the model tells apart (knob_tie) from a setting
-            # that holds, at a shorter gap: they stay (demand_unseen_overload, session 22, on 68dadc0:
-            # 64 -> 128 tokens for 1.01x -> 0.97x in two of three repeats, the agents' pauses 0.4 s;
-            # the repeat that stayed at 64 met the most agents' deadlines, 47% against 42-43%)
-            holding = min((k for k in keyed if k[0] <= 1), key=lambda k: k[0])
+        held = [k for k in keyed if k[0] <= 1]
+        target = self._tied(held) if held else None
+        if (not roomy and target is not None and target[5] != 0
+                and keyed[0][0] <= min(k[0] for k in held) * (1 + self.knob_tie) and keyed[0][1] <= target[1]):
+            # the knobs as they are miss by less than the model tells apart (knob_tie) from the setting
+            # a move would go to, at no longer a gap: they stay (demand_unseen_overload, session 22, on
+            # 68dadc0: 64 -> 128 tokens for 1.01x -> 0.97x in two of three repeats, the agents' pauses
+            # 0.4 s; the repeat that stayed at 64 met the most agents' deadlines, 47% against 42-43%).
+            # Compared with the move's own target, not with every tied setting: session 24 (bf8b48d)
+            # had 32 tokens tied on pressure at a shorter gap but missing the target, so the knobs left
+            # 64 for 128 at 1.5 s (1.01x vs 0.99x, gap 467 vs 246 ms) and the first agents paused 0.42 s
+            holding = min(held, key=lambda k: k[0])
             self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])} ({keyed[0][0]:.2f}x, "
                                f"inter-token {_fmt(keyed[0][1])}): within {self.knob_tie:.0%} of "
                                f"{self._setting_text(options[holding[5]][2])} ({holding[0]:.2f}x, inter-token "
