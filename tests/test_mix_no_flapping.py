@@ -270,9 +270,10 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     # alternating between two overloads whose best settings differ, nothing moves
     # (session 20, on 5ecb415: 64 -> 128 -> 64 -> 128 tokens in 4 s)
     alternating = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
-    # documents among chats: 128-token chunks best (the tie broken by the gap, as the controller does)
-    prompts = (40,) * 4 + (800,) * 6
-    other = Demand(0.5, 0.5 * 496, 0.5 * 128, 496, 128, prompts=prompts)
+    # documents with short answers: 128-token chunks best (the tie broken by the gap, as the controller
+    # does). Session 25: with a chunk's gap read at its prompt's last chunk, 4 chats among 6 800-token
+    # documents (the demand here before) read 64 best too, a 128-token chunk at token 672 too long a step
+    other = Demand(0.5, 0.5 * 600, 0.5 * 64, 600, 64, prompts=(600,) * 6)
     best = {}
     for d_ in (writing, other):
         preds_ = {c: WhatIf(MODEL, c).predict([Held("colocated")] * 2, d_) for c in alternating.chunk_choices}

@@ -170,3 +170,35 @@ def test_past_every_setting_a_gap_at_its_target_counts_as_missed_not_met():
     # TTFT and gap missed together: the shares multiply (a request is good only if it meets both)
     both = Prediction(8.0, 1.0, "2 colocated", ttft_by_class=(("retrieval", 8.0, 1.0),))
     assert targets.deadlines_met(both) == 0.5 * 0.5
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_read_as_the_longer_step_it_is_and_the_knobs_rest_below_it():
+    # demand_rotation, session 24: the longest pauses were the steps carrying the last 64-token chunks
+    # of 1,000-1,400-token summaries (67-76 attention ktok2 where a first chunk scores 2), 0.38-0.50 s
+    # beside 7 streams, while every chunk's gap was read as a first chunk's (~0.2 s), so the knobs
+    # rested at 64. A chunk's gap is read at its prompt's last whole chunk
+    from splitserve.control.stepmodel import prefill_attn_ktok2
+    what_if, kv = WhatIf(ZEN4), 7 * 600
+    assert what_if.gap_s(64, 7, kv) == ZEN4.step_s(64, prefill_attn_ktok2(0, 64), 7, kv)
+    assert what_if.gap_s(64, 7, kv, 1300) == ZEN4.step_s(64, prefill_attn_ktok2(1236, 64), 7, kv)
+    assert what_if.gap_s(64, 7, kv, 1300) > 1.3 * what_if.gap_s(64, 7, kv)
+    assert what_if.gap_s(64, 7, kv, 40) == what_if.gap_s(64, 7, kv)  # a prompt shorter than a chunk
+    # every target met with room; the knobs rest at the largest chunk whose whole step stays within
+    # `calm` of the gap target: 64 tokens at a prompt's start (0.26 s at a 1.2 tail), not at token
+    # 1,236 of a 1,300-token summary (0.35 s), where 32 (0.21 s) does
+    ctrl = MixController(ZEN4, TARGETS, chunk_knob=True, chunk_tokens=64)
+    live = [InstanceView("e0", "colocated", num_running=7, decode_kv_tokens=kv),
+            InstanceView("e1", "colocated", num_running=3, decode_kv_tokens=1500)]
+    opts = [option(0.40, 0.2, 64), option(0.45, 0.15, 32), option(0.35, 0.3, 128)]
+    assert ctrl._resting_chunk(opts, live, ZEN4, 1.2) is None
+    assert ctrl._resting_chunk(opts, live, ZEN4, 1.2, 1300) == 1
+    # the controller reads the window's longest prompt: chats alone rest at 64, a summary among them
+    # at 32 (before the online fit, the tail is 1; a 0.45 s gap target: 64 tokens step 0.21 s at a
+    # prompt's start, 0.29 s at token 1,236, past 0.6 x 0.45 s; 32 tokens there 0.17 s)
+    def decide(prompts: tuple[int, ...]):
+        c = MixController(ZEN4, MixTargets(15.0, 0.45), chunk_knob=True, chunk_tokens=64)
+        d = Demand(0.3, 0.3 * sum(prompts) / len(prompts), 0.3 * 100, sum(prompts) / len(prompts), 100,
+                   prompts=tuple(sorted(prompts)))
+        return c.decide(live, 0.0, d)
+    assert decide((60,) * 8).chunk_tokens is None
+    assert decide((60,) * 8 + (1300,)).chunk_tokens == 32

@@ -68,7 +68,7 @@ def test_a_class_is_judged_by_its_own_targets_and_an_unnamed_class_by_the_global
                                                                                   p.gap_s / 0.5))
 
 
-def test_labelled_summaries_keep_the_shortest_chunks_where_unlabelled_ones_lengthen_every_pause():
+def test_labelled_summaries_keep_the_mix_where_unlabelled_ones_move_it():
     def run(d: Demand):
         ctrl = MixController(MODEL, TARGETS)
         ctrl.chunk_knob = True
@@ -84,10 +84,13 @@ def test_labelled_summaries_keep_the_shortest_chunks_where_unlabelled_ones_lengt
 
     changes, chunk, last = run(demand(True))
     assert changes == [] and chunk == 32 and last.held == "calm"
-    # judged against the chats' 4 s, the summaries need larger chunks to start in time: every
-    # stream's steps, and so its longest pause, get longer (demand_rotation, session 17)
+    # judged against the chats' 4 s, the summaries read 0.71x at 32-token chunks, not calm, and the
+    # mix moves for them (demand_rotation, session 17: chunks lengthened for them, every pause
+    # longer). Session 25: with a chunk's gap read at its prompt's last chunk (a 32-token chunk at
+    # token 1,218 of a summary), 1 prefill + 1 decode reads 0.35x and the move is a role change
     changes_plain, chunk_plain, last_plain = run(demand(False))
-    assert changes_plain == [] and chunk_plain > 32 and last_plain.gap_estimate_s > last.gap_estimate_s
+    assert len(changes_plain) == 2 and all("1 prefill + 1 decode" in c for c in changes_plain), changes_plain
+    assert "pressure 0.35x vs 0.71x" in changes_plain[0] and last_plain.held == "calm"
 
 
 def test_the_decision_names_each_class_with_its_target():

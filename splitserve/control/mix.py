@@ -395,6 +395,7 @@ class MixController:
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
         tail = info["prompt_step_tail"]  # 1.0 until the online fit has enough prompt steps
+        longest = demand.prompts[-1] if demand.prompts else 0  # the window's longest prompt
 
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
@@ -460,7 +461,7 @@ class MixController:
         resting = False
         if p_now < self.calm:
             self._wanted, self._streak = "", 0
-            chosen = self._resting_chunk(knob_options, live, model, tail)
+            chosen = self._resting_chunk(knob_options, live, model, tail, longest)
             if chosen is None or self._knob_undo(knob_options[chosen][2]):
                 return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
             resting = True
@@ -516,7 +517,7 @@ class MixController:
                 moved.append(f"chunk budget {chunk_now} -> {chunk} tokens")
             self._knob_left, self._since_knob = (knob, chunk_now), 0
             held = (f"every target met with room, at rest: a step carrying a whole chunk predicted "
-                    f"{_fmt(self._full_step(chunk, live, model, tail))}, within {self.calm:.2f} of the gap target"
+                    f"{_fmt(self._full_step(chunk, live, model, tail, longest))}, within {self.calm:.2f} of the gap target"
                     if resting else
                     "every target met with room" if p_k < self.calm <= p_now <= 1 else "targets held" if p_k <= 1
                     else f"no setting holds the targets; predicted to meet "
@@ -671,14 +672,17 @@ class MixController:
                            f"{missed[0]:.0%} of deadlines: {why}")
         return None
 
-    def _full_step(self, chunk: int, live: list[InstanceView], model: StepModel, tail: float) -> float:
+    def _full_step(self, chunk: int, live: list[InstanceView], model: StepModel, tail: float,
+                   prompt: int = 0) -> float:
         """The longest step a stream may meet at this chunk budget: a whole chunk beside the busiest
-        instance's streams (at least one), at the tail of prompt steps' spread."""
+        instance's streams (at least one), the last chunk of a `prompt`-token prompt (the window's
+        longest), at the tail of prompt steps' spread."""
         busiest = max(live, key=lambda v: (v.num_running, v.decode_kv_tokens))
-        return WhatIf(model, gap_tail=tail).gap_s(chunk, max(busiest.num_running, 1), busiest.decode_kv_tokens)
+        return WhatIf(model, gap_tail=tail).gap_s(chunk, max(busiest.num_running, 1), busiest.decode_kv_tokens,
+                                                   max(prompt, chunk))
 
     def _resting_chunk(self, options: list[tuple[float, Prediction, tuple[int, int]]], live: list[InstanceView],
-                       model: StepModel, tail: float) -> int | None:
+                       model: StepModel, tail: float, prompt: int = 0) -> int | None:
         """Every target met with room: the index of the chunk budget the knobs rest at, or None if they
         rest where they are. The predicted gap covers the streams at the attainment share (90%), and
         while few prompts come it reads as a decode step at any budget, so the knobs stayed wherever
@@ -689,11 +693,11 @@ class MixController:
         the smallest), if it is smaller than now and also predicted calm."""
         threshold, chunk_now = options[0][2]
         bound = self.calm * self._gap_target()
-        if self._full_step(chunk_now, live, model, tail) <= bound:
+        if self._full_step(chunk_now, live, model, tail, prompt) <= bound:
             return None
         smaller = [(x[2][1], i) for i, x in enumerate(options)
                    if x[2][0] == threshold and x[2][1] < chunk_now and x[0] < self.calm]
-        fits = [c for c in smaller if self._full_step(c[0], live, model, tail) <= bound]
+        fits = [c for c in smaller if self._full_step(c[0], live, model, tail, prompt) <= bound]
         chosen = max(fits) if fits else min(smaller, default=None)
         return None if chosen is None else chosen[1]
 

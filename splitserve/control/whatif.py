@@ -163,9 +163,15 @@ class WhatIf:
     gap_tail: float = 1.0    # a step carrying prompt tokens, at that share of its spread, over the model's mean
                              # (online_stepmodel.OnlineStepModel.prompt_step_tail): a gap is one step, not a mean
 
-    def gap_s(self, chunk: int, n: int, kv: int) -> float:
-        """The gap a stream meets at a step with a `chunk`-token prompt piece beside n decodes."""
-        step = self.model.step_s(chunk, prefill_attn_ktok2(0, chunk), n, kv)
+    def gap_s(self, chunk: int, n: int, kv: int, prompt: int = 0) -> float:
+        """The gap a stream meets at a step with a `chunk`-token prompt piece beside n decodes: the
+        last whole chunk of a `prompt`-token prompt (0: the prompt's first chunk), whose queries
+        score every token before them. A chunk deep in a long prompt is the longest step it brings
+        (demand_rotation, session 24: 64-token chunks at tokens 1,050-1,200 of a summary, 67-76
+        attention ktok2 where a first chunk scores 2, stepped 0.38-0.50 s beside 7 streams, the
+        longest pauses of the run, while the gap read for a first chunk was about 0.2 s)."""
+        start = max(prompt - chunk, 0)
+        step = self.model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv)
         return step * self.gap_tail if chunk > 0 else step
 
     def _per_token(self, demand: Demand) -> tuple[float, float, float]:
@@ -217,6 +223,8 @@ class WhatIf:
 
             service = service_of(prompt)
             chunk = self._chunk(h.queued_prompt_tokens)
+            # the queued prompts' chunks: as deep as the window's longest prompt reaches (or the queue)
+            depth = min(h.queued_prompt_tokens, demand.prompts[-1]) if demand.prompts else h.queued_prompt_tokens
             if demand.prompts:
                 # the prompts whose chunks a stream's steps carry: those arriving while it is prefilled
                 # and while it answers (its steps, prefills among them), m of them on average
@@ -224,8 +232,9 @@ class WhatIf:
                 meets = demand.request_rate / k * life_s
                 share = 1 + math.log(self.attainment) / meets if meets > 0 else 0.0
                 if share > 0:  # else that share of streams meets no prompt at all
-                    chunk = max(chunk, self._chunk(demand.prompt_quantile(share)))
-            gaps.append(self.gap_s(chunk, n, kv))
+                    met = demand.prompt_quantile(share)
+                    chunk, depth = max(chunk, self._chunk(met)), max(depth, met)
+            gaps.append(self.gap_s(chunk, n, kv, depth))
             wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
             ttfts.append(service + wait)
             for ttft_c, cls in zip(by_class, demand.classes):
@@ -261,7 +270,7 @@ class WhatIf:
         for h in decode:
             n = math.ceil(max(fluid_n, h.num_running))
             kv = int(n * context)
-            gaps.append(self.gap_s(chunk, n, kv))
+            gaps.append(self.gap_s(chunk, n, kv, max(local) if local else 0))
             decodes.append((n, kv, h.queued_prompt_tokens))
         q_decode = _queueing(min(u_decode, 1 - MIN_SLACK))
 
