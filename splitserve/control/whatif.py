@@ -23,7 +23,9 @@ control/mix.py _held):
             answers are Poisson, m on average, so for a share t of streams none of them is longer
             than the 1 + ln(t) / m quantile of recent prompts, t = 0.9; below m = -ln t that share
             meets no prompt at all, and its gaps are decode steps. One chunk of a long prompt is
-            enough to break a stream's p99 gap; the chunk is up to the budget), that step taken
+            enough to break a stream's p99 gap; the chunk is up to the budget, and it is read as
+            that prompt's last whole chunk, whose queries score every token before them: deep in
+            a long prompt a chunk's step is the longest it brings), that step taken
             at the same share of its measured spread (gap_tail: one slow step is the gap, where a
             prompt's many chunk steps average out in its TTFT). TTFT: the prompt's chunk steps,
             stretched by the queueing factor 1 + u / (2 (1 - u)) of its utilisation u, plus the
