@@ -4,6 +4,7 @@ gap for a little more pressure."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
 from splitserve.control.stepmodel import StepModel
@@ -202,3 +203,17 @@ def test_a_chunk_deep_in_a_long_prompt_is_read_as_the_longer_step_it_is_and_the_
         return c.decide(live, 0.0, d)
     assert decide((60,) * 8).chunk_tokens is None
     assert decide((60,) * 8 + (1300,)).chunk_tokens == 32
+
+
+def test_with_no_prompt_in_the_window_a_queue_is_not_read_as_one_prompt_as_long_as_its_sum():
+    # demand_rotation_overload_x2, session 25 on 6e40f4f: 70 s after the last arrival the backlog's
+    # queued tokens were read as the depth of one prompt, a 32-token chunk's step as 372 ms, and the
+    # mix made a role change for it. The queued tokens are many prompts' sum: with no prompt in the
+    # window to say how long they are, the chunks are read as first chunks
+    what_if = WhatIf(ZEN4, 32)
+    backlog = [Held("colocated", queued_prompt_tokens=6000, num_running=6)] * 2
+    drained = what_if.predict(backlog, Demand())
+    assert drained.gap_s == pytest.approx(what_if.gap_s(32, 6, 0))
+    # with prompts in the window, the chunk is read as deep as the window's longest prompt
+    d = Demand(0.1, 0.1 * 900, 0.1 * 30, 900, 30, prompts=(900,))
+    assert what_if.predict(backlog, d).gap_s > what_if.gap_s(32, 6, 0)

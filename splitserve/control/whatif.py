@@ -225,8 +225,13 @@ class WhatIf:
 
             service = service_of(prompt)
             chunk = self._chunk(h.queued_prompt_tokens)
-            # the queued prompts' chunks: as deep as the window's longest prompt reaches (or the queue)
-            depth = min(h.queued_prompt_tokens, demand.prompts[-1]) if demand.prompts else h.queued_prompt_tokens
+            # the queued prompts' chunks: as deep as the window's longest prompt reaches. With no
+            # prompt in the window the queue's prompt lengths are unknown and its chunks are read as
+            # first chunks: the queued tokens are many prompts' sum, not one prompt's depth
+            # (demand_rotation_overload_x2, session 25 on 6e40f4f: 70 s after the last arrival the
+            # backlog read as one prompt of its whole size put a 32-token chunk's step at 372 ms, and
+            # a spurious role change followed at 112-113 s in every repeat)
+            depth = min(h.queued_prompt_tokens, demand.prompts[-1]) if demand.prompts else 0
             if demand.prompts:
                 # the prompts whose chunks a stream's steps carry: those arriving while it is prefilled
                 # and while it answers (its steps, prefills among them), m of them on average
