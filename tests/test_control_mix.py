@@ -167,9 +167,9 @@ def test_a_halfway_mix_left_by_a_dropped_second_step_is_not_held_by_the_cooldown
 
 def test_hysteresis_a_mix_only_slightly_better_is_not_adopted():
     views = mix_of("colocated", "colocated")
-    # (0.47 req/s since session 24, was 0.45: with a deadline met only if its TTFT and its gap are,
+    # (0.46 req/s since session 24, was 0.45: with a deadline met only if its TTFT and its gap are,
     # 1 prefill + 1 decode there read 24% more deadlines met than the colocated pair's long steps;
-    # at 0.46 with a chunk's gap read at its prompt's last chunk, 28%)
+    # 0.47 since session 25: at 0.46, with a chunk's gap read at its prompt's last chunk, 28%)
     demand = documents(0.47)
     w = WhatIf(MODEL)
     cc, pd = (w.predict(held(r), demand).pressure(4.0, 0.5) for r in (["colocated"] * 2, ["prefill", "decode"]))
