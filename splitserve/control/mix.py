@@ -395,7 +395,7 @@ class MixController:
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
         tail = info["prompt_step_tail"]  # 1.0 until the online fit has enough prompt steps
-        longest = demand.prompts[-1] if demand.prompts else 0  # the window's longest prompt
+        longest = demand.prompt_quantile(1.0)  # the window's longest prompt (0: none)
 
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
@@ -635,8 +635,9 @@ class MixController:
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
         held = [k for k in keyed if k[0] <= 1]
         target = self._tied(held) if held else None
+        holding = min(held, key=lambda k: k[0]) if held else None  # the least pressure that holds
         if (not roomy and target is not None and target[5] != 0
-                and keyed[0][0] <= min(k[0] for k in held) * (1 + self.knob_tie) and keyed[0][1] <= target[1]):
+                and keyed[0][0] <= holding[0] * (1 + self.knob_tie) and keyed[0][1] <= target[1]):
             # the knobs as they are miss by less than the model tells apart (knob_tie) from the setting
             # a move would go to, at no longer a gap: they stay (demand_unseen_overload, session 22, on
             # 68dadc0: 64 -> 128 tokens for 1.01x -> 0.97x in two of three repeats, the agents' pauses
@@ -644,7 +645,6 @@ class MixController:
             # Compared with the move's own target, not with every tied setting: session 24 (bf8b48d)
             # had 32 tokens tied on pressure at a shorter gap but missing the target, so the knobs left
             # 64 for 128 at 1.5 s (1.01x vs 0.99x, gap 467 vs 246 ms) and the first agents paused 0.42 s
-            holding = min(held, key=lambda k: k[0])
             self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])} ({keyed[0][0]:.2f}x, "
                                f"inter-token {_fmt(keyed[0][1])}): within {self.knob_tie:.0%} of "
                                f"{self._setting_text(options[holding[5]][2])} ({holding[0]:.2f}x, inter-token "
@@ -678,8 +678,7 @@ class MixController:
         instance's streams (at least one), the last chunk of a `prompt`-token prompt (the window's
         longest), at the tail of prompt steps' spread."""
         busiest = max(live, key=lambda v: (v.num_running, v.decode_kv_tokens))
-        return WhatIf(model, gap_tail=tail).gap_s(chunk, max(busiest.num_running, 1), busiest.decode_kv_tokens,
-                                                   max(prompt, chunk))
+        return WhatIf(model, gap_tail=tail).gap_s(chunk, max(busiest.num_running, 1), busiest.decode_kv_tokens, prompt)
 
     def _resting_chunk(self, options: list[tuple[float, Prediction, tuple[int, int]]], live: list[InstanceView],
                        model: StepModel, tail: float, prompt: int = 0) -> int | None:

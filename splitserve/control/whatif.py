@@ -231,7 +231,7 @@ class WhatIf:
             # (demand_rotation_overload_x2, session 25 on 6e40f4f: 70 s after the last arrival the
             # backlog read as one prompt of its whole size put a 32-token chunk's step at 372 ms, and
             # a spurious role change followed at 112-113 s in every repeat)
-            depth = min(h.queued_prompt_tokens, demand.prompts[-1]) if demand.prompts else 0
+            depth = min(h.queued_prompt_tokens, demand.prompt_quantile(1.0))
             if demand.prompts:
                 # the prompts whose chunks a stream's steps carry: those arriving while it is prefilled
                 # and while it answers (its steps, prefills among them), m of them on average

@@ -308,7 +308,7 @@ def _watched_probe(trial, endpoints, name, multiplier, repeat, k):
 def _watched_fixed(trial, endpoints, name, repeat, started):
     """The fixed-rate run under the same watch as a probe (issue 25: the check guards them too)."""
     watched_run(trial, endpoints, name, lambda redo: trial.fixed_replay(endpoints[name], name, repeat, started,
-                                                                      redo * REDO_STREAM))
+                                                                         redo * REDO_STREAM))
     trial._notify()
 
 
