@@ -226,5 +226,7 @@ def test_with_the_steps_spread_the_chunk_knob_does_not_go_where_the_gap_runs_pas
     # the mean reads 128 as the one setting holding every target (0.98x; 64 1.01x, 32 1.09x): at once,
     # to 128; at the tail 128's gap runs past its target (1.22x), no setting holds them, and 64
     # tokens, predicted to meet the most deadlines, wins the patience's two intervals first
-    assert chosen[0.0][:2] == (128, 0) and chosen[0.3][:2] == (64, 1), chosen
+    # (wip/knob-room: a gap counts as held for a move only with knob_headroom to spare, and 128's,
+    # 488 ms at the mean, has none: the mean also weighs deadlines met, and 64 wins after patience)
+    assert chosen[0.0][:2] == (64, 1) and chosen[0.3][:2] == (64, 1), chosen
     assert chosen[0.3][2] > 1.15

@@ -275,6 +275,10 @@ class MixController:
     # settings within this share of the best one's pressure (or missed deadlines) count as equal, and
     # the shortest predicted gap of them is taken: a stream's longest pause is its longest step
     knob_tie: float = 0.1
+    # ... and, past every setting, those missing at most this many more of the deadlines (a share)
+    # than the fewest: near the targets 10% of a few per cent missed is a fraction of a point, finer
+    # than the step model reads a TTFT (its online fit's median error is 3-8%)
+    knob_tie_points: float = 0.03
     miss_weight: float = 4.0          # a move's gain counts pressure past 1 (deadlines lost) this many times more
     # serve --disagg-policy threshold: the decode instances' local-prefill threshold, the controller's
     # cheaper knob (None: no such knob), and the values it may set
@@ -600,7 +604,8 @@ class MixController:
         stayed colocated and met every deadline). While a target is missed: of the settings predicted to hold every target
         with knob_headroom to spare, the one with the shortest predicted gap (a stream's longest
         pause is its longest step; ties: the fewest knobs moved, the nearest values); if none has
-        that room, the least pressure that still holds them. When none holds them (overload) they
+        that room, the least pressure that still holds them with the gap knob_headroom inside its
+        target (a gap at its edge is a coin toss, and a long pause for every stream on the instance). When none holds them (overload) they
         move to the setting predicted to meet the most deadlines if it misses `margin` fewer than
         now, once it has won `patience` intervals running (decide; changing_demand, session 19: at 32-token chunks the documents' TTFT read 1.09x; once
         a gap is read at the tail of the steps' spread, 128 tokens miss the gap target, so no
@@ -633,7 +638,12 @@ class MixController:
                 chosen = self._shorter_pause(keyed)
             return None if chosen is None or chosen[5] == 0 else chosen[5]
         roomy = [k for k in keyed if k[0] <= self.knob_headroom]
-        held = [k for k in keyed if k[0] <= 1]
+        # a setting holds the targets for a move only with its gap knob_headroom inside the gap
+        # target, as deadlines_met counts a gap (demand_unseen_overload, session 25 on 6e40f4f: for
+        # the agents' missed TTFT the knobs went 32 -> 128 tokens at 0.98x, the gap predicted 461-481
+        # ms against 500, and every stream on that instance paused 0.43 s at one 128-token step;
+        # the agents' deadlines held, the pause p99 was 0.43 s against 1P1D's 0.34)
+        held = [k for k in keyed if k[0] <= 1 and k[1] <= self.knob_headroom * self._gap_target()]
         target = self._tied(held) if held else None
         holding = min(held, key=lambda k: k[0]) if held else None  # the least pressure that holds
         if (not roomy and target is not None and target[5] != 0
@@ -650,8 +660,8 @@ class MixController:
                                f"{self._setting_text(options[holding[5]][2])} ({holding[0]:.2f}x, inter-token "
                                f"{_fmt(holding[1])}), which the model does not tell apart")
             return None
-        chosen = min(roomy, key=lambda k: k[1:]) if roomy else self._tied([k for k in keyed if k[0] <= 1] or keyed)
-        if chosen[0] <= 1:
+        chosen = min(roomy, key=lambda k: k[1:]) if roomy else self._tied(held) if held else None
+        if chosen is not None:
             return None if chosen[5] == 0 else chosen[5]
         # past every setting: the one predicted to meet the most deadlines, if it misses `margin`
         # fewer than the knobs as they are (two settings cannot each miss fewer than the other);
@@ -659,14 +669,15 @@ class MixController:
         # missing within knob_tie of the fewest count as equal: the shortest gap of them
         missed = [1 - self.deadlines_met(x[1]) for x in options]
         fewest = min(missed)
-        i = min((j for j in range(len(options)) if missed[j] <= fewest * (1 + self.knob_tie) + 1e-9),
+        tie = fewest * (1 + self.knob_tie) + self.knob_tie_points + 1e-9
+        i = min((j for j in range(len(options)) if missed[j] <= tie),
                 key=lambda j: (options[j][1].gap_s, missed[j], j))
         if i != 0 and missed[i] <= missed[0] * (1 - self.margin):
             return i
         top = min(range(len(options)), key=lambda j: (missed[j], j))
         why = (f"{self._setting_text(options[i][2])} would miss {missed[i]:.0%}, not {self.margin:.0%} fewer"
                if i != 0 else "the fewest of any setting" if top == 0 else
-               f"within {self.knob_tie:.0%} of the fewest ({self._setting_text(options[top][2])}, "
+               f"within {self.knob_tie:.0%} + {self.knob_tie_points:.0%} of the fewest ({self._setting_text(options[top][2])}, "
                f"{missed[top]:.0%}), at the shortest gap")
         self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])}, predicted to miss "
                            f"{missed[0]:.0%} of deadlines: {why}")
