@@ -25,7 +25,8 @@ over that horizon, in pressure-seconds; its cost is the measured
 seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
 change, times the pressure then. Demand that alternates faster than the horizon averages out,
 so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
-move made within the horizon costs `undo_bar` times more. Targets may be per class (SloClass):
+move made within the horizon costs `undo_bar` times more, and every move must gain `cost_margin`
+more than its cost (a gain is a difference of predictions, each with the model's error). Targets may be per class (SloClass):
 where requests name their class (`slo_class`), each class present in the demand is judged by its
 own predicted TTFT against its own targets (whatif.py), so a burst of summaries allowed 15 s is
 not read as chats missing 4 s; where they name none, the one TTFT must hold the strictest class's
@@ -270,6 +271,12 @@ class MixController:
     horizon_s: float = 60.0           # a move's gain is counted over this many seconds of demand like the last ones
     change_cost_s: float = 5.0        # seconds a role change disrupts until one is measured (conservative)
     undo_bar: float = 3.0             # undoing a move made within the horizon must gain this many times its cost
+    # a move must gain this share more than its cost: its gain is the difference of two predictions
+    # over the horizon, each with the step model's error (online fit: 3-8% median on a step), so a
+    # gain within a tenth of the cost does not tell the move from staying (demand_shift, session 25
+    # on 6e40f4f: 2 colocated -> 1 prefill + 1 decode at 116.8 s for a gain of 10.6 against 10.0, and
+    # the chats' first gaps became the KV hand-over, 0.25-0.47 s)
+    cost_margin: float = 0.1
     pressure_cap: float = 10.0        # past this, pressures are "overloaded" alike (a saturated stage's is noise)
     knob_headroom: float = 0.9        # a knob setting with pressure under this holds the targets with room
     # settings within this share of the best one's pressure (or missed deadlines) count as equal, and
@@ -304,10 +311,10 @@ class MixController:
             raise ValueError(f"mix calm must be positive, got {self.calm}")
         if self.patience < 1 or self.cooldown < 0:
             raise ValueError("mix: patience must be >= 1 and cooldown >= 0 intervals")
-        if not (self.horizon_s > 0 and self.change_cost_s >= 0 and self.undo_bar >= 1 and self.pressure_cap > 1
-                and self.miss_weight >= 0):
-            raise ValueError("mix: horizon_s > 0, change_cost_s >= 0, undo_bar >= 1, pressure_cap > 1 and "
-                             "miss_weight >= 0")
+        if not (self.horizon_s > 0 and self.change_cost_s >= 0 and self.undo_bar >= 1 and self.cost_margin >= 0
+                and self.pressure_cap > 1 and self.miss_weight >= 0):
+            raise ValueError("mix: horizon_s > 0, change_cost_s >= 0, undo_bar >= 1, cost_margin >= 0, "
+                             "pressure_cap > 1 and miss_weight >= 0")
         if self.min_samples < 1 or not self.prior_weight > 0:
             raise ValueError("mix: min_samples must be >= 1 and prior_weight positive")
         self.online = OnlineStepModels(self.steps, self.prior_weight, self.min_samples)
@@ -563,9 +570,10 @@ class MixController:
         if self._streak < self.patience:
             return none("patience", f"{state}: {target} better for {self._streak} of {self.patience} intervals",
                         **numbers)
-        if gain <= cost:
+        if gain <= cost * (1 + self.cost_margin):
             return none("cost", f"{state}: {target} predicted to gain {gain:.1f} pressure-s over the last "
-                                f"{self.horizon_s:.0f} s of demand, not more than its cost {cost:.1f}"
+                                f"{self.horizon_s:.0f} s of demand, not {self.cost_margin:.0%} more than its "
+                                f"cost {cost:.1f}"
                                 f"{' (undoing a recent move: x' + format(self.undo_bar, 'g') + ')' if undo else ''}",
                         **numbers)
         if demand.newest is not None:
