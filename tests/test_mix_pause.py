@@ -245,3 +245,33 @@ def test_past_every_setting_deadlines_within_a_few_points_of_the_fewest_are_tied
     assert missed[1] < missed[2] < missed[1] + 0.03 and missed[2] > missed[1] * 1.1, missed  # premise
     assert ctrl._choose_knobs(opts) == 2
     assert MixController(ZEN4, one, chunk_knob=True, knob_tie_points=0.0)._choose_knobs(opts) == 1
+
+
+def test_a_larger_chunk_budget_is_not_taken_when_a_whole_chunk_of_the_longest_prompt_would_stall_the_streams():
+    # demand_rotation, session 26 (25058cc): with few streams answering, the predicted gap (the
+    # streams at the attainment share, who meet no prompt) read 256-token chunks as short, the knobs
+    # went 32 -> 256 at 49.6 s, and 256-token steps deep in a 1,396-token summary paused a chat 0.70 s
+    model = StepModel(overhead_s=0.0107, per_prefill_token_s=0.00268, per_prefill_attn_s=0.00100,
+                      per_decode_seq_s=0.00378, per_decode_kv_token_s=3.0e-6)  # that run's online fit
+    targets = MixTargets(4.0, 0.5, classes=(SloClass("writing", 3.0, 0.5), SloClass("summary", 15.0, 0.5)))
+    summaries, writing = (1330, 1360, 1396), tuple(range(40, 130, 4))
+    demand = Demand(0.2, 272, 8.0, 1360, 40, prompts=tuple(sorted(summaries + writing)),
+                    classes=(ClassDemand("summary", 0.2, 1362, summaries), ClassDemand("writing", 0.8, 84, writing)))
+    views = [InstanceView("e0", "colocated", queued_prompt_tokens=30, num_running=2, decode_kv_tokens=1200),
+             InstanceView("e1", "colocated", num_running=2, decode_kv_tokens=1200)]
+    predicted = {c: WhatIf(model, c).predict([Held("colocated", 30, 2), Held("colocated", 0, 2)], demand)
+                 for c in (32, 64, 128, 256)}
+    # premise: 256 reads the least pressure and a gap inside the target, while its whole chunk at the
+    # longest prompt's last chunk steps for about a second
+    assert min(predicted, key=lambda c: targets.pressure(predicted[c])) == 256 and predicted[256].gap_s < 0.45
+    assert WhatIf(model).gap_s(256, 2, 1200, 1396) > 0.9
+    ctrl = MixController(model, targets, chunk_knob=True, chunk_tokens=32)
+    d = ctrl.decide(views, 0.0, demand)
+    assert d.chunk_tokens == 64, d.reason  # the largest whose whole chunk there steps inside the target
+    assert WhatIf(model).gap_s(64, 2, 1200, 1396) < 0.5
+    assert "left out: chunk budgets 128, 256 tokens" in d.reason
+    # past every setting (overload) the lesser evil is read on deadlines, every budget in
+    busy = [InstanceView(v.instance_id, "colocated", queued_prompt_tokens=v.queued_prompt_tokens, num_running=8,
+                         decode_kv_tokens=4800) for v in views]
+    assert "left out" not in MixController(model, targets, chunk_knob=True, chunk_tokens=32).decide(busy, 0.0,
+                                                                                                     demand).reason

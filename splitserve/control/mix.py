@@ -414,7 +414,7 @@ class MixController(KnobChoice):
             miss a target and a setting that holds them exists (the knobs move at the intervals after
             a change, by _choose_knobs)."""
             opts = options(changes, d)
-            chosen = self._choose_knobs(opts)
+            chosen = self._pick_knobs(opts, live, model, tail, longest)
             return opts[chosen if chosen is not None else 0][:2]
 
         now = predict(())
@@ -462,7 +462,7 @@ class MixController(KnobChoice):
                 return none("calm", f"{state}: every target met with room (under {self.calm:.2f}x)")
             resting = True
         else:
-            chosen = self._choose_knobs(knob_options)
+            chosen = self._pick_knobs(knob_options, live, model, tail, longest)
             if self._knob_note:
                 state += f"; {self._knob_note}"
         if chosen is not None and not resting:

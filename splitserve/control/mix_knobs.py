@@ -11,7 +11,9 @@ own error. So settings within `knob_tie` (10%) of the least pressure (or, past e
 fewest missed deadlines, with a floor of `knob_tie_points`, session 26) count as equal and the
 shortest gap of them is taken (the knobs as they are, just past a target but within that tie of the
 setting a move would go to, at no longer a gap, stay); a setting holds the targets for a move only
-with its gap `knob_headroom` inside the gap target (session 26). With every target held and the gap
+with its gap `knob_headroom` inside the gap target (session 26), and, while some setting holds
+them, a budget larger than now only if a whole chunk of the window's longest prompt steps within
+the gap target (_pick_knobs, session 26). With every target held and the gap
 past `calm` of its target, the knobs move to a setting whose gap is `margin` shorter if it holds the
 targets at no more than `knob_tie` more pressure (128 -> 64 tokens: steps of 0.22 s instead of
 0.41 s for a TTFT a few per cent longer). And with every target met with room, the chunk budget
@@ -133,6 +135,29 @@ class KnobChoice:
         self._knob_note = (f"the knobs stay at {self._setting_text(options[0][2])}, predicted to miss "
                            f"{missed[0]:.0%} of deadlines: {why}")
         return None
+
+    def _pick_knobs(self, options: list[tuple[float, Prediction, tuple[int, int]]], live: list[InstanceView],
+                    model: StepModel, tail: float, longest: int) -> int | None:
+        """_choose_knobs among the settings a stream can bear: while some setting holds the targets, a
+        chunk budget larger than now is left out if a whole chunk of the window's longest prompt
+        steps past the gap target beside the busiest instance's streams (_full_step). The predicted
+        gap covers the streams at the attainment share, and while few streams answer they meet no
+        prompt in it, so a budget of 256 read a short gap (demand_rotation, session 26 on 25058cc: 32
+        -> 256 tokens at 49.6 s for 0.61x against 0.77x, the gap read 264 ms; 2 s later the chats
+        that came met 256-token steps deep in a 1,396-token summary, one paused 0.70 s, the gap read
+        1.10 s, and the knobs went back to 32 at 52.7 s). Past every setting (overload) all stay in:
+        the lesser evil is read on deadlines met."""
+        chunk_now, bar = options[0][2][1], self._gap_target()
+        keep = [i for i, x in enumerate(options)
+                if i == 0 or x[2][1] <= chunk_now or self._full_step(x[2][1], live, model, tail, longest) <= bar]
+        if len(keep) == len(options) or not any(options[i][0] <= 1 for i in keep):
+            return self._choose_knobs(options)
+        chosen = self._choose_knobs([options[i] for i in keep])
+        out = sorted({options[i][2][1] for i in range(len(options)) if i not in keep})
+        self._knob_note = "; ".join(x for x in (self._knob_note, (
+            f"left out: chunk budgets {', '.join(map(str, out))} tokens (a whole chunk of the window's longest "
+            f"prompt, {longest} tokens, steps past the gap target beside the busiest instance's streams)")) if x)
+        return None if chosen is None else keep[chosen]
 
     def _full_step(self, chunk: int, live: list[InstanceView], model: StepModel, tail: float,
                    prompt: int = 0) -> float:
