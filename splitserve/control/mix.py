@@ -26,11 +26,11 @@ seconds a change takes (MixLoop times each one; `change_cost_s` until one is mea
 change, times the pressure then. Demand that alternates faster than the horizon averages out,
 so a move that helps one phase and hurts the next gains nothing and is not made. Undoing a
 move made within the horizon costs `undo_bar` times more, and every move must gain `cost_margin`
-more than its cost (a gain is a difference of predictions, each with the model's error). Targets may be per class (SloClass):
-where requests name their class (`slo_class`), each class present in the demand is judged by its
-own predicted TTFT against its own targets (whatif.py), so a burst of summaries allowed 15 s is
-not read as chats missing 4 s; where they name none, the one TTFT must hold the strictest class's
-target. When no mix within reach meets them (overload), mixes are
+more than its cost (a gain is a difference of predictions, each with the model's error). Targets
+may be per class (SloClass): where requests name their class (`slo_class`), each class present in
+the demand is judged by its own predicted TTFT against its own targets (whatif.py), so a burst
+of summaries allowed 15 s is not read as chats missing 4 s; where they name none, the one TTFT must
+hold the strictest class's target. When no mix within reach meets them (overload), mixes are
 ranked by the share of deadlines the step model predicts each meets (per class, the share meeting
 its TTFT times the share keeping its gaps, a gap counted held only with `knob_headroom` to spare),
 and the mix as it is held
@@ -604,6 +604,13 @@ class MixController(KnobChoice):
         return max([gap(carry, v.num_running, v.decode_kv_tokens)
                     for i, r in changes for v in [by_id[i]]
                     if r == "prefill" and v.role != "prefill" and v.num_running], default=0.0)
+
+    def _beats(self, p: float, pred: Prediction, p_base: float, base: Prediction) -> bool:
+        """A mix predicted at pressure p beats the base by the margin: 20% less pressure, or, where
+        neither holds the targets (overload), 20% more of the deadlines met."""
+        if min(p, p_base) > 1:
+            return self.deadlines_met(pred) > self.deadlines_met(base) * (1 + self.margin)
+        return p < p_base * (1 - self.margin)
 
     def _value(self, p: float) -> float:
         """What a pressure costs, for a move's gain: the pressure itself (capped) while the targets

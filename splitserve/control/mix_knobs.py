@@ -44,7 +44,6 @@ class KnobChoice:
 
     __slots__ = ()
 
-
     def _choose_knobs(self, options: list[tuple[float, Prediction, tuple[int, int]]]) -> int | None:
         """options: (pressure, prediction, (threshold, chunk)) per knob setting, the knobs as they
         are first. The index of the setting to move to, or None: the knobs stay while every target
@@ -207,13 +206,6 @@ class KnobChoice:
             return None
         shorter = [k for k in keyed if k[1] <= gap0 * (1 - self.margin) and k[0] <= min(1.0, p0 * (1 + self.knob_tie))]
         return min(shorter, key=lambda k: k[1:]) if shorter else None
-
-    def _beats(self, p: float, pred: Prediction, p_base: float, base: Prediction) -> bool:
-        """A mix predicted at pressure p beats the base by the margin: 20% less pressure, or, where
-        neither holds the targets (overload), 20% more of the deadlines met."""
-        if min(p, p_base) > 1:
-            return self.deadlines_met(pred) > self.deadlines_met(base) * (1 + self.margin)
-        return p < p_base * (1 - self.margin)
 
     def _knob_undo(self, setting: tuple[int, int]) -> bool:
         """Moving to `setting` would return the knobs to where the last knob move left, within the cooldown."""
