@@ -10,7 +10,8 @@ Only msgspec structs cross a socket; nothing on an input path evaluates code.
 
 Lifecycle of an engine connection:
     engine -> EngineHello (on /in: the frontend may now route to it)
-    frontend -> GenerateRequest | AbortRequests | SetRole | SetChunkTokens | ReleaseUnstarted | Shutdown  (to /in)
+    frontend -> GenerateRequest | AbortRequests | SetRole | SetChunkTokens | SetStreamCap | ReleaseUnstarted
+                | Shutdown  (to /in)
     engine -> StepOutputs | EngineStats | RoleChanged | Released | Heartbeat     (from /out)
 
 The engine's settings cross the process boundary once, at start: `serve` builds and checks an
@@ -35,11 +36,11 @@ from splitserve.kv_transfer.messages import TransferDescriptor
 if TYPE_CHECKING:
     from splitserve.config import EngineConfig
 
-PROTOCOL_VERSION = 13  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
+PROTOCOL_VERSION = 14  # 2: KV handover fields; 3: live role changes, the engine decides the KV outcome;
 # 4: priority; 5: logprobs, structured output; 6: grammars (tool calls), prompt logprobs; 7: step samples;
 # 8: a step sample's loop time; 9: SetChunkTokens; 10: a step sample's CPU time;
 # 11: an API request's SLO class; 12: the prompts a new decode instance hands back;
-# 13: ReleaseUnstarted / Released
+# 13: ReleaseUnstarted / Released; 14: SetStreamCap, a request's TTFT deadline
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True):
@@ -94,6 +95,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     kv_descriptor: TransferDescriptor | None = None
     first_token_ids: list[int] = []
     priority: int = 0  # lower first under --scheduling-policy priority, in every stage
+    # seconds until its first token is due (its SLO class's TTFT target, less what it waited in the
+    # frontend; <= 0: already late); None: no deadline. The engine queues late prompts behind
+    # those that can still meet theirs (Scheduler: late prompts last)
+    ttft_due_in_s: float | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -128,6 +133,13 @@ class SetChunkTokens(msgspec.Struct, tag="set_chunk_tokens", frozen=True):
     any later role (the mix controller's chunk-budget knob); 0: each role's own again. No answer."""
 
     tokens: int
+
+
+class SetStreamCap(msgspec.Struct, tag="set_stream_cap", frozen=True):
+    """The streams the instance may hold from now on (the mix controller's stream cap): requests
+    that would answer there wait once that many run; 0: max_num_seqs alone. No answer."""
+
+    streams: int
 
 
 # ---- engine -> frontend -------------------------------------------------------------------
@@ -357,7 +369,8 @@ ToCoordinator = ApiHello | ApiSubmit | ApiAbort | ApiForward
 FromCoordinator = ApiInstances | ApiSubmitted | ApiEvents | ApiForwardReply
 
 
-ToEngine = GenerateRequest | AbortRequests | SetRole | SetChunkTokens | Shutdown | ResendHello | ReleaseUnstarted
+ToEngine = (GenerateRequest | AbortRequests | SetRole | SetChunkTokens | SetStreamCap | Shutdown | ResendHello
+            | ReleaseUnstarted)
 FromEngine = EngineHello | StepOutputs | EngineStats | RoleChanged | Released | Heartbeat
 
 

@@ -79,6 +79,7 @@ from splitserve.config import CARRIED_CHUNK_TOKENS
 from splitserve.control.online_stepmodel import MIN_SAMPLES, PRIOR_WEIGHT, OnlineStepModels, StepSample, describe_model
 from splitserve.control.stepmodel import StepModel, StepModels, prefill_attn_ktok2
 from splitserve.control.mix_knobs import KnobChoice, _fmt
+from splitserve.control.stream_cap import allowance_s, stream_cap
 from splitserve.control.whatif import Demand, Held, Prediction, WhatIf
 from splitserve.roles import DECODE_CAPABLE, PREFILL_CAPABLE, ROLES, Role, take_over_survivor
 
@@ -123,24 +124,30 @@ class SloClass:
     ttft_s: float
     gap_s: float
     share: float = 1.0  # its weight among the classes (e.g. its share of requests)
+    e2e_s: float | None = None  # its end-to-end target (None: the global one, if any)
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.gap_s > 0 and self.share > 0):
             raise ValueError(f"SLO class {self.name!r}: ttft_s, gap_s and share must be positive")
+        if self.e2e_s is not None and not self.e2e_s > 0:
+            raise ValueError(f"SLO class {self.name!r}: e2e_s must be positive")
 
 
 def parse_slo_classes(text: str) -> tuple[SloClass, ...]:
-    """'chat:2:0.25:0.7,document:6:0.5:0.3' (name:ttft_s:gap_s[:share]) -> classes; ValueError if bad."""
+    """'chat:2:0.25:0.7,document:6:0.5:0.3:30' (name:ttft_s:gap_s[:share[:e2e_s]], share may be
+    left empty: 'writing:4:0.5::40') -> classes; ValueError if bad."""
     classes = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         parts = item.split(":")
-        if len(parts) not in (3, 4):
-            raise ValueError(f"SLO class {item!r}: expected name:ttft_s:gap_s[:share]")
+        if len(parts) not in (3, 4, 5) or not parts[0]:
+            raise ValueError(f"SLO class {item!r}: expected name:ttft_s:gap_s[:share[:e2e_s]]")
         try:
-            nums = [float(x) for x in parts[1:]]
+            nums = [float(x) for x in parts[1:3]]
+            share = float(parts[3]) if len(parts) > 3 and parts[3] else 1.0
+            e2e = float(parts[4]) if len(parts) > 4 else None
         except ValueError:
-            raise ValueError(f"SLO class {item!r}: ttft_s, gap_s and share must be numbers") from None
-        classes.append(SloClass(parts[0], *nums))
+            raise ValueError(f"SLO class {item!r}: ttft_s, gap_s, share and e2e_s must be numbers") from None
+        classes.append(SloClass(parts[0], *nums, share, e2e))
     if not classes:
         raise ValueError("no SLO class given")
     return tuple(classes)
@@ -152,12 +159,20 @@ class MixTargets:
     gap_s: float
     tpot_s: float | None = None  # mean seconds per output token; None: answers' speed is not a target
     classes: tuple[SloClass, ...] = ()  # per-class targets; () : one class with ttft_s and gap_s
+    e2e_s: float | None = None  # end-to-end target of requests whose class names none (None: none)
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.gap_s > 0):
             raise ValueError(f"mix targets must be positive seconds, got ttft_s={self.ttft_s}, gap_s={self.gap_s}")
         if self.tpot_s is not None and not self.tpot_s > 0:
             raise ValueError(f"mix TPOT target must be positive seconds, got {self.tpot_s}")
+        if self.e2e_s is not None and not self.e2e_s > 0:
+            raise ValueError(f"mix end-to-end target must be positive seconds, got {self.e2e_s}")
+
+    def e2e_of(self, name: str) -> float | None:
+        """A class's end-to-end target: its own, else the global one (None: none)."""
+        own = next((c.e2e_s for c in self.classes if c.name == name), None)
+        return own if own is not None else self.e2e_s
 
     def of(self, name: str) -> tuple[float, float]:
         """A class's (TTFT, gap) targets; a class not given (or "") has the global ones."""
@@ -284,6 +299,7 @@ class MixController(KnobChoice):
     chunk_choices: tuple[int, ...] = (32, 64, 128, 256)
     carry_chunk_tokens: int = CARRIED_CHUNK_TOKENS  # a prefill instance's, beside streams it inherited
     _history: list = field(default_factory=list)  # (time, demand) over the horizon
+    _model_now: StepModel | None = None  # the step model of the last decision (stream caps read it)
     _measured_costs: list = field(default_factory=list)
     _last_move: tuple | None = None   # (time, serving before, serving after)
     _follow_numbers: dict = field(default_factory=dict)  # the gain and cost of the move a second step ends
@@ -388,6 +404,7 @@ class MixController(KnobChoice):
             return self._rescue(views, now_s)
         live = [v for v in views if v.alive]
         model, info, model_text = self._model(views)
+        self._model_now = model
         knob, chunk_now = self.local_prefill_max_tokens or 0, self.chunk_tokens or self.chunk_budget
 
         tail = info["prompt_step_tail"]  # 1.0 until the online fit has enough prompt steps
@@ -584,6 +601,15 @@ class MixController(KnobChoice):
         decision = self._change(views, first, now, best_pred, now_s, step, model_text)
         return Decision(**{**decision.to_dict(), **numbers,
                            "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s{left_out}"})
+
+    def stream_caps(self, views: list[InstanceView], demand: Demand | None) -> dict[str, int | None]:
+        """Each live instance's stream cap for this demand (control/stream_cap.py; None: no cap),
+        by the step model of the last decision; {} before the first."""
+        if self._model_now is None or demand is None:
+            return {}
+        allowance = allowance_s(demand, self.targets)
+        return {v.instance_id: stream_cap(self._model_now, v.role, demand, allowance, self.knob_headroom)
+                for v in views if v.alive}
 
     def deadlines_met(self, p: Prediction) -> float:
         """The share of deadlines a prediction meets as this controller reads it: a gap counts as

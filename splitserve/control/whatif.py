@@ -69,6 +69,7 @@ class ClassDemand:
     share: float                   # its share of the window's requests
     mean_prompt: float
     prompts: tuple[int, ...] = ()  # its prompt lengths, sorted
+    mean_answer: float = 0.0       # its requests' mean max_tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,15 +105,17 @@ class Demand:
         newest = cls.from_arrivals(arrivals, now_s, newest_s) if newest_s else None
         recent = [(x[1], x[2]) for x in arrivals if now_s - window_s < x[0] <= now_s]
         prompt_window_s = prompt_window_s or window_s
-        window = [(x[1], x[3] if len(x) > 3 else "") for x in arrivals if now_s - prompt_window_s < x[0] <= now_s]
-        prompts = tuple(sorted(p for p, _ in window))
+        window = [(x[1], x[3] if len(x) > 3 else "", x[2]) for x in arrivals
+                  if now_s - prompt_window_s < x[0] <= now_s]
+        prompts = tuple(sorted(p for p, _, _ in window))
         classes: tuple[ClassDemand, ...] = ()
-        if any(name for _, name in window):
-            by_name: dict[str, list[int]] = {}
-            for p, name in window:
-                by_name.setdefault(name, []).append(p)
-            classes = tuple(ClassDemand(name, len(ps) / len(window), sum(ps) / len(ps), tuple(sorted(ps)))
-                            for name, ps in sorted(by_name.items()))
+        if any(name for _, name, _ in window):
+            by_name: dict[str, list[tuple[int, int]]] = {}
+            for p, name, a in window:
+                by_name.setdefault(name, []).append((p, a))
+            classes = tuple(ClassDemand(name, len(pa) / len(window), sum(p for p, _ in pa) / len(pa),
+                                        tuple(sorted(p for p, _ in pa)), sum(a for _, a in pa) / len(pa))
+                            for name, pa in sorted(by_name.items()))
         if not recent:
             return cls(prompts=prompts, classes=classes, newest=newest)
         n = len(recent)

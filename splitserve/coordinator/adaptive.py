@@ -67,11 +67,14 @@ def add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-s", type=float, default=None,
                    help="--adaptive: mean seconds per output token target, how fast answers must stream "
                         "(an end-to-end deadline on long answers; default: none, only the gap and TTFT count)")
+    p.add_argument("--slo-e2e-s", type=float, default=None,
+                   help="--adaptive: end-to-end target, seconds (default: none); with a class's answer length it "
+                        "sets how fast its streams must step, and so how many streams an instance may hold")
     p.add_argument("--slo-classes", default=None,
-                   help="--adaptive: per-class targets, name:ttft_s:gap_s[:share] separated by commas (e.g. "
-                        "chat:2:0.25:0.8,document:8:0.5:0.2, as a trial's SLO classes have them); the mix must "
-                        "hold the strictest, and under overload it keeps the mix predicted to meet the most "
-                        "deadlines by share")
+                   help="--adaptive: per-class targets, name:ttft_s:gap_s[:share[:e2e_s]] separated by commas "
+                        "(e.g. chat:2:0.25:0.8,document:8:0.5:0.2:30 or writing:4:0.5::40, as a trial's SLO "
+                        "classes have them); the mix must hold the strictest, and under overload it keeps the mix "
+                        "predicted to meet the most deadlines by share")
     p.add_argument("--mix-horizon-s", type=float, default=None,
                    help="--adaptive: a role change is made only if its predicted gain over this many seconds "
                         "of demand like the last ones exceeds its measured cost (default 60)")
@@ -87,6 +90,7 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag; fills the defaults."""
     given = [f for f, v in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
                             ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s),
+                            ("--slo-e2e-s", getattr(args, "slo_e2e_s", None)),
                             ("--slo-classes", getattr(args, "slo_classes", None)),
                             ("--mix-horizon-s", getattr(args, "mix_horizon_s", None)),
                             ("--profile", args.profile)) if v is not None]
@@ -111,7 +115,8 @@ def check_adaptive_args(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ValueError(f"--slo-classes: {e}") from None
     for flag, value in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-gap-s", args.slo_gap_s),
-                        ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s)):
+                        ("--slo-tpot-s", args.slo_tpot_s), ("--mix-interval-s", args.mix_interval_s),
+                        ("--slo-e2e-s", getattr(args, "slo_e2e_s", None))):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be positive seconds, got {value}")
     if args.profile is not None:
@@ -155,8 +160,12 @@ class AdaptiveMix:
             set_threshold = self._set_threshold
         # the other cheap knob: every instance's prompt tokens per step beside its streams
         controller.chunk_knob = True
+        # and the stream cap: how many streams each instance may hold (control/stream_cap.py); with
+        # it, each request's first-token deadline goes to its engine, which queues late prompts last
+        client.ttft_target_of = lambda name: controller.targets.of(name)[0]
         self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand,
-                            set_threshold=set_threshold, set_chunk_tokens=self._set_chunk_tokens)
+                            set_threshold=set_threshold, set_chunk_tokens=self._set_chunk_tokens,
+                            set_stream_caps=self._set_stream_caps)
         for action in ACTIONS:
             metrics.mix_decisions.labels(action)  # present at 0 from the start
         self._task: asyncio.Task | None = None
@@ -173,6 +182,9 @@ class AdaptiveMix:
 
     def _set_chunk_tokens(self, tokens: int) -> None:
         self.client.set_chunk_tokens(tokens)
+
+    def _set_stream_caps(self, caps: dict[str, int | None]) -> None:
+        self.client.set_stream_caps(caps)
 
     async def _change_role(self, instance_id: str, role: str) -> None:
         await self.client.change_role(instance_id, role)  # RoleChangeRefused: logged by the loop
@@ -222,13 +234,15 @@ class AdaptiveMix:
         targets = self.loop.controller.targets
         return {"enabled": True, "interval_s": self.loop.interval_s,
                 "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s, "tpot_s": targets.tpot_s,
-                            "classes": [{"name": c.name, "ttft_s": c.ttft_s, "gap_s": c.gap_s, "share": c.share}
-                                        for c in targets.classes]},
+                                        "e2e_s": targets.e2e_s,
+                            "classes": [{"name": c.name, "ttft_s": c.ttft_s, "gap_s": c.gap_s, "share": c.share,
+                                         "e2e_s": c.e2e_s} for c in targets.classes]},
                 "horizon_s": self.loop.controller.horizon_s,
                 "change_cost_s": self.loop.controller.move_cost_s(),
                 "local_prefill_max_tokens": self.loop.controller.local_prefill_max_tokens,
                 "num_threshold_moves": self.loop.num_threshold_moves,
                 "chunk_tokens": self.loop.controller.chunk_tokens, "num_chunk_moves": self.loop.num_chunk_moves,
+                "stream_caps": dict(self.loop.stream_caps), "num_cap_moves": self.loop.num_cap_moves,
                 "started_wall_time": self.started_wall,
                 "roles": {v.instance_id: v.role for v in self.client.load_view()},
                 "model": self.loop.controller.last.get("model"),
@@ -249,7 +263,8 @@ def adaptive_from_args(args: argparse.Namespace, client: Coordinator, metrics: F
               "between stages, so it serves colocated; instances added with POST /admin/instances join "
               "the mix", flush=True)
     classes = parse_slo_classes(args.slo_classes) if getattr(args, "slo_classes", None) else ()
-    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s, classes),
+    controller = MixController(steps, MixTargets(args.slo_ttft_s, args.slo_gap_s, args.slo_tpot_s, classes,
+                                                 getattr(args, "slo_e2e_s", None)),
                                chunk_budget=args.max_num_batched_tokens,
                                horizon_s=getattr(args, "mix_horizon_s", None) or 60.0,
                                carry_chunk_tokens=getattr(args, "local_prefill_chunk_tokens", None)

@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 
 from splitserve.coordinator.disagg_policy import DisaggPolicy
 from splitserve.coordinator.dispatcher import Dispatcher
@@ -24,7 +25,7 @@ from splitserve.coordinator.request_state import EventSink, Instance, TokenStrea
 from splitserve.coordinator.role_change import InstanceLoadView
 from splitserve.coordinator.router import Router
 from splitserve.link_security import EngineLinkSecurity
-from splitserve.protocol import SetChunkTokens
+from splitserve.protocol import SetChunkTokens, SetStreamCap
 from splitserve.sampling import SamplingParams
 
 
@@ -68,6 +69,8 @@ class Coordinator(ServedInstances):
         # (monotonic time, prompt tokens, max answer tokens) of recent submissions: the demand an
         # adaptive mix (coordinator/adaptive.py) plans for; bounded, read-only to others
         self.arrivals: deque[tuple[float, int, int, str]] = deque(maxlen=4096)
+        # serve --adaptive: an SLO class's TTFT target, seconds (each request's deadline goes to the engine)
+        self.ttft_target_of: Callable[[str], float] | None = None
 
     @property
     def instances(self) -> dict[str, Instance]:
@@ -105,8 +108,11 @@ class Coordinator(ServedInstances):
         request_id is the client's (X-Request-Id); inside, every dispatch gets a unique one.
         Raises router.NoInstanceAvailable or ValueError (a parameter that cannot be sent).
         events: see Dispatcher.submit (a request of an API process). slo_class: the request's
-        SLO class, kept with its arrival for the adaptive mix's demand reading."""
-        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, priority, events)
+        SLO class, kept with its arrival for the adaptive mix's demand reading, and, where
+        ttft_target_of is set (serve --adaptive: the class's TTFT target), its first token's
+        deadline goes to the engine with it."""
+        target = self.ttft_target_of(slo_class) if self.ttft_target_of is not None else None
+        stream = self.dispatcher.submit(request_id, prompt_token_ids, params, priority, events, target)
         self.arrivals.append((time.monotonic(), len(prompt_token_ids), params.max_tokens, slo_class))
         return stream
 
@@ -123,6 +129,13 @@ class Coordinator(ServedInstances):
         for engine_id, inst in self.instances.items():
             if inst.alive:
                 self.link.send(engine_id, SetChunkTokens(tokens or 0))
+
+    def set_stream_caps(self, caps: dict[str, int | None]) -> None:
+        """Each named live instance's stream cap (None: max_num_seqs alone; Scheduler.max_streams)."""
+        for engine_id, streams in caps.items():
+            inst = self.instances.get(engine_id)
+            if inst is not None and inst.alive:
+                self.link.send(engine_id, SetStreamCap(streams or 0))
 
     def load_view(self) -> list[InstanceLoadView]:
         return self.roles.load_view()

@@ -66,14 +66,17 @@ class Dispatcher:
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, client_request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int = 0, events: EventSink | None = None) -> TokenStream:
+               priority: int = 0, events: EventSink | None = None, ttft_target_s: float | None = None) -> TokenStream:
         """Routes and sends one request. NoInstanceAvailable when no instance can take it;
         ValueError when a parameter cannot be sent. Either way nothing stays registered.
         `events`: a request of an API process (entrypoints/api_hub.py): its events go to
-        events.put_nowait instead of the returned stream's queue."""
+        events.put_nowait instead of the returned stream's queue. ttft_target_s: its first token
+        is due that many seconds from now (the engine serves late prompts last)."""
         if self.refusing is not None:
             raise NoInstanceAvailable(self.refusing, retry_after_s=5, status=503)
         state = RequestState("", client_request_id, list(prompt_token_ids), wire_params(params), priority=priority)
+        if ttft_target_s is not None:
+            state.ttft_due = state.arrival + ttft_target_s
         if events is not None:
             state.queue = events
         self._dispatch(state)
@@ -90,7 +93,9 @@ class Dispatcher:
                                        prompt_logprobs=None if n else state.wire_params.prompt_logprobs)
         request_id = f"{state.client_request_id[:64]}.{next(self._ids)}"
         try:
-            payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority))
+            due = state.ttft_due - time.monotonic() if state.ttft_due is not None and not n else None
+            payload = self.link.encode(GenerateRequest(request_id, prompt, wire, priority=state.priority,
+                                                       ttft_due_in_s=due))
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"a sampling parameter is out of range: {e}") from None
         routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt), prompt)

@@ -63,6 +63,7 @@ class RequestState:
     decode_instance_id: str | None = None
     prefill_instance_id: str | None = None
     priority: int = 0  # lower first under --scheduling-policy priority; sent to every stage
+    ttft_due: float | None = None  # monotonic time its first token is due by (its class's TTFT target)
     sent_prompt: list[int] = field(default_factory=list)  # what the current dispatch sent: the prompt,
     sent_params: WireSamplingParams | None = None  # plus tokens recomputed on a resume; what remains of the answer
     # kv send mode overlap: the decode instance that got the request while P still prefilled it,

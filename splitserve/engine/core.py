@@ -8,6 +8,7 @@ comes from, what happens to its blocks when it ends) is the connector's business
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
@@ -66,6 +67,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler.clock = self._clock
         self._kv_network = kv_network
         self.chunk_tokens: int | None = None  # set live (set_chunk_tokens); None: each role's own
         self.connector = self._make_connector(config.role)
@@ -88,6 +90,13 @@ class EngineCore:
             connector.chunk_tokens = self.chunk_tokens
         self.scheduler.prompt_tokens_per_step = connector.prompt_tokens_per_step(self.scheduler.has_streams())
         return connector
+
+    def set_max_streams(self, streams: int | None) -> None:
+        """The streams this instance may hold from now on, under any role (Scheduler.max_streams);
+        None: max_num_seqs alone. Running streams are never evicted by it. ValueError if not positive."""
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams <= 0):
+            raise ValueError(f"max streams must be a positive whole number or None, got {streams!r}")
+        self.scheduler.max_streams = streams
 
     def set_chunk_tokens(self, tokens: int | None) -> None:
         """The prompt tokens a step may carry beside streams that answer here, from now on and
@@ -178,10 +187,13 @@ class EngineCore:
                 f"{bm.num_blocks}; raise kv_cache_memory or shorten the request")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_descriptor=None, first_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    kv_descriptor=None, first_token_ids: list[int] | None = None, priority: int = 0,
+                    ttft_due_in_s: float | None = None) -> None:
         """kv_descriptor: the prompt's KV waits on a prefill instance, which already produced
         first_token_ids; the connector pulls the KV and the request continues from there.
-        priority: lower first under the priority scheduling policy (either stage)."""
+        priority: lower first under the priority scheduling policy (either stage).
+        ttft_due_in_s: its first token is due that many seconds from now (<= 0: late already);
+        under fcfs a late prompt waits behind those that can still meet theirs."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -195,9 +207,14 @@ class EngineCore:
                 PRIORITY_BOUNDS[0] <= priority <= PRIORITY_BOUNDS[1]):
             raise ValueError(f"priority must be an integer in {PRIORITY_BOUNDS[0]}..{PRIORITY_BOUNDS[1]}, "
                              f"got {priority!r}")
+        if ttft_due_in_s is not None and (isinstance(ttft_due_in_s, bool) or not isinstance(ttft_due_in_s, (int, float))
+                                          or not math.isfinite(ttft_due_in_s)):
+            raise ValueError(f"ttft_due_in_s must be a finite number of seconds, got {ttft_due_in_s!r}")
         request = Request(request_id, prompt_token_ids, params, arrival_time=self._clock(), priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids,
                           max_model_len=self.max_model_len)
+        if ttft_due_in_s is not None:
+            request.ttft_deadline = request.arrival_time + ttft_due_in_s
         if params.seed is not None:
             request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         if kv_descriptor is not None:

@@ -36,7 +36,7 @@ from splitserve.link_security import EngineLinkSecurity, add_engine_link_argumen
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
                                  Released, ReleaseUnstarted, ResendHello, RoleChanged, SetChunkTokens, SetRole,
-                                 Shutdown, StepOutputs, TokenOutput, decode_engine_config, socket_identity)
+                                 SetStreamCap, Shutdown, StepOutputs, TokenOutput, decode_engine_config, socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
@@ -231,7 +231,7 @@ class EngineProcess:
             params = SamplingParams(**msgspec.structs.asdict(msg.params))
             self.core.add_request(msg.request_id, msg.prompt_token_ids, params,
                                   kv_descriptor=msg.kv_descriptor, first_token_ids=msg.first_token_ids or None,
-                                  priority=msg.priority)
+                                  priority=msg.priority, ttft_due_in_s=msg.ttft_due_in_s)
         except (ValueError, TypeError) as e:
             return self._reject(msg.request_id, str(e))
         except Exception as e:  # noqa: BLE001 - a bug met by one request must not end the engine
@@ -282,6 +282,11 @@ class EngineProcess:
                 self.core.set_chunk_tokens(message.tokens or None)
             except ValueError as e:
                 log.error("engine %s: chunk tokens not changed: %s", self.engine_id, e)
+        elif isinstance(message, SetStreamCap):
+            try:
+                self.core.set_max_streams(message.streams or None)
+            except ValueError as e:
+                log.error("engine %s: stream cap not changed: %s", self.engine_id, e)
         elif isinstance(message, ResendHello):
             log.warning("engine %s: the frontend does not know us (it restarted); dropping %d requests "
                         "and saying hello again", self.engine_id, len(self.core.requests))

@@ -36,6 +36,8 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # lower first under the priority scheduling policy
+    ttft_deadline: float | None = None  # engine clock time its first token is due by (None: none)
+    demoted: bool = False  # queued behind the prompts that can still meet their deadlines (late)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

@@ -25,6 +25,12 @@ A request's path:
     until it fits (vLLM v0's priority preemption); equals never preempt each other, so two
     requests cannot take turns evicting one another. The victims are recomputed later, as
     under memory pressure. The policy never depends on the role.
+  Late prompts last (fcfs): a waiting prompt past its first-token deadline (the frontend sends
+    one per request under serve --adaptive: its SLO class's TTFT target) goes behind the waiting
+    prompts that can still meet theirs, once (_demote_late).
+  Stream cap: `max_streams` (set live by the mix controller) holds waiting and prefilled
+    requests that would answer here once that many streams run; they are admitted as streams end
+    (a batch slot short, as under max_num_seqs).
   update() advances num_computed_tokens, appends sampled tokens, and retires finished
   requests from the running batch; the engine then asks its connector whether their blocks
   are freed or kept for a handover. A `remote_decode` request (marked by a prefill connector)
@@ -33,6 +39,7 @@ A request's path:
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,6 +87,13 @@ class Scheduler:
         # below every one, instead of walking a long queue of documents to find them
         self._short_waiting: deque[Request] = deque()
         self._shortest_waiting = _NO_SHORT
+        # The streams (running requests that answer here) this instance may hold, below
+        # max_num_seqs; None: max_num_seqs alone. The mix controller sets it live (SetStreamCap)
+        # when more streams would step slower than their classes' per-token allowance: a request
+        # past it waits for a stream to end instead of slowing every stream past its deadlines.
+        # Requests that end on their first token here (remote_decode) do not count and are not held.
+        self.max_streams: int | None = None
+        self.clock = time.monotonic  # the engine's (EngineCore sets its own): first-token deadlines
 
     @property
     def by_priority(self) -> bool:
@@ -142,6 +156,8 @@ class Scheduler:
         self.blocks.free(request)
 
     def schedule(self) -> ScheduledBatch:
+        if not self.by_priority and self.waiting:
+            self._demote_late()
         while self.prefilled and self._make_room(self.prefilled[0], 0, None):
             request = self.prefilled.popleft()
             request.status = RequestStatus.RUNNING
@@ -149,6 +165,19 @@ class Scheduler:
         if self.config.prefill_policy == "whole":
             return self._schedule_whole()
         return self._schedule_chunked()
+
+    def _demote_late(self) -> None:
+        """Late prompts last (fcfs): a waiting request whose first token is past its deadline
+        (Request.ttft_deadline, from its SLO class) and that has produced none goes behind every
+        waiting request, once, keeping its order among the late. It can no longer meet its
+        deadline, while the prompts behind it still can; it is served as soon as they are."""
+        now = self.clock()
+        late = [r for r in self.waiting if not r.demoted and r.ttft_deadline is not None
+                and r.ttft_deadline < now and not r.output_token_ids]
+        for request in late:
+            self._from_waiting(request)
+            request.demoted = True
+            self._to_waiting(request)
 
     def _preempt(self, request: Request) -> None:
         # Recompute later: drop the KV, keep the generated tokens, go to the front of the queue.
@@ -173,8 +202,8 @@ class Scheduler:
         lower-priority running requests until it does; a victim given a decode slot in `batch`
         leaves it."""
         def fits() -> bool:
-            return (not need_slot or len(self.running) < self.config.max_num_seqs) and (
-                num_tokens == 0 or self.blocks.can_allocate(request, num_tokens))
+            slot = len(self.running) < self.config.max_num_seqs and self._stream_room(request)
+            return (not need_slot or slot) and (num_tokens == 0 or self.blocks.can_allocate(request, num_tokens))
 
         while not fits():
             if not (self.by_priority and self.running):
@@ -187,6 +216,13 @@ class Scheduler:
             assert batch is None or all(r is not victim for r, _ in batch.prefills), "a planned prefill preempted"
             self._preempt(victim)
         return True
+
+    def _stream_room(self, request: Request) -> bool:
+        """Under max_streams, may `request` (not running) take a slot? One that ends on its first
+        token always may."""
+        if self.max_streams is None or request.remote_decode:
+            return True
+        return sum(1 for r in self.running if not r.remote_decode) < self.max_streams
 
     def make_room_for_kv(self, request: Request, num_tokens: int) -> bool:
         """For a decode connector, between steps: may blocks for a request's incoming KV be taken

@@ -1,0 +1,242 @@
+"""The stream cap (control/stream_cap.py, Scheduler.max_streams): past capacity an instance that
+admits every prompt slows every stream past its deadline (demand_rotation_overload_x2, session 26:
+52 writing answers admitted at once, none within its 40 s). The mix controller tells each instance
+how many streams keep the strictest class's per-token allowance; requests past it wait, running
+streams are never evicted, and nothing is lost."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import pytest
+
+from splitserve.config import SchedulerConfig
+from splitserve.control.mix import InstanceView, MixController, MixTargets, parse_slo_classes
+from splitserve.control.mix_loop import MixLoop
+from splitserve.control.stepmodel import StepModel
+from splitserve.control.stream_cap import allowance_s, stream_cap
+from splitserve.control.whatif import Demand
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import Scheduler
+from splitserve.sampling import SamplingParams
+from engine_support import make_engine, run_to_end
+from tiny_models import write_tiny_checkpoint
+
+# the online fit of session 26's x2 run (AMD EPYC Zen 4): 7.5 ms + 2.96 ms/prompt token + 2.6 ms/decode
+MODEL = StepModel(overhead_s=0.0075, per_prefill_token_s=0.00296, per_prefill_attn_s=0.0007,
+                  per_decode_seq_s=0.0026, per_decode_kv_token_s=1.4e-5)
+CLASSES = "retrieval:4:0.5,writing:4:0.5::40,summary:15:0.5::45,chat:4:0.5"
+
+
+def writing_surge(with_retrieval: bool) -> Demand:
+    """10 s of writing (5.2/s, 50-token prompts, 200-token answers), after 10 s of retrieval."""
+    arrivals = [(10 + i / 5.2, 50, 200, "writing") for i in range(52)]
+    if with_retrieval:
+        arrivals += [(i / 3.8, 350, 48, "retrieval") for i in range(38)]
+    return Demand.from_arrivals(arrivals, 20.0, 15.0, 30.0)
+
+
+def test_slo_classes_take_an_end_to_end_target_and_a_share_left_empty():
+    writing, doc = parse_slo_classes("writing:4:0.5::40,doc:8:0.5:0.3:30")
+    assert (writing.share, writing.e2e_s) == (1.0, 40.0) and (doc.share, doc.e2e_s) == (0.3, 30.0)
+    assert parse_slo_classes("chat:2:0.25")[0].e2e_s is None
+    for bad in ("w:4:0.5:1:x", "w:4:0.5:1:-3", "w:4:0.5:1:40:9", ":4:0.5"):
+        with pytest.raises(ValueError, match="SLO class"):
+            parse_slo_classes(bad)
+    targets = MixTargets(4.0, 0.5, classes=(writing,), e2e_s=20.0)
+    assert targets.e2e_of("writing") == 40.0 and targets.e2e_of("chat") == 20.0
+    assert MixTargets(4.0, 0.5).e2e_of("writing") is None
+    with pytest.raises(ValueError, match="end-to-end"):
+        MixTargets(4.0, 0.5, e2e_s=0)
+
+
+def test_the_strictest_class_sets_the_allowance_and_a_long_answer_due_in_40_s_binds():
+    targets = MixTargets(4.0, 0.5, classes=parse_slo_classes(CLASSES), e2e_s=20.0)
+    # writing: (40 - 4) s over 200 tokens = 0.18 s a token, stricter than any gap target
+    assert allowance_s(writing_surge(False), targets) == pytest.approx(0.18)
+    # with no end-to-end target the gap target is the allowance
+    assert allowance_s(writing_surge(False), MixTargets(4.0, 0.5, classes=parse_slo_classes("writing:4:0.5"))) == 0.5
+    # a TPOT target, when set, is one too
+    assert allowance_s(writing_surge(False), MixTargets(4.0, 0.5, tpot_s=0.1)) == pytest.approx(0.1)
+    assert allowance_s(Demand(), targets) is None
+
+
+def test_the_cap_keeps_the_steps_within_the_allowance_and_lets_no_prefill_instance_be_held():
+    targets = MixTargets(4.0, 0.5, classes=parse_slo_classes(CLASSES), e2e_s=20.0)
+    demand = writing_surge(False)
+    a = allowance_s(demand, targets)
+    cap = stream_cap(MODEL, "colocated", demand, a, headroom=0.9)
+    assert cap is not None and 10 < cap < 64
+
+    def step(n: int) -> float:  # decodes of n streams plus their successors' prompt work, as the cap reads it
+        context = demand.mean_prompt + demand.mean_answer / 2
+        return MODEL.step_s(decode_seqs=n, decode_kv_tokens=int(n * context)) + \
+            n * MODEL.per_prefill_token_s * demand.mean_prompt / demand.mean_answer
+    assert step(cap) <= 0.9 * a + MODEL.per_panel_step_s < step(cap + 1)
+    # a decode instance prefills nothing of its own: more streams keep the pace there
+    assert stream_cap(MODEL, "decode", demand, a, 0.9) > cap
+    assert stream_cap(MODEL, "prefill", demand, a, 0.9) is None
+    # the retrieval backlog's long prompts in the window: each stream's successor costs more
+    mixed = writing_surge(True)
+    assert stream_cap(MODEL, "colocated", mixed, allowance_s(mixed, targets), 0.9) < cap
+    # a generous allowance is no cap at all; an impossible one still lets one stream run
+    assert stream_cap(MODEL, "colocated", demand, 60.0) is None
+    assert stream_cap(MODEL, "colocated", demand, 0.001) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("cap") / "m", arch="llama")
+
+
+def test_a_capped_engine_holds_the_rest_until_a_stream_ends_and_answers_every_request_alike(tiny):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": [5 + i, 6, 7, 8, 9, 10] for i in range(6)}
+    free, capped = make_engine(tiny), make_engine(tiny)
+    capped.set_max_streams(2)
+    for engine in (free, capped):
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+    most, steps = 0, 0
+    while capped.has_unfinished_requests():
+        capped.step()
+        steps += 1
+        most = max(most, sum(1 for r in capped.scheduler.running if not r.remote_decode))
+    assert most == 2  # never more than the cap, and the cap was reached
+    free_steps = 0
+    expected = {}
+    while free.has_unfinished_requests():
+        for out in free.step():
+            expected.setdefault(out.request_id, []).extend(out.new_token_ids)
+        free_steps += 1
+    assert steps > free_steps  # three waves of two, not one of six
+    # nothing is lost and greedy answers do not depend on the batch
+    again = make_engine(tiny)
+    again.set_max_streams(3)
+    for rid, prompt in prompts.items():
+        again.add_request(rid, prompt, params)
+    assert run_to_end(again) == expected
+    with pytest.raises(ValueError, match="max streams"):
+        again.set_max_streams(0)
+    again.set_max_streams(None)
+    assert again.scheduler.max_streams is None
+
+
+def test_a_prompt_that_ends_on_its_first_token_is_never_held_and_received_kv_waits_for_a_slot():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(64, 16))
+    scheduler.max_streams = 1
+    params = SamplingParams(max_tokens=4)
+    stream = Request("s", [1, 2, 3], params)
+    scheduler.add(stream)
+    handed = [Request(f"p{i}", [4, 5, 6], params, remote_decode=True) for i in range(3)]
+    for r in handed:
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    assert {r.request_id for r, _ in batch.prefills} == {"s", "p0", "p1", "p2"}
+    # a prefilled request (its KV already in its blocks) joins only while a stream slot is free
+    arrived = Request("kv", [7, 8, 9, 10], params)
+    scheduler.blocks.allocate(arrived, 4)
+    arrived.num_computed_tokens = 4
+    arrived.output_token_ids = [11]
+    scheduler.add_prefilled(arrived)
+    scheduler.schedule()
+    assert arrived not in scheduler.running and list(scheduler.prefilled) == [arrived]
+    scheduler.max_streams = None
+    scheduler.schedule()
+    assert arrived in scheduler.running
+
+
+def test_the_loop_tells_each_instance_its_cap_only_when_it_changes():
+    targets = MixTargets(4.0, 0.5, classes=parse_slo_classes(CLASSES), e2e_s=20.0)
+    views = [InstanceView("e0", "colocated"), InstanceView("e1", "colocated")]
+    sent, demands = [], [writing_surge(False)]
+
+    async def change_role(*_):
+        raise AssertionError("no role change expected")
+    loop = MixLoop(MixController(MODEL, targets), lambda: views, change_role, demand=lambda: demands[-1],
+                   set_stream_caps=sent.append)
+    asyncio.run(loop.run_once())
+    assert len(sent) == 1 and set(sent[0]) == {"e0", "e1"} and sent[0]["e0"] == sent[0]["e1"] > 10
+    assert loop.decisions[-1]["stream_caps"] == sent[0]
+    asyncio.run(loop.run_once())  # the same demand: nothing sent again
+    assert len(sent) == 1 and "stream_caps" not in loop.decisions[-1]
+    demands.append(writing_surge(True))  # long prompts in the window: a lower cap
+    asyncio.run(loop.run_once())
+    assert len(sent) == 2 and sent[1]["e0"] < sent[0]["e0"]
+
+
+def test_serve_takes_an_end_to_end_target_only_with_adaptive():
+    from splitserve.coordinator.adaptive import add_adaptive_arguments, check_adaptive_args
+    p = argparse.ArgumentParser()
+    add_adaptive_arguments(p)
+    with pytest.raises(ValueError, match="--slo-e2e-s only apply with --adaptive"):
+        check_adaptive_args(p.parse_args(["--slo-e2e-s", "20"]))
+    with pytest.raises(ValueError, match="--slo-e2e-s must be positive"):
+        check_adaptive_args(p.parse_args(["--adaptive", "--slo-e2e-s", "-1"]))
+    args = p.parse_args(["--adaptive", "--slo-e2e-s", "20", "--slo-classes", "writing:4:0.5::40"])
+    check_adaptive_args(args)
+    assert args.slo_e2e_s == 20
+
+
+def first_token_order(engine, order: list[str]) -> list[str]:
+    """`order`: the requests whose first token came already."""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    return order
+
+
+@pytest.mark.parametrize("deadlines,expected", [(True, ["a", "c", "b"]), (False, ["a", "b", "c"])])
+def test_a_late_prompt_waits_behind_one_that_can_still_meet_its_deadline(tiny, deadlines, expected):
+    now = [0.0]
+    engine = make_engine(tiny, max_num_seqs=1, clock=lambda: now[0])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for rid, due in (("a", 10.0), ("b", 1.0), ("c", 10.0)):
+        engine.add_request(rid, [5, 6, 7, 8], params, ttft_due_in_s=due if deadlines else None)
+    engine.step()  # a runs; b and c wait for the one slot
+    now[0] = 5.0  # b's first token is late now, c's is not
+    assert first_token_order(engine, ["a"]) == expected
+    with pytest.raises(ValueError, match="ttft_due_in_s"):
+        engine.add_request("bad", [5, 6], params, ttft_due_in_s=float("nan"))
+
+
+def test_a_request_s_first_token_deadline_reaches_its_engine_and_the_caps_reach_the_scheduler(tiny):
+    from cluster_support import Cluster, prompt_of
+    from splitserve.coordinator.adaptive import adaptive_from_args
+    from test_adaptive import serve_args
+
+    async def go():
+        async with Cluster(tiny, {"engine-0": "colocated", "engine-1": "colocated"}) as cluster:
+            args = serve_args("--adaptive", "--slo-ttft-s", "3", "--slo-gap-s", "0.5", "--slo-e2e-s", "20",
+                              "--slo-classes", "writing:7:0.5::40", "--mix-interval-s", "0.05",
+                              "--threads-per-instance", "1")
+            mix = adaptive_from_args(args, cluster.client, cluster.client.metrics, 2)
+            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            sent = time.monotonic()
+            streams = [cluster.client.submit_tokens(f"w{i}", prompt_of(20, seed=i), params, slo_class=cls)
+                       for i, cls in enumerate(("writing", "", "writing"))]
+            seen = {}
+            deadline = time.monotonic() + 30
+            while len(seen) < 3 and time.monotonic() < deadline:
+                for engine in cluster.engines.values():
+                    for rid, r in list(engine.core.requests.items()):
+                        seen.setdefault(rid.split(".")[0], r.ttft_deadline)
+                await asyncio.sleep(0.005)
+            assert seen["w0"] == pytest.approx(sent + 7, abs=1.0) and seen["w2"] == pytest.approx(sent + 7, abs=1.0)
+            assert seen["w1"] == pytest.approx(sent + 3, abs=1.0)  # no class: the global target
+            for _ in range(3):
+                await mix.run_once()
+            caps = mix.snapshot()["stream_caps"]
+            assert set(caps) == {"engine-0", "engine-1"} and mix.snapshot()["num_cap_moves"] >= 1
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(
+                    cluster.engines[e].core.scheduler.max_streams != c for e, c in caps.items()):
+                await asyncio.sleep(0.01)
+            assert all(cluster.engines[e].core.scheduler.max_streams == c for e, c in caps.items())
+            for stream in streams:
+                async for _ in stream:
+                    pass
+    asyncio.run(go())
