@@ -124,28 +124,42 @@ def test_a_capped_engine_holds_the_rest_until_a_stream_ends_and_answers_every_re
     assert again.scheduler.max_streams is None
 
 
-def test_a_prompt_that_ends_on_its_first_token_is_never_held_and_received_kv_waits_for_a_slot():
+def test_only_prompts_that_would_begin_an_answer_here_are_held_never_a_stream_that_has_begun():
+    """Held, a stream whose first token is out would pause with its client waiting (x2, session 27
+    on 8f0265e: summaries handed to a capped decode instance waited 7-25 s after their first token)."""
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(64, 16))
     scheduler.max_streams = 1
     params = SamplingParams(max_tokens=4)
-    stream = Request("s", [1, 2, 3], params)
-    scheduler.add(stream)
-    handed = [Request(f"p{i}", [4, 5, 6], params, remote_decode=True) for i in range(3)]
-    for r in handed:
-        scheduler.add(r)
+    scheduler.add(Request("s", [1, 2, 3], params))
+    for i in range(3):  # a prefill instance's prompts end on their first token here: never held
+        scheduler.add(Request(f"p{i}", [4, 5, 6], params, remote_decode=True))
+    fresh = Request("fresh", [1, 9, 9], params)
+    scheduler.add(fresh)
     batch = scheduler.schedule()
     assert {r.request_id for r, _ in batch.prefills} == {"s", "p0", "p1", "p2"}
-    # a prefilled request (its KV already in its blocks) joins only while a stream slot is free
-    arrived = Request("kv", [7, 8, 9, 10], params)
-    scheduler.blocks.allocate(arrived, 4)
-    arrived.num_computed_tokens = 4
-    arrived.output_token_ids = [11]
-    scheduler.add_prefilled(arrived)
+    assert list(scheduler.waiting) == [fresh]  # a new prompt past the cap waits
+
+    def received(rid: str, first: list[int]) -> Request:  # KV already in its blocks
+        r = Request(rid, [7, 8, 9, 10], params)
+        scheduler.blocks.allocate(r, 4)
+        r.num_computed_tokens, r.output_token_ids = 4, list(first)
+        return r
+    handed, streamed = received("kv", [11]), received("overlap", [])
+    scheduler.add_prefilled(handed)  # handed over with its first token: joins past the cap
     scheduler.schedule()
-    assert arrived not in scheduler.running and list(scheduler.prefilled) == [arrived]
+    assert handed in scheduler.running and fresh in scheduler.waiting
+    scheduler.add_prefilled(streamed)  # KV streamed ahead of its first token: not begun, held
+    scheduler.schedule()
+    assert list(scheduler.prefilled) == [streamed]
+    # a stream preempted for blocks (its answer begun) is taken back past the cap as well
+    preempted = Request("again", [2, 3, 4], params)
+    preempted.output_token_ids = [5, 6]
+    scheduler._to_waiting(preempted, front=True)
+    scheduler.schedule()
+    assert preempted in scheduler.running and fresh in scheduler.waiting
     scheduler.max_streams = None
     scheduler.schedule()
-    assert arrived in scheduler.running
+    assert streamed in scheduler.running and fresh in scheduler.running
 
 
 def test_the_loop_tells_each_instance_its_cap_only_when_it_changes():

@@ -24,8 +24,10 @@ streams of its own: no cap.
 
 Below capacity the cap is not reached (the streams that run are fewer); it bites where admitting
 one more would make the steps too slow for the strictest class to meet its deadlines. It never
-evicts a running stream, and a prompt that ends on its first token (a prefill instance's) is
-never held (Scheduler.max_streams).
+evicts a running stream, and it never holds a prompt that ends on its first token (a prefill
+instance's) or a stream that has begun its answer (handed over with its first token, or
+preempted): those would pause with the client waiting (Scheduler.max_streams). So on a decode
+instance it holds only the prompts it prefills itself; a separated mix's streams are not capped.
 """
 from __future__ import annotations
 

@@ -91,7 +91,8 @@ class Scheduler:
         # max_num_seqs; None: max_num_seqs alone. The mix controller sets it live (SetStreamCap)
         # when more streams would step slower than their classes' per-token allowance: a request
         # past it waits for a stream to end instead of slowing every stream past its deadlines.
-        # Requests that end on their first token here (remote_decode) do not count and are not held.
+        # Requests that end on their first token here (remote_decode) do not count and are not
+        # held; nor is a stream that has begun its answer (_stream_room).
         self.max_streams: int | None = None
         self.clock = time.monotonic  # the engine's (EngineCore sets its own): first-token deadlines
 
@@ -219,8 +220,11 @@ class Scheduler:
 
     def _stream_room(self, request: Request) -> bool:
         """Under max_streams, may `request` (not running) take a slot? One that ends on its first
-        token always may."""
-        if self.max_streams is None or request.remote_decode:
+        token always may, and so may one that has begun its answer (a stream handed over with its
+        first token, or one preempted): held, it would pause with its client waiting (x2, session
+        27 on 8f0265e: summaries handed to a capped decode instance waited 7-25 s after their first
+        token, and streams preempted for blocks lost their slot to new prompts for 14-17 s)."""
+        if self.max_streams is None or request.remote_decode or request.output_token_ids:
             return True
         return sum(1 for r in self.running if not r.remote_decode) < self.max_streams
 
