@@ -23,7 +23,7 @@ AFTER_CHANGE_S = 30.0
 # a decision's fields kept in the timeline's brief log (GET /admin/mix has them all)
 DECISION_FIELDS = ("held", "instance_id", "to_role", "ttft_estimate_s", "gap_estimate_s", "predicted_ttft_s",
                    "predicted_gap_s", "predicted_gain", "predicted_cost", "deadlines_met", "overload",
-                   "chunk_tokens", "local_prefill_max_tokens", "reason")
+                   "chunk_tokens", "local_prefill_max_tokens", "stream_caps", "reason")
 
 
 def _misses(entry: dict, targets: dict | None) -> bool:
