@@ -95,7 +95,11 @@ def test_chat_logprobs_equal_transformers_stream_and_not(server, checkpoint):
     check_chat_content(hf, prompt, choice.token_ids, choice.logprobs.content)
     chunks = list(client.chat.completions.create(**args, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in choice.logprobs.content]
+    # the same tokens, and the same logprobs to float rounding: two requests need not run the same
+    # shapes (the second finds its prompt in the prefix cache), and on an AVX-512/AMX Xeon (session
+    # 27) they differed in the 7th digit (-1.8513309 against -1.8513314); on Zen 4 they were equal
+    assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-5)
 
 
 def test_completion_logprobs_and_offsets_stream_and_not(server, checkpoint):

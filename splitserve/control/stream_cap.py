@@ -9,10 +9,11 @@ instance the backlog had not reached, did). A cap holds the requests past it in 
 they wait for a stream to end, and keeps the pace of those admitted.
 
 The cap is the most streams whose steps, as the step model reads them, keep each class's
-per-token allowance: its gap target (and the TPOT target, when one is set), and, where the class has an end-to-end target, (e2e - TTFT
-target) / its mean answer length (what is left of the deadline once the first token came as late
-as allowed, over the tokens still to come; at least half the e2e target). The strictest class among those with at least
-MIN_SHARE of the window's requests binds, times `headroom`. A step of n streams costs
+per-token allowance: its gap target (and the TPOT target, when one is set), and, where the class
+has an end-to-end target, (e2e - TTFT target) / its mean answer length (what is left of the
+deadline once the first token came as late as allowed, over the tokens still to come; at least
+half the e2e target). The strictest class among those with at least MIN_SHARE of the window's
+requests binds, times `headroom`. A step of n streams costs
 
     fixed + n * (per decode + per KV token * context + prompt work per stream)
 

@@ -36,7 +36,8 @@ from splitserve.link_security import EngineLinkSecurity, add_engine_link_argumen
 from splitserve.kv_transfer import add_kv_arguments, kv_config_from_args
 from splitserve.protocol import (AbortRequests, Codec, EngineHello, GenerateRequest, Heartbeat, KVTransferReport,
                                  Released, ReleaseUnstarted, ResendHello, RoleChanged, SetChunkTokens, SetRole,
-                                 SetStreamCap, Shutdown, StepOutputs, TokenOutput, decode_engine_config, socket_identity)
+                                 SetStreamCap, Shutdown, StepOutputs, TokenOutput, decode_engine_config,
+                                 socket_identity)
 from splitserve.sampling import SamplingParams
 
 log = logging.getLogger("splitserve.engine")
