@@ -60,7 +60,8 @@ def allowance_s(demand: Demand, targets) -> float | None:
     return best if math.isfinite(best) else None
 
 
-def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float, headroom: float = 0.9) -> int | None:
+def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float | None,
+               headroom: float = 0.9) -> int | None:
     """The most streams an instance of `role` may hold (None: no cap; see the module's text)."""
     if role == "prefill" or allowance is None:
         return None
@@ -69,9 +70,8 @@ def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float, he
     per_stream = model.per_decode_seq_s + model.per_decode_kv_token_s * context
     if role == "colocated":
         per_stream += model.per_prefill_token_s * demand.mean_prompt / answer
-    fixed = model.overhead_s + model.per_panel_step_s
-    room = allowance * headroom - fixed
     if per_stream <= 0:
         return None
+    room = allowance * headroom - model.overhead_s - model.per_panel_step_s
     n = max(1, int(room / per_stream))  # steps too slow for any pace: one stream still runs
     return None if n >= NO_CAP else n

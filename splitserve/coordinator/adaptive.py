@@ -234,7 +234,7 @@ class AdaptiveMix:
         targets = self.loop.controller.targets
         return {"enabled": True, "interval_s": self.loop.interval_s,
                 "targets": {"ttft_s": targets.ttft_s, "gap_s": targets.gap_s, "tpot_s": targets.tpot_s,
-                                        "e2e_s": targets.e2e_s,
+                            "e2e_s": targets.e2e_s,
                             "classes": [{"name": c.name, "ttft_s": c.ttft_s, "gap_s": c.gap_s, "share": c.share,
                                          "e2e_s": c.e2e_s} for c in targets.classes]},
                 "horizon_s": self.loop.controller.horizon_s,

@@ -94,16 +94,12 @@ class EngineCore:
     def set_max_streams(self, streams: int | None) -> None:
         """The streams this instance may hold from now on, under any role (Scheduler.max_streams);
         None: max_num_seqs alone. Running streams are never evicted by it. ValueError if not positive."""
-        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams <= 0):
-            raise ValueError(f"max streams must be a positive whole number or None, got {streams!r}")
-        self.scheduler.max_streams = streams
+        self.scheduler.max_streams = _positive_or_none(streams, "max streams")
 
     def set_chunk_tokens(self, tokens: int | None) -> None:
         """The prompt tokens a step may carry beside streams that answer here, from now on and
         under any later role; None: each role's own (its config). ValueError if not positive."""
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0):
-            raise ValueError(f"chunk tokens must be a positive whole number or None, got {tokens!r}")
-        self.chunk_tokens = tokens
+        self.chunk_tokens = _positive_or_none(tokens, "chunk tokens")
         default = default_chunk_tokens(self.connector.role, self.config)
         self.connector.chunk_tokens = default if tokens is None else tokens
 
@@ -370,3 +366,10 @@ class EngineCore:
             num_queued_prompt_tokens=sched.num_queued_prompt_tokens, step_seconds=self.step_seconds,
             step_tokens=self.step_tokens,
             num_role_changes=self.num_role_changes, step_samples=samples)
+
+
+def _positive_or_none(value, what: str) -> int | None:
+    """A live knob's value (set_chunk_tokens, set_max_streams): a positive whole number or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{what} must be a positive whole number or None, got {value!r}")
+    return value

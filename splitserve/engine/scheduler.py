@@ -38,6 +38,7 @@ A request's path:
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import deque
@@ -95,6 +96,11 @@ class Scheduler:
         # held; nor is a stream that has begun its answer (_stream_room).
         self.max_streams: int | None = None
         self.clock = time.monotonic  # the engine's (EngineCore sets its own): first-token deadlines
+        # (deadline, arrival order, request) of requests added with a first-token deadline, soonest
+        # first: a step looks at the queue only once one has passed (_demote_late), so a server
+        # whose requests carry none (no --adaptive) pays nothing on its step loop
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_order = itertools.count()
 
     @property
     def by_priority(self) -> bool:
@@ -128,6 +134,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._to_waiting(request)
+        if request.ttft_deadline is not None and not self.by_priority:
+            heapq.heappush(self._deadlines, (request.ttft_deadline, next(self._deadline_order), request))
 
     def add_prefilled(self, request: Request) -> None:
         """A request whose prompt KV already sits in its blocks: it joins as a decode."""
@@ -157,7 +165,7 @@ class Scheduler:
         self.blocks.free(request)
 
     def schedule(self) -> ScheduledBatch:
-        if not self.by_priority and self.waiting:
+        if self._deadlines:
             self._demote_late()
         while self.prefilled and self._make_room(self.prefilled[0], 0, None):
             request = self.prefilled.popleft()
@@ -173,8 +181,12 @@ class Scheduler:
         waiting request, once, keeping its order among the late. It can no longer meet its
         deadline, while the prompts behind it still can; it is served as soon as they are."""
         now = self.clock()
-        late = [r for r in self.waiting if not r.demoted and r.ttft_deadline is not None
-                and r.ttft_deadline < now and not r.output_token_ids]
+        passed = set()
+        while self._deadlines and self._deadlines[0][0] < now:
+            passed.add(heapq.heappop(self._deadlines)[2])
+        if not passed:
+            return
+        late = [r for r in self.waiting if r in passed and not r.demoted and not r.output_token_ids]
         for request in late:
             self._from_waiting(request)
             request.demoted = True
@@ -203,8 +215,9 @@ class Scheduler:
         lower-priority running requests until it does; a victim given a decode slot in `batch`
         leaves it."""
         def fits() -> bool:
-            slot = len(self.running) < self.config.max_num_seqs and self._stream_room(request)
-            return (not need_slot or slot) and (num_tokens == 0 or self.blocks.can_allocate(request, num_tokens))
+            if need_slot and not (len(self.running) < self.config.max_num_seqs and self._stream_room(request)):
+                return False
+            return num_tokens == 0 or self.blocks.can_allocate(request, num_tokens)
 
         while not fits():
             if not (self.by_priority and self.running):
