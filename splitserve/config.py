@@ -155,10 +155,17 @@ class EngineConfig:
     # auto: the C++ CPU kernels where they are built and apply; off: the pure-torch path (serve
     # --kernels off, the engine before issue 16, for before/after trials)
     kernels: str = "auto"
+    # GGUF block matrices: rows of x up to which the C++ kernel multiplies by the blocks, past which
+    # the matrix is dequantized for F.linear (serve --kernel-rows). None: measured per matrix shape
+    # when the engine loads (models/gguf_blocks.calibrate_kernel_rows; the crossing is CPU-specific)
+    kernel_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+        if self.kernel_rows is not None and (isinstance(self.kernel_rows, bool) or not isinstance(self.kernel_rows, int)
+                                             or self.kernel_rows < 0):
+            raise ValueError(f"kernel_rows must be a whole number >= 0 or None (measure), got {self.kernel_rows!r}")
         if self.local_prefill_chunk_tokens is not None and self.local_prefill_chunk_tokens <= 0:
             raise ValueError(f"local_prefill_chunk_tokens must be positive, got {self.local_prefill_chunk_tokens}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -197,3 +197,97 @@ def test_paged_decode_attention_on_random_shapes_around_its_tiles(module, isa):
                                            msg=f"{used} block {block_size} head_dim {head_dim} group {group}")
     finally:
         module.set_isa("avx512")
+
+
+# --- where the block kernel hands over to dequantize + F.linear (kernel_rows, session 28) ---
+
+def test_crossover_rows_is_where_the_two_lines_meet():
+    # kernel 1 + 0.5/row, dense 13 + 0.25/row: equal at 48 rows (times at 16 and 64 rows)
+    assert gguf_blocks.crossover_rows((1 + 8, 1 + 32), (13 + 4, 13 + 16)) == 48
+    # the dense path never catches up within the lines: the upper bound; always ahead: the lower
+    assert gguf_blocks.crossover_rows((1.0, 2.0), (50.0, 60.0)) == gguf_blocks.MAX_CALIBRATED_ROWS
+    assert gguf_blocks.crossover_rows((5.0, 20.0), (1.0, 2.0)) == gguf_blocks.MIN_KERNEL_ROWS
+    assert gguf_blocks.crossover_rows((9.0, 33.0), (2.0, 3.0)) == gguf_blocks.MIN_KERNEL_ROWS  # crosses below 8
+
+
+def test_linear_leaves_the_kernel_past_each_matrix_kernel_rows(module, monkeypatch):
+    blocks, reference = random_blocks("q4_1", 5, 64)
+    blocks.kernel_rows = 20
+    calls = []
+    monkeypatch.setattr(kernels, "load", lambda: type("M", (), {
+        "linear": staticmethod(lambda x, *a: calls.append(x.shape[0]) or module.linear(x, *a)),
+        "dequantize": staticmethod(module.dequantize)})())
+    want = lambda x: F.linear(x, torch.from_numpy(reference))  # noqa: E731
+    for m in (20, 21, gguf_blocks.MAX_KERNEL_ROWS):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        torch.testing.assert_close(gguf_blocks.linear(x, blocks), want(x), rtol=1e-5, atol=1e-5)
+    assert calls == [20]  # 21 and 64 rows went to the dense path, though 64 is the default's kernel side
+
+
+def test_calibration_sets_each_shape_from_its_own_timings_and_skips_the_warm_up():
+    a1, a2 = random_blocks("q4_1", 4, 64)[0], random_blocks("q4_1", 4, 64, seed=1)[0]
+    b = random_blocks("q8_0", 8, 64)[0]
+    seen = []
+
+    def time_paths(w, m):
+        seen.append((w.fmt, m))
+        if len([s for s in seen if s[0] == "q4_1"]) <= 2:
+            return (1.0, 0.0)  # the warm-up pass: absurd times that must not be used
+        # q4_1: kernel 0.5/row from 0, dense 12 + 0.25/row -> 48 rows; q8_0: dense never catches up
+        return (0.5 * m, 12 + 0.25 * m) if w.fmt == "q4_1" else (0.01 * m, 50.0)
+
+    chosen = gguf_blocks.calibrate_kernel_rows([a1, b, a2], time_paths)
+    assert chosen == {("q4_1", 4, 64): 48, ("q8_0", 8, 64): gguf_blocks.MAX_CALIBRATED_ROWS}
+    assert (a1.kernel_rows, a2.kernel_rows, b.kernel_rows) == (48, 48, gguf_blocks.MAX_CALIBRATED_ROWS)
+    assert seen == [("q4_1", 16), ("q4_1", 64), ("q4_1", 16), ("q4_1", 64), ("q8_0", 16), ("q8_0", 64)]
+    # no kernels for a shape: it keeps what it had
+    c = random_blocks("q4_1", 2, 32)[0]
+    assert gguf_blocks.calibrate_kernel_rows([c], lambda w, m: None) == {}
+    assert c.kernel_rows == gguf_blocks.MAX_KERNEL_ROWS
+
+
+def test_timing_both_paths_on_this_cpu_gives_a_crossover_in_bounds(module):
+    w = random_blocks("q4_1", 256, 256)[0]
+    timed = [gguf_blocks.time_both_paths(w, m, repeats=2) for m in gguf_blocks.CALIBRATION_ROWS]
+    assert all(t is not None and t[0] > 0 and t[1] > 0 for t in timed)
+    rows = gguf_blocks.crossover_rows((timed[0][0], timed[1][0]), (timed[0][1], timed[1][1]))
+    assert gguf_blocks.MIN_KERNEL_ROWS <= rows <= gguf_blocks.MAX_CALIBRATED_ROWS
+
+
+def test_engine_measures_kernel_rows_on_load_or_takes_the_number_it_is_given(module, quantized_gguf):
+    from splitserve.config import CacheConfig, EngineConfig
+    from splitserve.engine.core import EngineCore
+
+    cache = CacheConfig(kv_cache_memory=2 * 2**20)
+    fixed = EngineCore(EngineConfig(model=str(quantized_gguf), weight_format="gguf", kernel_rows=12, cache=cache))
+    try:
+        mats = fixed.runner.model.block_matrices()
+        assert mats and all(w.kernel_rows == 12 for w in mats)
+        assert set(fixed.kernel_rows.values()) == {12}
+        fixed.add_request("a", [5, 6, 7] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
+        out = run_to_end(fixed)
+    finally:
+        fixed.close()
+    measured = EngineCore(EngineConfig(model=str(quantized_gguf), weight_format="gguf", cache=cache))
+    try:
+        assert measured.kernel_rows and all(gguf_blocks.MIN_KERNEL_ROWS <= r <= gguf_blocks.MAX_CALIBRATED_ROWS
+                                            for r in measured.kernel_rows.values())
+        measured.add_request("a", [5, 6, 7] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
+        again = run_to_end(measured)
+    finally:
+        measured.close()
+    assert again == out  # the crossover moves speed, not tokens (a 30-row prompt on either path)
+    with pytest.raises(ValueError, match="kernel_rows"):
+        EngineConfig(kernel_rows=-1)
+
+
+def test_serve_kernel_rows_flag_takes_auto_or_rows_and_refuses_the_rest():
+    import argparse
+
+    from splitserve.engine.process import kernel_rows_arg
+
+    assert kernel_rows_arg("auto") is None and kernel_rows_arg("AUTO") is None
+    assert kernel_rows_arg("48") == 48 and kernel_rows_arg("0") == 0
+    for bad in ("-3", "lots", "4.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--kernel-rows"):
+            kernel_rows_arg(bad)

@@ -64,6 +64,7 @@ class EngineCore:
 
         self.runner = ModelRunner(self.model_config, loaded.weights, config.cache, config.device, dtype=dtype,
                                   allocate_pool=allocate)
+        self.kernel_rows = self._set_kernel_rows(config.kernel_rows)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -81,6 +82,23 @@ class EngineCore:
         self.step_seconds = 0.0  # moving average of recent steps that ran the model
         self.step_tokens = 0.0  # ... and of the tokens they carried
         self._step_samples: deque[StepSample] = deque(maxlen=MAX_STEP_SAMPLES)  # since the last stats()
+
+    def _set_kernel_rows(self, rows: int | None) -> dict[str, int]:
+        """Where each GGUF block matrix shape leaves the C++ kernel for dequantize + F.linear:
+        measured here (None) or as told. {"q4_1 NxK": rows}; empty for an fp32 model."""
+        from splitserve.models.gguf_blocks import calibrate_kernel_rows, set_kernel_rows
+
+        matrices = self.runner.model.block_matrices()
+        if not matrices:
+            return {}
+        if rows is None:
+            start = time.perf_counter()
+            chosen = calibrate_kernel_rows(matrices)
+            log.info("GGUF kernel rows measured in %.2f s: %s", time.perf_counter() - start,
+                     ", ".join(f"{fmt} {n}x{k}: {r}" for (fmt, n, k), r in chosen.items()) or "no kernels here")
+        else:
+            set_kernel_rows(matrices, rows)
+        return {f"{w.fmt} {w.shape[0]}x{w.shape[1]}": w.kernel_rows for w in matrices}
 
     def _make_connector(self, role: str):
         shm_name = self._pool_handle.name if self._pool_handle is not None else ""

@@ -122,11 +122,25 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
         weight_format=args.weight_format, dtype=args.dtype, link_secret=args.engine_link_secret,
         local_prefill_chunk_tokens=getattr(args, "local_prefill_chunk_tokens", None),  # serve's policy sets it
         kernels=getattr(args, "kernels", "auto"),  # serve --kernels
+        kernel_rows=getattr(args, "kernel_rows", None),  # serve --kernel-rows (None: auto)
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_policy=args.prefill_policy,
                                   scheduling_policy=args.scheduling_policy))
+
+
+def kernel_rows_arg(text: str) -> int | None:
+    """serve --kernel-rows: 'auto' (None: each engine measures) or a whole number of rows."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"--kernel-rows takes 'auto' or a whole number >= 0, got {text!r}")
+    return rows
 
 
 def parse_cpus(text: str) -> set[int]:

@@ -30,7 +30,7 @@ from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, ch
 from splitserve.config import EngineConfig
 from splitserve.coordinator.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.coordinator.disagg_policy import add_disagg_arguments, check_disagg_args, disagg_policy_from_args
-from splitserve.engine.process import add_engine_arguments, engine_config_from_args
+from splitserve.engine.process import add_engine_arguments, engine_config_from_args, kernel_rows_arg
 from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "off"), default="auto",
                    help="off: engines run the pure-torch path even where the C++ kernels are built "
                         "(with --weight-format fp32: the engine before issue 16, for before/after trials)")
+    p.add_argument("--kernel-rows", type=kernel_rows_arg, default=None, metavar="auto|N",
+                   help="GGUF block matrices: rows of activations up to which the C++ kernel multiplies by "
+                        "the blocks; past them the matrix is dequantized for an fp32 GEMM. auto: each engine "
+                        "times both paths per matrix shape when it loads (under a second; the crossing is "
+                        "64 rows on one AVX-512 EPYC, about 30 on an AMX Xeon). Results do not depend on it")
     p.add_argument("--engine-silence-timeout", type=float, default=1.5,
                    help="seconds without a message (engines send one every 0.25 s) before an engine is "
                         "declared dead and its requests are retried or failed")

@@ -128,6 +128,12 @@ class LlamaModel:
         self.rope_cos = freqs.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=self.device, dtype=dtype)
         self.scale = c.head_dim ** -0.5
+
+    def block_matrices(self) -> list[GGUFBlocks]:
+        """The matrices kept in GGUF blocks that go through gguf_blocks.linear (the embedding's
+        lookup does not; as the tied lm_head it does)."""
+        mats = [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        return list({id(m): m for m in mats if isinstance(m, GGUFBlocks)}.values())
         self.block_size = 0  # set by the runner, which owns the cache layout
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
