@@ -413,3 +413,22 @@ def test_loop_applies_a_chunk_budget_and_logs_it_with_its_numbers():
     entry = loop.decisions[-1]
     assert entry["chunk_tokens"] == set_to[0] and entry["applied"] and entry["predicted_cost"] == 0.0
     assert entry["predicted_gain"] > 0 and "chunk budget 256 -> " in entry["reason"]
+
+
+def test_a_smaller_chunk_budget_costs_prompt_work_each_chunk_step_pays_its_fixed_cost():
+    # demand_unseen_overload, session 27 (AMX Xeon): 64-token chunks stepped 164-176 ms, 366 prompt
+    # tokens/s, 256-token chunks 400-420 ms, 610/s; the what-if read prompt work per token alone, so
+    # every budget saturated alike in the agents' bursts. Each step carrying prompt tokens pays the
+    # step's overhead and the GGUF panel path once, so 64-token chunks cost 4x the steps of 256
+    model = StepModel(overhead_s=0.0145, per_prefill_token_s=0.00145, per_prefill_attn_s=0.0003,
+                      per_decode_seq_s=0.003, per_decode_kv_token_s=6e-6, per_panel_step_s=0.03)
+    prompts = tuple(range(80, 481, 16))  # agent tool results, 80-480 tokens
+    mean = sum(prompts) / len(prompts)
+    burst = Demand(2.5, 2.5 * mean, 2.5 * 44, mean, 44, prompts=prompts)
+    at = {c: WhatIf(model, c).predict([Held("colocated")] * 2, burst) for c in (64, 256)}
+    assert at[64].saturated == ("colocated",) and at[256].saturated == ()
+    assert at[64].ttft_s > 5 * at[256].ttft_s
+    # a prompt that fits one chunk either way costs the same at both budgets
+    short = Demand(2.5, 2.5 * 48, 2.5 * 44, 48, 44, prompts=(48,) * 10)
+    a, b = (WhatIf(model, c).predict([Held("colocated")] * 2, short) for c in (64, 256))
+    assert a.ttft_s == pytest.approx(b.ttft_s) and a.saturated == b.saturated == ()

@@ -240,6 +240,14 @@ def test_missed_deadlines_weigh_more_so_a_phase_that_saturates_a_stage_is_answer
 
 
 
+def tied_settings(ctrl: MixController, met: dict[int, float]) -> list[int]:
+    """Past every setting, those the controller counts equal to the best: within knob_tie (+ points)
+    of the fewest missed and of the most met."""
+    fewest, most = min(1 - m for m in met.values()), max(met.values())
+    return [c for c in met if 1 - met[c] <= fewest * (1 + ctrl.knob_tie) + ctrl.knob_tie_points
+            and met[c] * (1 + ctrl.knob_tie) + ctrl.knob_tie_points >= most]
+
+
 def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_deadlines_and_stay():
     # long answers beside prompts in 32-token chunks: the TTFT is far past its target and no chunk
     # budget holds every target; larger chunks meet more TTFTs at longer pauses. The knobs go where
@@ -248,7 +256,9 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     # (session 24: a deadline counts as met for the TTFT share times the gap share, a gap held only
     # with knob_headroom to spare; the demand here was 0.6 req/s of 300-token prompts, where 64 and
     # 128 now miss less than 20% fewer deadlines than 32 and the knobs rightly stay)
-    writing = Demand(0.65, 0.65 * 250, 0.65 * 200, 250, 200, prompts=(150, 200, 250, 300, 350))
+    # (session 28: 0.59 req/s, not 0.65: each chunk's step overhead now counts in the prompt work, and
+    # at 0.65 32-token chunks saturate while 64 miss far more than 128, no tie left for the gap to break)
+    writing = Demand(0.59, 0.59 * 250, 0.59 * 200, 250, 200, prompts=(150, 200, 250, 300, 350))
     ctrl = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32)
     decisions = [ctrl.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(30)]
     moves = [d for d in decisions if d.chunk_tokens is not None]
@@ -260,8 +270,7 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     met = {c: ctrl.deadlines_met(p) for c, p in preds.items()}
     # the most deadlines, settings missing within knob_tie of the fewest counted equal and the
     # shortest gap of those taken (here 64 tokens, missing 45% where 128 miss 41% at longer steps)
-    fewest = min(1 - m for m in met.values())
-    tied = [c for c in met if 1 - met[c] <= fewest * (1 + ctrl.knob_tie)]
+    tied = tied_settings(ctrl, met)
     assert ctrl.chunk_tokens == min(tied, key=lambda c: preds[c].gap_s) != 32 and met[ctrl.chunk_tokens] > met[32]
     assert len(tied) > 1 and ctrl.chunk_tokens != max(met, key=met.get), "premise: a tie the gap breaks"
     # a setting that misses fewer deadlines, but not by the margin: the knobs stay
@@ -278,17 +287,14 @@ def test_past_every_setting_the_knobs_move_once_to_the_setting_meeting_the_most_
     for d_ in (writing, other):
         preds_ = {c: WhatIf(MODEL, c).predict([Held("colocated")] * 2, d_) for c in alternating.chunk_choices}
         missed_ = {c: 1 - alternating.deadlines_met(p) for c, p in preds_.items()}
-        tied_ = [c for c in missed_ if missed_[c] <= min(missed_.values()) * (1 + alternating.knob_tie)]
+        tied_ = tied_settings(alternating, {c: 1 - x for c, x in missed_.items()})
         best[d_] = min(tied_, key=lambda c: preds_[c].gap_s)
         assert missed_[best[d_]] <= missed_[32] * (1 - alternating.margin), "premise: each alone would move"
     assert best[writing] != best[other] != 32, best
     decisions = [alternating.decide(mix_of("colocated", "colocated"), float(t), (writing, other)[t % 2])
                  for t in range(12)]
     assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions), [d.reason for d in decisions]
-    strict = MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32, margin=0.9)
-    decisions = [strict.decide(mix_of("colocated", "colocated"), float(t), writing) for t in range(10)]
-    assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions)
-    assert decisions[-1].held == "overload" and strict.chunk_tokens == 32
+    # (a margin too large for any move: tests/test_mix_pause.py, the overload margin read both ways)
 
 
 def test_targets_met_without_room_move_the_chunk_knob_to_a_calm_setting_before_any_role():

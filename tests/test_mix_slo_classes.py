@@ -69,8 +69,13 @@ def test_a_class_is_judged_by_its_own_targets_and_an_unnamed_class_by_the_global
 
 
 def test_labelled_summaries_keep_the_mix_where_unlabelled_ones_move_it():
+    # the summaries' target 20 s here, not 15 (session 28): with each 32-token chunk's step overhead
+    # counted in the prompt work, a 1,250-token summary in 40 chunks reads 9.5 s, 0.64x of 15 s, past
+    # calm (0.6x); the point is a class with a target its long prompts meet keeping the mix calm
+    targets = MixTargets(4.0, 0.5, classes=parse_slo_classes("chat:4:0.5,summary:20:0.5"))
+
     def run(d: Demand):
-        ctrl = MixController(MODEL, TARGETS)
+        ctrl = MixController(MODEL, targets)
         ctrl.chunk_knob = True
         views = [InstanceView("e0", "colocated"), InstanceView("e1", "colocated")]
         changes, last = [], None
@@ -84,13 +89,13 @@ def test_labelled_summaries_keep_the_mix_where_unlabelled_ones_move_it():
 
     changes, chunk, last = run(demand(True))
     assert changes == [] and chunk == 32 and last.held == "calm"
-    # judged against the chats' 4 s, the summaries read 0.71x at 32-token chunks, not calm, and the
+    # judged against the chats' 4 s, the summaries read 0.66x at 64-token chunks, not calm, and the
     # mix moves for them (demand_rotation, session 17: chunks lengthened for them, every pause
     # longer). Session 25: with a chunk's gap read at its prompt's last chunk (a 32-token chunk at
     # token 1,218 of a summary), 1 prefill + 1 decode reads 0.35x and the move is a role change
     changes_plain, chunk_plain, last_plain = run(demand(False))
     assert len(changes_plain) == 2 and all("1 prefill + 1 decode" in c for c in changes_plain), changes_plain
-    assert "pressure 0.35x vs 0.71x" in changes_plain[0] and last_plain.held == "calm"
+    assert "pressure 0.35x vs 0.66x" in changes_plain[0] and last_plain.held == "calm"
 
 
 def test_the_decision_names_each_class_with_its_target():

@@ -63,7 +63,7 @@ class StepSample:
 def describe_model(m: StepModel) -> str:
     return (f"{m.overhead_s * 1e3:.1f} ms + {m.per_prefill_token_s * 1e3:.2f} ms/prompt token + "
             f"{m.per_prefill_attn_s * 1e3:.2f} ms/attention ktok2 + {m.per_decode_seq_s * 1e3:.2f} ms/decode + "
-            f"{m.per_decode_kv_token_s * 1e6:.1f} us/KV token")
+            f"{m.per_decode_kv_token_s * 1e6:.1f} us/KV token + {m.per_panel_step_s * 1e3:.1f} ms/panel step")
 
 
 class OnlineStepModel:

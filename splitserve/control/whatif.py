@@ -14,10 +14,13 @@ control/mix.py _held):
             only an arrangement without one splits them over prefill and decode instances.
             A prefill or decode instance beside a colocated one gets no new work.
   colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill
-            f = lp * c (c: seconds per prompt token, attention included at the mean prompt
-            length) and of decode ld * a (a: seconds per decode, KV reads included). With
-            continuous batching its running decodes n satisfy n = ld * o / (1 - f - ld * a)
-            (o: a step's fixed cost). A stream's worst gaps are the steps that carry a
+            f = lp * (c + s * g) (c: seconds per prompt token, attention included at the mean
+            prompt length; s: steps with prompt tokens per prompt token at the chunk budget; g:
+            such a step's GGUF panel cost) and of decode ld * a (a: seconds per decode, KV reads
+            included). With continuous batching its running decodes n satisfy
+            n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
+            queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
+            (a burst of prompts with few streams runs a step per chunk, streams or not). A stream's worst gaps are the steps that carry a
             prefill chunk: o + a * n + the chunk of the longest prompt that the stream at the
             attainment target meets (the prompts arriving there while it is prefilled and while it
             answers are Poisson, m on average, so for a share t of streams none of them is longer
@@ -179,6 +182,14 @@ class WhatIf:
         step = self.model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv)
         return step * self.gap_tail if chunk > 0 else step
 
+    def _prompt_steps_per_token(self, demand: Demand, budget: int) -> float:
+        """Steps that carry prompt tokens, per prompt token, at `budget` tokens a step: the window's
+        prompts cut into chunks (a 300-token prompt is 5 steps at 64 tokens, 2 at 256)."""
+        if demand.prompts:
+            return sum(-(-p // budget) for p in demand.prompts) / max(sum(demand.prompts), 1)
+        mean = max(demand.mean_prompt, 1.0)
+        return math.ceil(mean / budget) / mean
+
     def _per_token(self, demand: Demand) -> tuple[float, float, float]:
         """(c, a, context): seconds per prompt token and per decode, and a decode's mean context."""
         m = self.model
@@ -210,12 +221,22 @@ class WhatIf:
         m, k = self.model, len(serving)
         c, a, context = self._per_token(demand)
         lp, ld = demand.prompt_rate / k, demand.answer_rate / k
-        u = lp * c + ld * a
-        slack = max(1 - u, MIN_SLACK)
+        # Each step that carries prompt tokens pays a fixed cost beside them: the GGUF panel path
+        # (per_panel_step_s), and its own overhead where no stream's step would have run anyway. So
+        # the chunk budget sets how much an instance's prompt work costs, not only its pauses
+        # (demand_unseen_overload, session 27 on an AMX Xeon: 64-token chunks stepped 164-176 ms, 366
+        # prompt tokens/s, 256-token chunks 400-420 ms, 610/s; a line per token read them alike, so
+        # every budget looked as overloaded in the agents' bursts and the shortest pause won).
+        steps = self._prompt_steps_per_token(demand, self.chunk_budget)
+        c_panel = c + steps * m.per_panel_step_s
+        u = lp * (c_panel + steps * m.overhead_s) + ld * a  # busy share; past 1 the prompt steps alone overrun
+        # the streams step with the prompt chunks, so their steps' overhead is what the rest leaves
+        slack = max(1 - (lp * c_panel + ld * a), MIN_SLACK)
         fluid_n = ld * m.overhead_s / slack
         gaps, ttfts, tpots = [], [], []
         prompt = max(int(demand.mean_prompt), 1)
-        decode_share = max(1 - lp * c, MIN_SLACK)  # the share of its time not spent on prompts
+        decode_share = max(1 - lp * c_panel, MIN_SLACK)  # the share of its time not spent on prompts
+        c_queued = c + (m.overhead_s + m.per_panel_step_s) / max(self.chunk_budget, 1)
         by_class: list[list[float]] = [[] for _ in demand.classes]
         for h in serving:
             n = math.ceil(max(fluid_n, h.num_running))
@@ -245,7 +266,7 @@ class WhatIf:
                     met = demand.prompt_quantile(share)
                     chunk, depth = max(chunk, self._chunk(met)), max(depth, met)
             gaps.append(self.gap_s(chunk, n, kv, depth))
-            wait = service * _queueing(1 - slack) + h.queued_prompt_tokens * c
+            wait = service * _queueing(min(u, 1 - MIN_SLACK)) + h.queued_prompt_tokens * c_queued
             ttfts.append(service + wait)
             for ttft_c, cls in zip(by_class, demand.classes):
                 ttft_c.append(service_of(max(int(cls.mean_prompt), 1)) + wait)
@@ -267,14 +288,20 @@ class WhatIf:
                               / max(demand.request_rate * (1 - share), 1e-9)), 1) if share < 1 else 1
         prompt = max(int(demand.mean_prompt), 1) if not local else remote_mean
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
-        u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * m.overhead_s) / len(prefill)
+        # a whole prompt a step: each pays the step's overhead and the GGUF panel path once
+        u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * (m.overhead_s + m.per_panel_step_s)) \
+            / len(prefill)
         wait = (service * _queueing(min(u_prefill, 1 - MIN_SLACK))
                 + min(h.queued_prompt_tokens for h in prefill) * c)
         ttft = service + wait
         ld = demand.answer_rate / len(decode)
         local_rate = demand.request_rate * share * local_mean / len(decode)  # prompt tokens/s on each
-        u_decode = ld * a + local_rate * c
-        fluid_n = ld * m.overhead_s / max(1 - u_decode, MIN_SLACK)
+        # local prompts in chunks beside the streams, each chunk's step paying the panel path (and its
+        # overhead where no stream's step would have run), as on a colocated instance
+        local_steps = self._prompt_steps_per_token(Demand(prompts=tuple(local)), self.chunk_budget) if local else 0.0
+        c_local = c + local_steps * m.per_panel_step_s
+        u_decode = ld * a + local_rate * (c_local + local_steps * m.overhead_s)
+        fluid_n = ld * m.overhead_s / max(1 - (ld * a + local_rate * c_local), MIN_SLACK)
         gaps, decodes = [], []
         chunk = self._chunk(max(local)) if local else 0
         for h in decode:
