@@ -5,8 +5,8 @@ engine's prompt steps gain from measuring it (serve --kernel-rows auto) against 
 
 Part 1: each distinct matrix shape of the bundled model, x[M, K] @ W on both paths at M = 8..128
 (fastest of --repeats), and the crossover calibrate_kernel_rows picks from its two row counts.
-Part 2: one engine per setting (kernel rows 64, then auto), lone prompts of 16..512 tokens, each
-step timed --repeats times; the ratio auto / 64 per prompt length, measured in the same run.
+Part 2: one engine per setting (kernel rows 64 and auto), lone prompts of 16..512 tokens, the two
+engines alternating step by step, each length --repeats times; the ratio auto / 64 of the fastest.
 Run it with nothing else on the box; it names the CPU with every figure.
 """
 from __future__ import annotations
@@ -52,17 +52,23 @@ def main() -> int:
         out["shapes"].append({"shape": list(key), "ms": {m: [k * 1e3, d * 1e3] for m, (k, d) in rows.items()},
                               "calibrated": chosen, "dense_first_faster_at": measured})
     lengths = (16, 32, 48, 64, 96, 128, 256, 512)
-    times: dict[str, dict[int, list[float]]] = {}
+    times: dict[str, dict[int, list[float]]] = {"64": {n: [] for n in lengths}, "auto": {n: [] for n in lengths}}
+    timers = {}
     for label, kernel_rows in (("64", 64), ("auto", None)):
         start = time.perf_counter()
         core = EngineCore(EngineConfig(num_threads=args.threads, kernel_rows=kernel_rows,
                                        cache=CacheConfig(kv_cache_memory=64 * 2**20, enable_prefix_caching=True),
                                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048)), loaded)
         print(f"engine kernel rows {label}: {core.kernel_rows} (engine start {time.perf_counter() - start:.2f} s)")
-        timer = StepTimer(core, args.repeats, lambda s: None)
-        timer.measure_prefill(64)  # warm-up
-        times[label] = {n: [timer.prefill([], n)[0] for _ in range(args.repeats)] for n in lengths}
-        core.close()
+        timers[label] = StepTimer(core, args.repeats, lambda s: None, seed=len(timers))
+        timers[label].measure_prefill(64)  # warm-up
+    # the two engines alternate step by step, so drift in the host's speed falls on both alike
+    for n in lengths:
+        for _ in range(args.repeats):
+            for label, timer in timers.items():
+                times[label][n].append(timer.prefill([], n)[0])
+    for timer in timers.values():
+        timer.core.close()
     for n in lengths:
         a, b = min(times["64"][n]), min(times["auto"][n])
         print(f"prompt {n:4d}: 64 rows {a * 1e3:7.1f} ms (median {statistics.median(times['64'][n]) * 1e3:.1f}), "
