@@ -254,3 +254,49 @@ def test_a_request_s_first_token_deadline_reaches_its_engine_and_the_caps_reach_
                 async for _ in stream:
                     pass
     asyncio.run(go())
+
+
+def test_a_separated_plan_waits_in_the_frontend_while_its_decode_instance_is_at_its_cap(tiny):
+    # demand_rotation_overload_x2, session 28: in 1 prefill + 1 decode through the writing surge the
+    # engine's cap held nothing (a handed-over stream has begun its answer), the decode instance
+    # stepped every stream the prefill instance finished, at 1-2 s a token. The dispatcher holds a
+    # separated plan before its prefill while the decode instance is full, and sends it as room opens
+    from cluster_support import Cluster, prompt_of
+
+    async def go():
+        async with Cluster(tiny, {"engine-0": "prefill", "engine-1": "decode"}) as cluster:
+            client = cluster.client
+            dispatcher = client.dispatcher
+            client.set_stream_caps({"engine-0": None, "engine-1": 2})
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            streams = [client.submit_tokens(f"r{i}", prompt_of(12, seed=i), params) for i in range(6)]
+            assert len(dispatcher.held) == 4 and dispatcher._streams_on("engine-1") == 2
+            aborted = streams.pop(5)
+            aborted.close()  # a held request's client leaves: it goes, and holds nothing
+            assert len(dispatcher.held) == 3
+            # the controller sees the queue the hold made, on the prefill instance
+            views = {v.instance_id: v for v in client.load_view()}
+            assert views["engine-0"].num_queued_prompt_tokens >= 3 * 12
+            most, outputs = 0, {}
+
+            async def read(i, stream):
+                tokens = []
+                async for out in stream:
+                    tokens += out.token_ids
+                outputs[i] = tokens
+
+            tasks = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+            while not all(t.done() for t in tasks):
+                most = max(most, dispatcher._streams_on("engine-1"))
+                await asyncio.sleep(0.002)
+            assert most == 2 and not dispatcher.held
+            assert all(len(outputs[i]) == 24 for i in range(5))
+            # greedy answers are the same as with no cap
+            client.set_stream_caps({"engine-1": None})
+            free = [client.submit_tokens(f"f{i}", prompt_of(12, seed=i), params) for i in range(5)]
+            assert not dispatcher.held
+            again = {}
+            for i, s in enumerate(free):
+                again[i] = [t for out in [o async for o in s] for t in out.token_ids]
+            assert again == outputs
+    asyncio.run(go())

@@ -11,6 +11,7 @@ instances. It speaks token ids: the text is the API's (api/engine_client.py, api
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import time
 from collections import deque
@@ -131,11 +132,24 @@ class Coordinator(ServedInstances):
                 self.link.send(engine_id, SetChunkTokens(tokens or 0))
 
     def set_stream_caps(self, caps: dict[str, int | None]) -> None:
-        """Each named live instance's stream cap (None: max_num_seqs alone; Scheduler.max_streams)."""
+        """Each named live instance's stream cap (None: max_num_seqs alone; Scheduler.max_streams).
+        A decode instance's also holds, in the dispatcher, separated plans onto it while it is full:
+        its engine never holds a stream that was handed over."""
         for engine_id, streams in caps.items():
             inst = self.instances.get(engine_id)
             if inst is not None and inst.alive:
                 self.link.send(engine_id, SetStreamCap(streams or 0))
+                self.dispatcher.set_stream_cap(engine_id, streams)  # read only while it decodes
 
     def load_view(self) -> list[InstanceLoadView]:
-        return self.roles.load_view()
+        """The instances' loads; prompts the dispatcher holds for a full decode instance count as
+        queued on the prefill instance with the least queued (they go there once room opens), so the
+        mix controller sees the queue it made (Dispatcher.held)."""
+        views = self.roles.load_view()
+        held = sum(len(s.prompt_token_ids) for s in self.dispatcher.held)
+        prefill = [v for v in views if v.role == "prefill" and v.alive]
+        if held and prefill:
+            least = min(prefill, key=lambda v: v.num_queued_prompt_tokens)
+            views = [dataclasses.replace(v, num_queued_prompt_tokens=v.num_queued_prompt_tokens + held)
+                     if v is least else v for v in views]
+        return views

@@ -57,6 +57,14 @@ class Dispatcher:
         self.retry_on_engine_failure = retry_on_engine_failure
         self.requests: dict[str, RequestState] = {}  # by internal request id
         self.parked: list[RequestState] = []  # no instance could take them while roles were changing
+        # The mix controller's stream cap, per decode instance (Coordinator.set_stream_caps). A stream
+        # handed over has begun its answer, so the engine never holds it (Scheduler.max_streams): a
+        # separated plan whose decode instance is at its cap waits here instead, before its prefill,
+        # the most urgent first (demand_rotation_overload_x2, session 28: in 1 prefill + 1 decode
+        # through the writing surge the prefill instance handed over every prompt it finished, the
+        # decode instance stepped 33-36 streams and more at 1-2 s a token, and pauses reached 48 s).
+        self.stream_caps: dict[str, int] = {}
+        self.held: list[RequestState] = []
         self.roles = RoleChanger(link, router, metrics, settled=self.dispatch_parked, num_inbound=self._num_inbound,
                                  release_inbound=self._release_inbound)
         self._ids = itertools.count()
@@ -101,6 +109,9 @@ class Dispatcher:
         routable = RoutableRequest(request_id, len(prompt), wire.max_tokens, prefix_key(prompt), prompt)
         try:
             plan = self.router.pick(routable)
+            if plan.prefill_instance_id is not None and not n and self._at_cap(plan.instance_id):
+                self._hold(state, request_id, plan.instance_id)
+                return
             if self.disagg_policy is not None:
                 plan, placement = self.disagg_policy.place(plan, routable, self.link.instances, self.router)
                 state.placement = placement.report() if placement is not None else None
@@ -119,6 +130,50 @@ class Dispatcher:
         state.streamed_to, state.held_outputs = None, []
         self._set_plan(state, plan)
         self.requests[request_id] = state
+
+    # ---- the stream cap of a separated mix ---------------------------------------------------
+
+    def set_stream_cap(self, engine_id: str, streams: int | None) -> None:
+        """An instance's stream cap (None or 0: none), read while it is a separated plan's decode
+        instance; requests held for it may go now."""
+        if streams:
+            self.stream_caps[engine_id] = streams
+        else:
+            self.stream_caps.pop(engine_id, None)
+        self.release_held()
+
+    def _streams_on(self, decode_id: str) -> int:
+        """Requests answering on `decode_id` or planned onto it (prefilling elsewhere, or there)."""
+        return sum(1 for s in self.requests.values() if decode_id in (s.instance_id, s.decode_instance_id))
+
+    def _at_cap(self, decode_id: str) -> bool:
+        cap = self.stream_caps.get(decode_id)
+        return cap is not None and self._streams_on(decode_id) >= cap
+
+    def _hold(self, state: RequestState, request_id: str, decode_id: str) -> None:
+        if len(self.held) >= self.max_queued_requests:
+            raise NoInstanceAvailable(f"decode instance {decode_id} is at its stream cap and "
+                                      f"{len(self.held)} requests already wait for room")
+        state.request_id, state.instance_id = request_id, None
+        state.prefill_instance_id = state.decode_instance_id = None
+        self.held.append(state)
+
+    def release_held(self) -> None:
+        """Sends held requests, the most urgent first, until one finds its decode instance still at
+        its cap (the rest would too: the router picks the least loaded); called as streams end, as
+        caps change and on every tick."""
+        if not self.held:
+            return
+        held, self.held = sorted(self.held, key=lambda s: (s.priority, s.arrival)), []
+        for i, state in enumerate(held):
+            try:
+                self._dispatch(state)
+            except (NoInstanceAvailable, ValueError) as e:
+                self._end(state, "error", f"no engine instance could take this request: {e}")
+                continue
+            if self.held:  # held again: its decode instance is still full
+                self.held.extend(held[i + 1:])
+                return
 
     def _inbound(self, decode_id: str) -> list[RequestState]:
         """Requests planned to be handed over to decode instance `decode_id`, still prefilling elsewhere."""
@@ -156,11 +211,14 @@ class Dispatcher:
                 self._dispatch(state)
             except (NoInstanceAvailable, ValueError) as e:
                 self._end(state, "error", f"no engine instance could take this request: {e}")
+        self.release_held()  # a settled role change may have opened room (or left no separated plan)
 
     def abort(self, state: RequestState, reason: str = "abort") -> None:
         """reason "stop": the API found a stop string in the text (counted as a stop, not an abort)."""
         if state in self.parked:
             self.parked.remove(state)
+        elif state in self.held:
+            self.held.remove(state)
         elif self.requests.pop(state.request_id, None) is None:
             return
         self._release(state)
@@ -179,8 +237,8 @@ class Dispatcher:
         with `refusal` (503), every one in flight or parked ends now with the error `failure`, and
         its engines are told to drop it (freeing its blocks). -> how many were ended."""
         self.refusing = refusal
-        states = list(self.requests.values()) + self.parked
-        self.parked = []
+        states = list(self.requests.values()) + self.parked + self.held
+        self.parked, self.held = [], []
         for state in states:
             self._end(state, "error", failure)
         return len(states)
@@ -203,6 +261,7 @@ class Dispatcher:
         self._release(state)
         self.metrics.requests.labels(reason).inc()
         state.queue.put_nowait(self.outputs.finish_event(state, reason, error))
+        self.release_held()
 
     def _hand_over_early(self, state: RequestState, out) -> None:
         """kv send mode overlap: P finished the prompt's first chunk and offers a streamed
@@ -326,6 +385,8 @@ class Dispatcher:
                 # holder is told to drop it.
                 self._release(state, abort=not processed.engine_done)
                 self._count_finished(state, "rejected" if out.rejected else event.finish_reason or "error")
+                if self.held:
+                    self.release_held()
             elif processed.handed_over:
                 self._hand_over(state, out)
             state.queue.put_nowait(event)
@@ -378,7 +439,9 @@ class Dispatcher:
                         state.instance_id or "(parked)")
 
     def on_tick(self) -> None:
-        """Drained instances leave once they hold nothing (a prefill one may still lend KV)."""
+        """Drained instances leave once they hold nothing (a prefill one may still lend KV); held
+        requests whose decode instance has room go (a stream may have ended on an abort)."""
+        self.release_held()
         for engine_id, inst in list(self.link.instances.items()):
             load = self.router.instances.get(engine_id)
             if not inst.alive or load is None or not load.draining or load.num_requests:
