@@ -20,8 +20,9 @@ control/mix.py _held):
             included). With continuous batching its running decodes n satisfy
             n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
             queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
-            (a burst of prompts with few streams runs a step per chunk, streams or not). A stream's worst gaps are the steps that carry a
-            prefill chunk: o + a * n + the chunk of the longest prompt that the stream at the
+            (a burst of prompts with few streams runs a step per chunk, streams or not).
+            A stream's worst gaps are the steps that carry a prefill chunk: o + a * n + the
+            chunk of the longest prompt that the stream at the
             attainment target meets (the prompts arriving there while it is prefilled and while it
             answers are Poisson, m on average, so for a share t of streams none of them is longer
             than the 1 + ln(t) / m quantile of recent prompts, t = 0.9; below m = -ln t that share
