@@ -284,7 +284,7 @@ def test_engine_measures_kernel_rows_on_load_or_takes_the_number_it_is_given(mod
 def test_serve_kernel_rows_flag_takes_auto_or_rows_and_refuses_the_rest():
     import argparse
 
-    from splitserve.engine.process import kernel_rows_arg
+    from splitserve.entrypoints.launch import kernel_rows_arg
 
     assert kernel_rows_arg("auto") is None and kernel_rows_arg("AUTO") is None
     assert kernel_rows_arg("48") == 48 and kernel_rows_arg("0") == 0

@@ -183,12 +183,14 @@ class WhatIf:
         step = self.model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv)
         return step * self.gap_tail if chunk > 0 else step
 
-    def _prompt_steps_per_token(self, demand: Demand, budget: int) -> float:
-        """Steps that carry prompt tokens, per prompt token, at `budget` tokens a step: the window's
-        prompts cut into chunks (a 300-token prompt is 5 steps at 64 tokens, 2 at 256)."""
-        if demand.prompts:
-            return sum(-(-p // budget) for p in demand.prompts) / max(sum(demand.prompts), 1)
-        mean = max(demand.mean_prompt, 1.0)
+    @staticmethod
+    def _prompt_steps_per_token(prompts: tuple[int, ...] | list[int], mean_prompt: float, budget: int) -> float:
+        """Steps that carry prompt tokens, per prompt token, at `budget` tokens a step: the prompts
+        cut into chunks (a 300-token prompt is 5 steps at 64 tokens, 2 at 256); with none listed,
+        a prompt of the mean length."""
+        if prompts:
+            return sum(-(-p // budget) for p in prompts) / max(sum(prompts), 1)
+        mean = max(mean_prompt, 1.0)
         return math.ceil(mean / budget) / mean
 
     def _per_token(self, demand: Demand) -> tuple[float, float, float]:
@@ -228,7 +230,7 @@ class WhatIf:
         # (demand_unseen_overload, session 27 on an AMX Xeon: 64-token chunks stepped 164-176 ms, 366
         # prompt tokens/s, 256-token chunks 400-420 ms, 610/s; a line per token read them alike, so
         # every budget looked as overloaded in the agents' bursts and the shortest pause won).
-        steps = self._prompt_steps_per_token(demand, self.chunk_budget)
+        steps = self._prompt_steps_per_token(demand.prompts, demand.mean_prompt, self.chunk_budget)
         c_panel = c + steps * m.per_panel_step_s
         u = lp * (c_panel + steps * m.overhead_s) + ld * a  # busy share; past 1 the prompt steps alone overrun
         # the streams step with the prompt chunks, so their steps' overhead is what the rest leaves
@@ -299,7 +301,7 @@ class WhatIf:
         local_rate = demand.request_rate * share * local_mean / len(decode)  # prompt tokens/s on each
         # local prompts in chunks beside the streams, each chunk's step paying the panel path (and its
         # overhead where no stream's step would have run), as on a colocated instance
-        local_steps = self._prompt_steps_per_token(Demand(prompts=tuple(local)), self.chunk_budget) if local else 0.0
+        local_steps = self._prompt_steps_per_token(local, 0.0, self.chunk_budget) if local else 0.0
         c_local = c + local_steps * m.per_panel_step_s
         u_decode = ld * a + local_rate * (c_local + local_steps * m.overhead_s)
         fluid_n = ld * m.overhead_s / max(1 - (ld * a + local_rate * c_local), MIN_SLACK)

@@ -143,8 +143,10 @@ class Dispatcher:
         self.release_held()
 
     def _streams_on(self, decode_id: str) -> int:
-        """Requests answering on `decode_id` or planned onto it (prefilling elsewhere, or there)."""
-        return sum(1 for s in self.requests.values() if decode_id in (s.instance_id, s.decode_instance_id))
+        """Requests answering on `decode_id` or planned onto it (prefilling elsewhere, or there): the
+        router admits a separated plan on its decode instance from the start (Router.on_start)."""
+        load = self.router.instances.get(decode_id)
+        return load.num_requests if load is not None else 0
 
     def _at_cap(self, decode_id: str) -> bool:
         cap = self.stream_caps.get(decode_id)

@@ -130,19 +130,6 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated",
                                   scheduling_policy=args.scheduling_policy))
 
 
-def kernel_rows_arg(text: str) -> int | None:
-    """serve --kernel-rows: 'auto' (None: each engine measures) or a whole number of rows."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        rows = int(text)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise argparse.ArgumentTypeError(f"--kernel-rows takes 'auto' or a whole number >= 0, got {text!r}")
-    return rows
-
-
 def parse_cpus(text: str) -> set[int]:
     cpus: set[int] = set()
     try:

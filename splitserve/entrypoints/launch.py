@@ -30,7 +30,7 @@ from splitserve.cluster.ray_placement import RayPlacement, add_ray_arguments, ch
 from splitserve.config import EngineConfig
 from splitserve.coordinator.adaptive import add_adaptive_arguments, adaptive_from_args, check_adaptive_args
 from splitserve.coordinator.disagg_policy import add_disagg_arguments, check_disagg_args, disagg_policy_from_args
-from splitserve.engine.process import add_engine_arguments, engine_config_from_args, kernel_rows_arg
+from splitserve.engine.process import add_engine_arguments, engine_config_from_args
 from splitserve.api.http_guard import add_http_guard_arguments, http_guard_from_args
 from splitserve.api.limits import add_limit_arguments, check_limit_args
 from splitserve.api.api_keys import add_api_key_arguments, api_keys_from_args
@@ -45,6 +45,19 @@ from splitserve.kv_transfer import kv_config_from_args
 from splitserve.protocol import encode_engine_config
 
 log = logging.getLogger("splitserve.serve")
+
+
+def kernel_rows_arg(text: str) -> int | None:
+    """serve --kernel-rows: 'auto' (None: each engine measures) or a whole number of rows."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"--kernel-rows takes 'auto' or a whole number >= 0, got {text!r}")
+    return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,9 +8,9 @@ registers, dequantizes the matrix and calls F.linear. Either way each weight is 
 fp32 value gguf-py's dequantize gives, so only the order of the fp32 sums differs from the fp32
 path. Without the compiled kernels the same results come from pure torch (slower).
 
-Where the two paths cross depends on the CPU: 64 rows on the AVX-512 EPYC it was measured on, 28-36
-rows for the per-layer matrices on an AVX-512/AMX Xeon (session 28: a 64-token prompt step 157 ms on
-the kernels, about 120 ms dequantized; docs/benchmarks.md "Engine"). So an engine measures it when
+Where the two paths cross depends on the CPU: 64 rows on the AVX-512 EPYC it was measured on, 21-42
+rows for the per-layer matrices on an AVX-512/AMX Xeon (session 28: a 64-token prompt step 140 ms on
+the kernels, 122 ms dequantized; docs/benchmarks.md "Engine"). So an engine measures it when
 it loads (`calibrate_kernel_rows`: each matrix shape on both paths at two row counts, the crossing of
 the two lines), unless told a number (serve --kernel-rows).
 """
