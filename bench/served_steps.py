@@ -1,0 +1,167 @@
+"""Issue 28: a fresh prompt's step in an engine that `serve` runs, against the same step in the
+profile's own in-process EngineCore, on one box in one run.
+
+A trial's prompt steps under 128 tokens run 1.21-1.40x the profile's step model (sessions 15, 16
+and 29, two CPUs), and the engine thread's own CPU time on them is 1.12-1.20x the model: the work
+is longer, not only waiting for a core. The profile times prompts in its own process (public
+EngineCore calls); a trial's engine is a separate process fed over its socket, with a frontend and
+a client beside it. This times both with nothing else going on: one prompt at a time, fresh random
+token ids (no prefix-cache hit), answers of one token, so each request is exactly one step. The
+in-process step is timed as `splitserve profile` times it (wall around EngineCore.step, and the
+thread's CPU time); the served step is the engine's own record of that step (GET /admin/steps:
+seconds and cpu_seconds, as a trial reads them). The two alternate request by request, so drift
+of the host reads on both alike.
+
+    python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as serve sets it for its engines
+
+import httpx  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, budget: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), "--instances", "1",
+                             "--threads-per-instance", "1", "--max-num-batched-tokens", str(budget),
+                             "--log-level", "warning"], cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("serve was not ready within 600 s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="32,64,96,128,256")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--churn", type=int, default=0,
+                    help="first send this many requests, 8 at a time, of random lengths (16-700 prompt tokens, 1-48 "
+                         "answer tokens), as a trial's engine has served many before a step is timed")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    budget = max(sizes) + 64
+
+    import torch
+
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.control.profile import StepTimer
+    from splitserve.engine.core import EngineCore
+    from splitserve.models.loader import load_model
+
+    torch.set_num_threads(1)
+    loaded = load_model(None)
+    core = EngineCore(EngineConfig(model=None, num_threads=1,
+                                   cache=CacheConfig(kv_cache_memory=64 * 2**20, enable_prefix_caching=True),
+                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget)), loaded)
+    timer = StepTimer(core, 1, lambda *_: None, seed=7)
+    rng = random.Random(11)
+    vocab = core.model_config.vocab_size
+    port = free_port()
+    server = start_server(port, budget)
+    base = f"http://127.0.0.1:{port}"
+    inproc: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    try:
+        client = httpx.Client(base_url=base, timeout=120)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+
+        def served(n: int) -> None:
+            prompt = [rng.randrange(100, vocab) for _ in range(n)]
+            r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
+                                                     "temperature": 0.0, "ignore_eos": True})
+            r.raise_for_status()
+
+        def in_process(n: int) -> tuple[float, float]:
+            cpu0 = time.thread_time()
+            seconds, _ = timer.prefill([], n)
+            return seconds, time.thread_time() - cpu0
+
+        for n in sizes:  # warm both paths for every shape
+            served(n)
+            in_process(n)
+        if args.churn:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(i: int) -> None:
+                prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(16, 700))]
+                httpx.post(f"{base}/v1/completions", timeout=300, json={
+                    "model": model, "prompt": prompt, "max_tokens": rng.randint(1, 48), "temperature": 0.0,
+                    "ignore_eos": True}).raise_for_status()
+
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(one, range(args.churn)))
+        first = client.get("/admin/steps").json()["instances"][0]["count"]
+        order = []
+        for _ in range(args.repeats):
+            for n in sizes:
+                served(n)
+                order.append(n)
+                inproc[n].append(in_process(n))
+                time.sleep(0.05)
+        rows = client.get("/admin/steps").json()
+    finally:
+        core.close()
+        try:
+            os.killpg(server.pid, 15)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=60)
+    inst = rows["instances"][0]
+    fields = rows["fields"]
+    samples = [dict(zip(fields, s)) for s in inst["samples"]][max(0, first - inst["first"]):]
+    prompt_steps = [s for s in samples if s["prefill_tokens"] > 0]
+    if [s["prefill_tokens"] for s in prompt_steps] != order:
+        raise RuntimeError(f"the served engine's prompt steps {[s['prefill_tokens'] for s in prompt_steps]} "
+                           f"are not the requests sent {order}: it batched or split them")
+    out = {"sizes": sizes, "repeats": args.repeats, "churn": args.churn, "rows": []}
+    print(f"{'tokens':>6} | in-process ms: best / median (cpu median) | served ms: best / median (cpu median) "
+          f"| served / in-process, median wall, median cpu")
+    for n in sizes:
+        ip = inproc[n]
+        sv = [(s["seconds"], s["cpu_seconds"]) for s in prompt_steps if s["prefill_tokens"] == n]
+        row = {"tokens": n,
+               "in_process_s": [round(w, 6) for w, _ in ip], "in_process_cpu_s": [round(c, 6) for _, c in ip],
+               "served_s": [w for w, _ in sv], "served_cpu_s": [c for _, c in sv]}
+        med = statistics.median
+        wi, ci = med(w for w, _ in ip), med(c for _, c in ip)
+        ws, cs = med(w for w, _ in sv), med(c for _, c in sv)
+        row["ratio_wall"], row["ratio_cpu"] = ws / wi, (cs / ci if ci > 0 else None)
+        out["rows"].append(row)
+        print(f"{n:>6} | {min(w for w, _ in ip) * 1e3:7.1f} / {wi * 1e3:7.1f} ({ci * 1e3:6.1f}) "
+              f"| {min(w for w, _ in sv) * 1e3:7.1f} / {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) "
+              f"| {row['ratio_wall']:.2f}x wall, {row['ratio_cpu'] or float('nan'):.2f}x cpu")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
