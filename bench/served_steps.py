@@ -41,8 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, budget: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), "--instances", "1",
+def start_server(port: int, budget: int, disagg: bool = False) -> subprocess.Popen:
+    shape = ["--prefill", "1", "--decode", "1", "--kv-transport", "shm"] if disagg else ["--instances", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), *shape,
                              "--threads-per-instance", "1", "--max-num-batched-tokens", str(budget),
                              "--log-level", "warning"], cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -66,7 +67,14 @@ def main() -> int:
     ap.add_argument("--churn", type=int, default=0,
                     help="first send this many requests, 8 at a time, of random lengths (16-700 prompt tokens, 1-48 "
                          "answer tokens), as a trial's engine has served many before a step is timed")
+    ap.add_argument("--disagg", action="store_true",
+                    help="serve 1 prefill + 1 decode instead, answers of 8 tokens, and time the prefill instance's "
+                         "prompt steps two ways: one request at a time (sequential), and each request sent when the "
+                         "one before has its first token (chained), so the step runs while the previous prompt's KV "
+                         "is handed over and decoded")
     args = ap.parse_args()
+    if args.disagg:
+        return disagg(args)
     sizes = [int(x) for x in args.sizes.split(",")]
     budget = max(sizes) + 64
 
@@ -158,6 +166,93 @@ def main() -> int:
         print(f"{n:>6} | {min(w for w, _ in ip) * 1e3:7.1f} / {wi * 1e3:7.1f} ({ci * 1e3:6.1f}) "
               f"| {min(w for w, _ in sv) * 1e3:7.1f} / {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) "
               f"| {row['ratio_wall']:.2f}x wall, {row['ratio_cpu'] or float('nan'):.2f}x cpu")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def disagg(args) -> int:
+    import threading
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rng = random.Random(13)
+    port = free_port()
+    server = start_server(port, max(sizes) + 64, disagg=True)
+    base = f"http://127.0.0.1:{port}"
+    order: list[tuple[str, int]] = []
+    try:
+        client = httpx.Client(base_url=base, timeout=120)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        vocab = 49152
+
+        def body(n: int, stream: bool) -> dict:
+            return {"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(n)], "max_tokens": 8,
+                    "temperature": 0.0, "ignore_eos": True, "stream": stream}
+
+        def sequential(n: int) -> None:
+            client.post("/v1/completions", json=body(n, False)).raise_for_status()
+
+        def drain(resp, ctx) -> None:
+            try:
+                for _ in resp.iter_lines():
+                    pass
+            finally:
+                ctx.__exit__(None, None, None)
+
+        def chained(ns: list[int]) -> None:
+            threads = []
+            for n in ns:
+                ctx = httpx.stream("POST", f"{base}/v1/completions", json=body(n, True), timeout=120)
+                resp = ctx.__enter__()
+                lines = resp.iter_lines()
+                for line in lines:  # the first token: the prompt's step is done, its KV goes over now
+                    if line.startswith("data:"):
+                        break
+                t = threading.Thread(target=drain, args=(resp, ctx))
+                t.start()
+                threads.append(t)
+            for t in threads:
+                t.join()
+
+        for n in sizes:
+            sequential(n)
+        info = client.get("/admin/steps").json()
+        prefill_id = next(i["id"] for i in info["instances"] if i["role"] == "prefill")
+        first = next(i["count"] for i in info["instances"] if i["id"] == prefill_id)
+        for _ in range(args.repeats):
+            for n in sizes:
+                sequential(n)
+                order.append(("sequential", n))
+            chained(sizes + sizes)  # two rounds, so every size has a predecessor in flight
+            order += [("chained", n) for n in sizes + sizes]
+            time.sleep(0.5)
+        rows = client.get("/admin/steps").json()
+    finally:
+        try:
+            os.killpg(server.pid, 15)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=60)
+    inst = next(i for i in rows["instances"] if i["id"] == prefill_id)
+    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+    steps = [x for x in samples if x["prefill_tokens"] > 0]
+    if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
+        raise RuntimeError("the prefill instance's prompt steps are not the requests sent one per step")
+    out = {"sizes": sizes, "repeats": args.repeats, "mode": "disagg", "rows": []}
+    print(f"{'tokens':>6} | sequential ms: median (cpu) | chained ms: median (cpu) | chained / sequential")
+    for n in sizes:
+        seq = [x for (m, k), x in zip(order, steps) if k == n and m == "sequential"]
+        # the first of each chain has nothing in flight before it: leave it out
+        chain = [x for j, ((m, k), x) in enumerate(zip(order, steps))
+                 if k == n and m == "chained" and order[j - 1][0] == "chained"]
+        med = statistics.median
+        ws, cs = med(x["seconds"] for x in seq), med(x["cpu_seconds"] for x in seq)
+        wc, cc = med(x["seconds"] for x in chain), med(x["cpu_seconds"] for x in chain)
+        out["rows"].append({"tokens": n, "sequential_s": [x["seconds"] for x in seq],
+                            "sequential_cpu_s": [x["cpu_seconds"] for x in seq],
+                            "chained_s": [x["seconds"] for x in chain], "chained_cpu_s": [x["cpu_seconds"] for x in chain]})
+        print(f"{n:>6} | {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) | {wc * 1e3:7.1f} ({cc * 1e3:6.1f}) "
+              f"| {wc / ws:.2f}x wall, {cc / cs:.2f}x cpu (n={len(seq)}, {len(chain)})")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
