@@ -13,6 +13,7 @@ seconds and cpu_seconds, as a trial reads them). The two alternate request by re
 of the host reads on both alike.
 
     python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
+    python bench/served_steps.py --disagg | --queue [--sizes ...] [--repeats N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, budget: int, disagg: bool = False) -> subprocess.Popen:
+def start_server(port: int, budget: int, disagg: bool = False, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     shape = ["--prefill", "1", "--decode", "1", "--kv-transport", "shm"] if disagg else ["--instances", "1"]
+    shape += list(extra)
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), *shape,
                              "--threads-per-instance", "1", "--max-num-batched-tokens", str(budget),
                              "--log-level", "warning"], cwd=ROOT, start_new_session=True)
@@ -72,9 +74,15 @@ def main() -> int:
                          "prompt steps two ways: one request at a time (sequential), and each request sent when the "
                          "one before has its first token (chained), so the step runs while the previous prompt's KV "
                          "is handed over and decoded")
+    ap.add_argument("--queue", action="store_true",
+                    help="serve one instance that runs one request at a time (--max-num-seqs 1) and time its prompt "
+                         "steps two ways: one request at a time, and 8 sent at once, so the steps run back to back "
+                         "from a queue")
     args = ap.parse_args()
     if args.disagg:
         return disagg(args)
+    if args.queue:
+        return queued(args)
     sizes = [int(x) for x in args.sizes.split(",")]
     budget = max(sizes) + 64
 
@@ -166,6 +174,66 @@ def main() -> int:
         print(f"{n:>6} | {min(w for w, _ in ip) * 1e3:7.1f} / {wi * 1e3:7.1f} ({ci * 1e3:6.1f}) "
               f"| {min(w for w, _ in sv) * 1e3:7.1f} / {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) "
               f"| {row['ratio_wall']:.2f}x wall, {row['ratio_cpu'] or float('nan'):.2f}x cpu")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def queued(args) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rng = random.Random(17)
+    port = free_port()
+    server = start_server(port, max(sizes) + 64, extra=("--max-num-seqs", "1"))
+    base = f"http://127.0.0.1:{port}"
+    order: list[tuple[str, int]] = []
+    try:
+        client = httpx.Client(base_url=base, timeout=120)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+
+        def one(n: int) -> None:
+            httpx.post(f"{base}/v1/completions", timeout=300, json={
+                "model": model, "prompt": [rng.randrange(100, 49152) for _ in range(n)], "max_tokens": 1,
+                "temperature": 0.0, "ignore_eos": True}).raise_for_status()
+
+        for n in sizes:
+            one(n)
+        first = client.get("/admin/steps").json()["instances"][0]["count"]
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(args.repeats):
+                for n in sizes:
+                    for _ in range(3):
+                        one(n)
+                        order.append(("sequential", n))
+                    list(pool.map(one, [n] * 8))
+                    order += [("queued", n)] * 8
+                    time.sleep(0.2)
+        rows = client.get("/admin/steps").json()
+    finally:
+        try:
+            os.killpg(server.pid, 15)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=60)
+    inst = rows["instances"][0]
+    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+    steps = [x for x in samples if x["prefill_tokens"] > 0]
+    if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
+        raise RuntimeError("the instance's prompt steps are not the requests sent one per step")
+    out = {"sizes": sizes, "repeats": args.repeats, "mode": "queue", "rows": []}
+    print(f"{'tokens':>6} | one at a time ms: median (cpu) | 8 queued ms: median (cpu), loop wait median | queued / one")
+    med = statistics.median
+    for n in sizes:
+        seq = [x for (m, k), x in zip(order, steps) if k == n and m == "sequential"]
+        # the first of each 8 may have waited for work; the rest ran straight on (loop_seconds > 0)
+        q = [x for (m, k), x in zip(order, steps) if k == n and m == "queued" and x["loop_seconds"] > 0]
+        ws, cs = med(x["seconds"] for x in seq), med(x["cpu_seconds"] for x in seq)
+        wq, cq = med(x["seconds"] for x in q), med(x["cpu_seconds"] for x in q)
+        out["rows"].append({"tokens": n, "sequential": [[x["seconds"], x["cpu_seconds"]] for x in seq],
+                            "queued": [[x["seconds"], x["cpu_seconds"], x["loop_seconds"]] for x in q]})
+        print(f"{n:>6} | {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) | {wq * 1e3:7.1f} ({cq * 1e3:6.1f}) "
+              f"| {wq / ws:.2f}x wall, {cq / cs:.2f}x cpu (n={len(seq)}, {len(q)})")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
