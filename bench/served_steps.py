@@ -14,6 +14,7 @@ of the host reads on both alike.
 
     python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
     python bench/served_steps.py --disagg | --queue [--sizes ...] [--repeats N] [--json out.json]
+    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--json out.json]
 """
 from __future__ import annotations
 
@@ -78,7 +79,14 @@ def main() -> int:
                     help="serve one instance that runs one request at a time (--max-num-seqs 1) and time its prompt "
                          "steps two ways: one request at a time, and 8 sent at once, so the steps run back to back "
                          "from a queue")
+    ap.add_argument("--traffic", type=float, default=0.0, metavar="SECONDS",
+                    help="serve one instance (chunked, 256-token budget) to 8 streaming clients of chats (16-160-token "
+                         "prompts, 48-96-token answers) for this long, and read every step it ran against --profile's "
+                         "step model for one lone instance, as bench/step_split.py reads a trial's")
+    ap.add_argument("--profile", default=None, help="the profile.json --traffic reads its steps against")
     args = ap.parse_args()
+    if args.traffic:
+        return traffic(args)
     if args.disagg:
         return disagg(args)
     if args.queue:
@@ -174,6 +182,67 @@ def main() -> int:
         print(f"{n:>6} | {min(w for w, _ in ip) * 1e3:7.1f} / {wi * 1e3:7.1f} ({ci * 1e3:6.1f}) "
               f"| {min(w for w, _ in sv) * 1e3:7.1f} / {ws * 1e3:7.1f} ({cs * 1e3:6.1f}) "
               f"| {row['ratio_wall']:.2f}x wall, {row['ratio_cpu'] or float('nan'):.2f}x cpu")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def traffic(args) -> int:
+    import threading
+
+    from splitserve.control.profile_file import load_profile
+    from splitserve.control.stepmodel import StepShape
+
+    if not args.profile:
+        raise SystemExit("--traffic needs --profile PROFILE.json")
+    model_1t = load_profile(args.profile).instance_models([1])[0][0]
+    port = free_port()
+    server = start_server(port, 256, extra=("--prefill-policy", "chunked"))
+    base = f"http://127.0.0.1:{port}"
+    stop = time.monotonic() + args.traffic
+    try:
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        first = httpx.get(f"{base}/admin/steps").json()["instances"][0]["count"]
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop:
+                n = max(16, min(160, int(rng.lognormvariate(3.69, 0.5))))
+                body = {"model": model, "prompt": [rng.randrange(100, 49152) for _ in range(n)],
+                        "max_tokens": rng.randint(48, 96), "temperature": 0.0, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as resp:
+                    for _ in resp.iter_lines():
+                        pass
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows = httpx.get(f"{base}/admin/steps").json()
+    finally:
+        try:
+            os.killpg(server.pid, 15)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=60)
+    inst = rows["instances"][0]
+    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+    groups: dict[str, list[tuple[float, float, float]]] = {}
+    for x in samples:
+        shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
+                          int(x["decode_kv_tokens"]))
+        kind = "decode" if not shape.prefill_tokens else "prompt<128" if shape.prefill_tokens < 128 else "prompt>=128"
+        groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
+    out = {"mode": "traffic", "seconds": args.traffic, "profile": args.profile, "rows": []}
+    for kind, values in sorted(groups.items()):
+        ratios = [w / p for w, p, _ in values if p > 0]
+        row = {"kind": kind, "num_steps": len(values), "median": statistics.median(ratios),
+               "time_weighted": sum(w for w, _, _ in values) / sum(p for _, p, _ in values),
+               "cpu_time_weighted": sum(c for _, _, c in values) / sum(p for _, p, _ in values)}
+        out["rows"].append(row)
+        print(f"  {kind:12} n={row['num_steps']:5d}  median {row['median']:.2f}  tw {row['time_weighted']:.2f}  "
+              f"cpu/model tw {row['cpu_time_weighted']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
