@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as serve sets it for its 
 import httpx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 49152  # the bundled model's; prompts are random ids from 100 up, past its special tokens
 sys.path.insert(0, str(ROOT))
 
 
@@ -60,6 +61,20 @@ def start_server(port: int, budget: int, disagg: bool = False, extra: tuple[str,
             pass
         time.sleep(0.5)
     raise RuntimeError("serve was not ready within 600 s")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    try:
+        os.killpg(server.pid, 15)
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=60)
+
+
+def steps_after(rows: dict, first: int, instance_id: str | None = None) -> list[dict]:
+    """One instance's steps (GET /admin/steps) recorded after its count was `first`."""
+    inst = next(i for i in rows["instances"] if instance_id is None or i["id"] == instance_id)
+    return [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
 
 
 def main() -> int:
@@ -153,14 +168,8 @@ def main() -> int:
         rows = client.get("/admin/steps").json()
     finally:
         core.close()
-        try:
-            os.killpg(server.pid, 15)
-        except ProcessLookupError:
-            pass
-        server.wait(timeout=60)
-    inst = rows["instances"][0]
-    fields = rows["fields"]
-    samples = [dict(zip(fields, s)) for s in inst["samples"]][max(0, first - inst["first"]):]
+        stop_server(server)
+    samples = steps_after(rows, first)
     prompt_steps = [s for s in samples if s["prefill_tokens"] > 0]
     if [s["prefill_tokens"] for s in prompt_steps] != order:
         raise RuntimeError(f"the served engine's prompt steps {[s['prefill_tokens'] for s in prompt_steps]} "
@@ -208,7 +217,7 @@ def traffic(args) -> int:
             rng = random.Random(seed)
             while time.monotonic() < stop:
                 n = max(16, min(160, int(rng.lognormvariate(3.69, 0.5))))
-                body = {"model": model, "prompt": [rng.randrange(100, 49152) for _ in range(n)],
+                body = {"model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(n)],
                         "max_tokens": rng.randint(48, 96), "temperature": 0.0, "ignore_eos": True, "stream": True}
                 with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as resp:
                     for _ in resp.iter_lines():
@@ -221,13 +230,8 @@ def traffic(args) -> int:
             t.join()
         rows = httpx.get(f"{base}/admin/steps").json()
     finally:
-        try:
-            os.killpg(server.pid, 15)
-        except ProcessLookupError:
-            pass
-        server.wait(timeout=60)
-    inst = rows["instances"][0]
-    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+        stop_server(server)
+    samples = steps_after(rows, first)
     groups: dict[str, list[tuple[float, float, float]]] = {}
     for x in samples:
         shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
@@ -263,7 +267,7 @@ def queued(args) -> int:
 
         def one(n: int) -> None:
             httpx.post(f"{base}/v1/completions", timeout=300, json={
-                "model": model, "prompt": [rng.randrange(100, 49152) for _ in range(n)], "max_tokens": 1,
+                "model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(n)], "max_tokens": 1,
                 "temperature": 0.0, "ignore_eos": True}).raise_for_status()
 
         for n in sizes:
@@ -280,13 +284,8 @@ def queued(args) -> int:
                     time.sleep(0.2)
         rows = client.get("/admin/steps").json()
     finally:
-        try:
-            os.killpg(server.pid, 15)
-        except ProcessLookupError:
-            pass
-        server.wait(timeout=60)
-    inst = rows["instances"][0]
-    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+        stop_server(server)
+    samples = steps_after(rows, first)
     steps = [x for x in samples if x["prefill_tokens"] > 0]
     if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
         raise RuntimeError("the instance's prompt steps are not the requests sent one per step")
@@ -320,7 +319,7 @@ def disagg(args) -> int:
     try:
         client = httpx.Client(base_url=base, timeout=120)
         model = client.get("/v1/models").json()["data"][0]["id"]
-        vocab = 49152
+        vocab = VOCAB
 
         def body(n: int, stream: bool) -> dict:
             return {"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(n)], "max_tokens": 8,
@@ -365,13 +364,8 @@ def disagg(args) -> int:
             time.sleep(0.5)
         rows = client.get("/admin/steps").json()
     finally:
-        try:
-            os.killpg(server.pid, 15)
-        except ProcessLookupError:
-            pass
-        server.wait(timeout=60)
-    inst = next(i for i in rows["instances"] if i["id"] == prefill_id)
-    samples = [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+        stop_server(server)
+    samples = steps_after(rows, first, prefill_id)
     steps = [x for x in samples if x["prefill_tokens"] > 0]
     if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
         raise RuntimeError("the prefill instance's prompt steps are not the requests sent one per step")
