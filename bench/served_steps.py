@@ -14,7 +14,7 @@ of the host reads on both alike.
 
     python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
     python bench/served_steps.py --disagg | --queue [--sizes ...] [--repeats N] [--json out.json]
-    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--json out.json]
+    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--instances N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def free_port() -> int:
 
 
 def start_server(port: int, budget: int, disagg: bool = False, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    shape = ["--prefill", "1", "--decode", "1", "--kv-transport", "shm"] if disagg else ["--instances", "1"]
+    shape = (["--prefill", "1", "--decode", "1", "--kv-transport", "shm"] if disagg
+             else [] if "--instances" in extra else ["--instances", "1"])
     shape += list(extra)
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), *shape,
                              "--threads-per-instance", "1", "--max-num-batched-tokens", str(budget),
@@ -99,6 +100,9 @@ def main() -> int:
                          "prompts, 48-96-token answers) for this long, and read every step it ran against --profile's "
                          "step model for one lone instance, as bench/step_split.py reads a trial's")
     ap.add_argument("--profile", default=None, help="the profile.json --traffic reads its steps against")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="--traffic: serve this many 1-thread instances (8 clients each); with more than one, the "
+                         "steps are read against the profile's steps beside busy engines, as the planner reads them")
     args = ap.parse_args()
     if args.traffic:
         return traffic(args)
@@ -204,14 +208,14 @@ def traffic(args) -> int:
 
     if not args.profile:
         raise SystemExit("--traffic needs --profile PROFILE.json")
-    model_1t = load_profile(args.profile).instance_models([1])[0][0]
+    model_1t = load_profile(args.profile).instance_models([1] * args.instances)[0][0]
     port = free_port()
-    server = start_server(port, 256, extra=("--prefill-policy", "chunked"))
+    server = start_server(port, 256, extra=("--prefill-policy", "chunked", "--instances", str(args.instances)))
     base = f"http://127.0.0.1:{port}"
     stop = time.monotonic() + args.traffic
     try:
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        first = httpx.get(f"{base}/admin/steps").json()["instances"][0]["count"]
+        first = {i["id"]: i["count"] for i in httpx.get(f"{base}/admin/steps").json()["instances"]}
 
         def client(seed: int) -> None:
             rng = random.Random(seed)
@@ -223,7 +227,7 @@ def traffic(args) -> int:
                     for _ in resp.iter_lines():
                         pass
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8 * args.instances)]
         for t in threads:
             t.start()
         for t in threads:
@@ -231,14 +235,15 @@ def traffic(args) -> int:
         rows = httpx.get(f"{base}/admin/steps").json()
     finally:
         stop_server(server)
-    samples = steps_after(rows, first)
+    samples = [x for engine_id, count in first.items() for x in steps_after(rows, count, engine_id)]
     groups: dict[str, list[tuple[float, float, float]]] = {}
     for x in samples:
         shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
                           int(x["decode_kv_tokens"]))
         kind = "decode" if not shape.prefill_tokens else "prompt<128" if shape.prefill_tokens < 128 else "prompt>=128"
         groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
-    out = {"mode": "traffic", "seconds": args.traffic, "profile": args.profile, "rows": []}
+    out = {"mode": "traffic", "seconds": args.traffic, "instances": args.instances, "profile": args.profile,
+           "rows": []}
     for kind, values in sorted(groups.items()):
         ratios = [w / p for w, p, _ in values if p > 0]
         row = {"kind": kind, "num_steps": len(values), "median": statistics.median(ratios),
