@@ -241,6 +241,8 @@ def traffic(args) -> int:
         shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
                           int(x["decode_kv_tokens"]))
         kind = "decode" if not shape.prefill_tokens else "prompt<128" if shape.prefill_tokens < 128 else "prompt>=128"
+        if shape.prefill_tokens:
+            kind += " alone" if not shape.decode_seqs else " +decodes"
         groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
     out = {"mode": "traffic", "seconds": args.traffic, "instances": args.instances, "profile": args.profile,
            "rows": []}
@@ -250,7 +252,7 @@ def traffic(args) -> int:
                "time_weighted": sum(w for w, _, _ in values) / sum(p for _, p, _ in values),
                "cpu_time_weighted": sum(c for _, _, c in values) / sum(p for _, p, _ in values)}
         out["rows"].append(row)
-        print(f"  {kind:12} n={row['num_steps']:5d}  median {row['median']:.2f}  tw {row['time_weighted']:.2f}  "
+        print(f"  {kind:21} n={row['num_steps']:5d}  median {row['median']:.2f}  tw {row['time_weighted']:.2f}  "
               f"cpu/model tw {row['cpu_time_weighted']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
