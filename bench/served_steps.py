@@ -19,13 +19,13 @@ of the host reads on both alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,45 +37,36 @@ ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 49152  # the bundled model's; prompts are random ids from 100 up, past its special tokens
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from splitserve.trial.arrangements import launched  # noqa: E402
+from splitserve.trial.engine_steps import step_counts, steps_since  # noqa: E402
+from splitserve.trial.spec import Arrangement  # noqa: E402
 
 
-def start_server(port: int, budget: int, disagg: bool = False, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    shape = (["--prefill", "1", "--decode", "1", "--kv-transport", "shm"] if disagg
-             else [] if "--instances" in extra else ["--instances", "1"])
-    shape += list(extra)
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), *shape,
-                             "--threads-per-instance", "1", "--max-num-batched-tokens", str(budget),
-                             "--log-level", "warning"], cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("serve was not ready within 600 s")
+@contextlib.contextmanager
+def serving(*serve_args: str):
+    """`splitserve serve` of the bundled model with 1-thread instances and these arguments, ready, as a
+    trial launches an arrangement (its log in a temporary folder and quoted if it fails to start; its
+    process group stopped on exit). Yields the trial's Endpoint: base_url and the model id."""
+    arr = Arrangement("served-steps", serve_args=["--threads-per-instance", "1", "--log-level", "warning",
+                                                  *serve_args])
+    with tempfile.TemporaryDirectory() as logs, launched(arr, None, Path(logs), 600.0) as endpoint:
+        yield endpoint
 
 
-def stop_server(server: subprocess.Popen) -> None:
-    try:
-        os.killpg(server.pid, 15)
-    except ProcessLookupError:
-        pass
-    server.wait(timeout=60)
+def request(model: str, rng: random.Random, prompt_tokens: int, max_tokens: int, stream: bool = False) -> dict:
+    """A completion of fresh random token ids (no prefix-cache hit), greedy, as long as asked."""
+    return {"model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(prompt_tokens)],
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
 
-def steps_after(rows: dict, first: int, instance_id: str | None = None) -> list[dict]:
-    """One instance's steps (GET /admin/steps) recorded after its count was `first`."""
-    inst = next(i for i in rows["instances"] if instance_id is None or i["id"] == instance_id)
-    return [dict(zip(rows["fields"], x)) for x in inst["samples"]][max(0, first - inst["first"]):]
+def steps_of(base_url: str, before: dict[str, int] | None, role: str | None = None) -> list[dict]:
+    """The steps the instances (those of `role`, if given) reported since `before` (the trial's
+    step_counts), one dict per step, waiting as the trial does for the last ones to arrive."""
+    doc = steps_since(base_url, before)
+    if doc is None:
+        raise RuntimeError(f"{base_url} sent no steps (GET /admin/steps)")
+    return [dict(zip(doc["fields"], row)) for inst in doc["instances"].values()
+            if role in (None, inst["role"]) for row in inst["samples"]]
 
 
 def main() -> int:
@@ -127,53 +118,38 @@ def main() -> int:
                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget)), loaded)
     timer = StepTimer(core, 1, lambda *_: None, seed=7)
     rng = random.Random(11)
-    vocab = core.model_config.vocab_size
-    port = free_port()
-    server = start_server(port, budget)
-    base = f"http://127.0.0.1:{port}"
     inproc: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     try:
-        client = httpx.Client(base_url=base, timeout=120)
-        model = client.get("/v1/models").json()["data"][0]["id"]
+        with serving("--instances", "1", "--max-num-batched-tokens", str(budget)) as ep, \
+                httpx.Client(base_url=ep.base_url, timeout=300) as client:
 
-        def served(n: int) -> None:
-            prompt = [rng.randrange(100, vocab) for _ in range(n)]
-            r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
-                                                     "temperature": 0.0, "ignore_eos": True})
-            r.raise_for_status()
+            def served(n: int, max_tokens: int = 1) -> None:
+                client.post("/v1/completions", json=request(ep.model, rng, n, max_tokens)).raise_for_status()
 
-        def in_process(n: int) -> tuple[float, float]:
-            cpu0 = time.thread_time()
-            seconds, _ = timer.prefill([], n)
-            return seconds, time.thread_time() - cpu0
+            def in_process(n: int) -> tuple[float, float]:
+                cpu0 = time.thread_time()
+                seconds, _ = timer.prefill([], n)
+                return seconds, time.thread_time() - cpu0
 
-        for n in sizes:  # warm both paths for every shape
-            served(n)
-            in_process(n)
-        if args.churn:
-            from concurrent.futures import ThreadPoolExecutor
-
-            def one(i: int) -> None:
-                prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(16, 700))]
-                httpx.post(f"{base}/v1/completions", timeout=300, json={
-                    "model": model, "prompt": prompt, "max_tokens": rng.randint(1, 48), "temperature": 0.0,
-                    "ignore_eos": True}).raise_for_status()
-
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(one, range(args.churn)))
-        first = client.get("/admin/steps").json()["instances"][0]["count"]
-        order = []
-        for _ in range(args.repeats):
-            for n in sizes:
+            for n in sizes:  # warm both paths for every shape
                 served(n)
-                order.append(n)
-                inproc[n].append(in_process(n))
-                time.sleep(0.05)
-        rows = client.get("/admin/steps").json()
+                in_process(n)
+            if args.churn:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(8) as pool:
+                    list(pool.map(lambda _: served(rng.randint(16, 700), rng.randint(1, 48)), range(args.churn)))
+            before = step_counts(ep.base_url)
+            order = []
+            for _ in range(args.repeats):
+                for n in sizes:
+                    served(n)
+                    order.append(n)
+                    inproc[n].append(in_process(n))
+                    time.sleep(0.05)
+            samples = steps_of(ep.base_url, before)
     finally:
         core.close()
-        stop_server(server)
-    samples = steps_after(rows, first)
     prompt_steps = [s for s in samples if s["prefill_tokens"] > 0]
     if [s["prefill_tokens"] for s in prompt_steps] != order:
         raise RuntimeError(f"the served engine's prompt steps {[s['prefill_tokens'] for s in prompt_steps]} "
@@ -206,24 +182,23 @@ def traffic(args) -> int:
     from splitserve.control.profile_file import load_profile
     from splitserve.control.stepmodel import StepShape
 
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_split import labels, ratio_row
+
     if not args.profile:
         raise SystemExit("--traffic needs --profile PROFILE.json")
     model_1t = load_profile(args.profile).instance_models([1] * args.instances)[0][0]
-    port = free_port()
-    server = start_server(port, 256, extra=("--prefill-policy", "chunked", "--instances", str(args.instances)))
-    base = f"http://127.0.0.1:{port}"
-    stop = time.monotonic() + args.traffic
-    try:
-        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        first = {i["id"]: i["count"] for i in httpx.get(f"{base}/admin/steps").json()["instances"]}
+    with serving("--instances", str(args.instances), "--max-num-batched-tokens", "256",
+                 "--prefill-policy", "chunked") as ep:
+        before = step_counts(ep.base_url)
+        stop = time.monotonic() + args.traffic
 
         def client(seed: int) -> None:
             rng = random.Random(seed)
             while time.monotonic() < stop:
-                n = max(16, min(160, int(rng.lognormvariate(3.69, 0.5))))
-                body = {"model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(n)],
-                        "max_tokens": rng.randint(48, 96), "temperature": 0.0, "ignore_eos": True, "stream": True}
-                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as resp:
+                body = request(ep.model, rng, max(16, min(160, int(rng.lognormvariate(3.69, 0.5)))),
+                               rng.randint(48, 96), stream=True)
+                with httpx.stream("POST", f"{ep.base_url}/v1/completions", json=body, timeout=300) as resp:
                     for _ in resp.iter_lines():
                         pass
 
@@ -232,25 +207,18 @@ def traffic(args) -> int:
             t.start()
         for t in threads:
             t.join()
-        rows = httpx.get(f"{base}/admin/steps").json()
-    finally:
-        stop_server(server)
-    samples = [x for engine_id, count in first.items() for x in steps_after(rows, count, engine_id)]
+        samples = steps_of(ep.base_url, before)
     groups: dict[str, list[tuple[float, float, float]]] = {}
     for x in samples:
         shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
                           int(x["decode_kv_tokens"]))
-        kind = "decode" if not shape.prefill_tokens else "prompt<128" if shape.prefill_tokens < 128 else "prompt>=128"
-        if shape.prefill_tokens:
-            kind += " alone" if not shape.decode_seqs else " +decodes"
+        tags = labels(shape.prefill_tokens, shape.prefill_attn_ktok2, shape.decode_seqs, x["loop_seconds"])
+        kind = tags["kind"] if not shape.prefill_tokens else f"{tags['kind']} {tags['beside']}"
         groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
     out = {"mode": "traffic", "seconds": args.traffic, "instances": args.instances, "profile": args.profile,
            "rows": []}
     for kind, values in sorted(groups.items()):
-        ratios = [w / p for w, p, _ in values if p > 0]
-        row = {"kind": kind, "num_steps": len(values), "median": statistics.median(ratios),
-               "time_weighted": sum(w for w, _, _ in values) / sum(p for _, p, _ in values),
-               "cpu_time_weighted": sum(c for _, _, c in values) / sum(p for _, p, _ in values)}
+        row = {"kind": kind, **ratio_row(values)}
         out["rows"].append(row)
         print(f"  {kind:21} n={row['num_steps']:5d}  median {row['median']:.2f}  tw {row['time_weighted']:.2f}  "
               f"cpu/model tw {row['cpu_time_weighted']:.2f}")
@@ -264,35 +232,25 @@ def queued(args) -> int:
 
     sizes = [int(x) for x in args.sizes.split(",")]
     rng = random.Random(17)
-    port = free_port()
-    server = start_server(port, max(sizes) + 64, extra=("--max-num-seqs", "1"))
-    base = f"http://127.0.0.1:{port}"
     order: list[tuple[str, int]] = []
-    try:
-        client = httpx.Client(base_url=base, timeout=120)
-        model = client.get("/v1/models").json()["data"][0]["id"]
+    with serving("--instances", "1", "--max-num-batched-tokens", str(max(sizes) + 64), "--max-num-seqs", "1") as ep, \
+            httpx.Client(base_url=ep.base_url, timeout=300) as client, ThreadPoolExecutor(8) as pool:
 
         def one(n: int) -> None:
-            httpx.post(f"{base}/v1/completions", timeout=300, json={
-                "model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(n)], "max_tokens": 1,
-                "temperature": 0.0, "ignore_eos": True}).raise_for_status()
+            client.post("/v1/completions", json=request(ep.model, rng, n, 1)).raise_for_status()
 
         for n in sizes:
             one(n)
-        first = client.get("/admin/steps").json()["instances"][0]["count"]
-        with ThreadPoolExecutor(8) as pool:
-            for _ in range(args.repeats):
-                for n in sizes:
-                    for _ in range(3):
-                        one(n)
-                        order.append(("sequential", n))
-                    list(pool.map(one, [n] * 8))
-                    order += [("queued", n)] * 8
-                    time.sleep(0.2)
-        rows = client.get("/admin/steps").json()
-    finally:
-        stop_server(server)
-    samples = steps_after(rows, first)
+        before = step_counts(ep.base_url)
+        for _ in range(args.repeats):
+            for n in sizes:
+                for _ in range(3):
+                    one(n)
+                    order.append(("sequential", n))
+                list(pool.map(one, [n] * 8))
+                order += [("queued", n)] * 8
+                time.sleep(0.2)
+        samples = steps_of(ep.base_url, before)
     steps = [x for x in samples if x["prefill_tokens"] > 0]
     if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
         raise RuntimeError("the instance's prompt steps are not the requests sent one per step")
@@ -319,39 +277,31 @@ def disagg(args) -> int:
 
     sizes = [int(x) for x in args.sizes.split(",")]
     rng = random.Random(13)
-    port = free_port()
-    server = start_server(port, max(sizes) + 64, disagg=True)
-    base = f"http://127.0.0.1:{port}"
     order: list[tuple[str, int]] = []
-    try:
-        client = httpx.Client(base_url=base, timeout=120)
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        vocab = VOCAB
-
-        def body(n: int, stream: bool) -> dict:
-            return {"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(n)], "max_tokens": 8,
-                    "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    with serving("--prefill", "1", "--decode", "1", "--kv-transport", "shm",
+                 "--max-num-batched-tokens", str(max(sizes) + 64)) as ep, \
+            httpx.Client(base_url=ep.base_url, timeout=300) as client:
 
         def sequential(n: int) -> None:
-            client.post("/v1/completions", json=body(n, False)).raise_for_status()
+            client.post("/v1/completions", json=request(ep.model, rng, n, 8)).raise_for_status()
 
-        def drain(resp, ctx) -> None:
+        def drain(resp: httpx.Response, lines) -> None:
             try:
-                for _ in resp.iter_lines():
+                for _ in lines:
                     pass
             finally:
-                ctx.__exit__(None, None, None)
+                resp.close()
 
         def chained(ns: list[int]) -> None:
             threads = []
             for n in ns:
-                ctx = httpx.stream("POST", f"{base}/v1/completions", json=body(n, True), timeout=120)
-                resp = ctx.__enter__()
+                resp = client.send(client.build_request("POST", "/v1/completions",
+                                                        json=request(ep.model, rng, n, 8, stream=True)), stream=True)
                 lines = resp.iter_lines()
                 for line in lines:  # the first token: the prompt's step is done, its KV goes over now
                     if line.startswith("data:"):
                         break
-                t = threading.Thread(target=drain, args=(resp, ctx))
+                t = threading.Thread(target=drain, args=(resp, lines))
                 t.start()
                 threads.append(t)
             for t in threads:
@@ -359,9 +309,7 @@ def disagg(args) -> int:
 
         for n in sizes:
             sequential(n)
-        info = client.get("/admin/steps").json()
-        prefill_id = next(i["id"] for i in info["instances"] if i["role"] == "prefill")
-        first = next(i["count"] for i in info["instances"] if i["id"] == prefill_id)
+        before = step_counts(ep.base_url)
         for _ in range(args.repeats):
             for n in sizes:
                 sequential(n)
@@ -369,10 +317,7 @@ def disagg(args) -> int:
             chained(sizes + sizes)  # two rounds, so every size has a predecessor in flight
             order += [("chained", n) for n in sizes + sizes]
             time.sleep(0.5)
-        rows = client.get("/admin/steps").json()
-    finally:
-        stop_server(server)
-    samples = steps_after(rows, first, prefill_id)
+        samples = steps_of(ep.base_url, before, role="prefill")
     steps = [x for x in samples if x["prefill_tokens"] > 0]
     if [x["prefill_tokens"] for x in steps] != [n for _, n in order]:
         raise RuntimeError("the prefill instance's prompt steps are not the requests sent one per step")

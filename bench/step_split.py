@@ -51,16 +51,20 @@ def split(profile, results: dict, by: list[str]) -> list[dict]:
             tags = labels(shape_.prefill_tokens, shape_.prefill_attn_ktok2, shape_.decode_seqs, float(loop))
             groups.setdefault(tuple(tags[k] for k in by), []).append((seconds, predicted, cpu))
         for key, values in sorted(groups.items()):
-            ratios = [s / p for s, p, _ in values if p > 0]
-            timed = [(s, p, c) for s, p, c in values if c > 0]
-            rows.append({"arrangement": arr["name"], "group": dict(zip(by, key)), "num_steps": len(values),
-                         "median": statistics.median(ratios),
-                         "time_weighted": sum(s for s, _, _ in values) / sum(p for _, p, _ in values),
-                         "cpu_time_weighted": (sum(c for _, _, c in timed) / sum(p for _, p, _ in timed)
-                                               if timed else None),
-                         "on_cpu_share": (sum(c for _, _, c in timed) / sum(s for s, _, _ in timed)
-                                          if timed else None)})
+            rows.append({"arrangement": arr["name"], "group": dict(zip(by, key)), **ratio_row(values)})
     return rows
+
+
+def ratio_row(values: list[tuple[float, float, float]]) -> dict:
+    """(measured s, modelled s, engine-thread CPU s; 0 where unknown) per step: their count, the
+    median and time-weighted ratio of measured to modelled, and, over the steps with a CPU time,
+    the CPU time over the model and over the wall time."""
+    ratios = [s / p for s, p, _ in values if p > 0]
+    timed = [(s, p, c) for s, p, c in values if c > 0]
+    return {"num_steps": len(values), "median": statistics.median(ratios),
+            "time_weighted": sum(s for s, _, _ in values) / sum(p for _, p, _ in values),
+            "cpu_time_weighted": sum(c for _, _, c in timed) / sum(p for _, p, _ in timed) if timed else None,
+            "on_cpu_share": sum(c for _, _, c in timed) / sum(s for s, _, _ in timed) if timed else None}
 
 
 def main(argv: list[str] | None = None) -> int:
