@@ -164,8 +164,46 @@ def test_a_quiet_window_counts_our_own_sleeping_process_as_own():
     margin_s = (total.wall_s - quiet.wall_s) * total.cores
     assert -0.05 <= total.others_cpu_s - quiet.others_cpu_s <= ours.own_cpu_s + margin_s + 0.05
     assert ours.own_cpu_s < 0.25
-    # Named others cannot add up to more than others took (one tick of slack per named process).
-    assert sum(cpu for _, _, cpu in quiet.top_others) <= quiet.others_cpu_s + 0.01 * len(quiet.top_others) + 0.02
+    # Named others cannot add up to more than others took, whichever of /proc/stat and the
+    # processes' own counters read more (CI once read 1.72 s against 1.84 s named: see the next test).
+    assert sum(cpu for _, _, cpu in quiet.top_others) <= quiet.others_cpu_s + 1e-9
+
+
+def _fake_proc(root: Path, busy_ticks: int, procs: dict[int, tuple[int, str, int]]) -> None:
+    """A /proc with a `cpu` line (busy_ticks of user time, 2 cores) and one stat file per
+    process: pid -> (ppid, comm, utime ticks)."""
+    root.mkdir(exist_ok=True)
+    (root / "stat").write_text(f"cpu  {busy_ticks} 0 0 1000 0 0 0 0 0 0\ncpu0 0\ncpu1 0\n")
+    for pid, (ppid, comm, utime) in procs.items():
+        (root / str(pid)).mkdir(exist_ok=True)
+        fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), "0", "0", "0"] + ["0"] * 4 + ["7"] + ["0"] * 5
+        (root / str(pid) / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
+
+
+def test_others_are_never_less_than_what_the_named_others_ran(tmp_path, monkeypatch):
+    """/proc/stat samples busy time at the tick; a process's utime + stime is exact. When the
+    machine's busy delta reads below what the other processes themselves ran (many short bursts),
+    the reading takes the processes' sum, so the named others never exceed others_cpu_s."""
+    import splitserve.trial.hostwatch as hostwatch
+    proc = tmp_path / "proc"
+    monkeypatch.setattr(hostwatch, "_PROC", str(proc))
+    own_pid, other_pid = 4242, 5151
+    _fake_proc(proc, 1000, {own_pid: (1, "us", 50), other_pid: (1, "worker", 100)})
+    watch = HostWatch([own_pid], sample_interval_s=60)
+    watch.start()
+    # In the window: the machine's busy ticks grow by 160, the other process's by 172, ours by 10.
+    _fake_proc(proc, 1160, {own_pid: (1, "us", 60), other_pid: (1, "worker", 272)})
+    reading = watch.stop()
+    hz = os.sysconf("SC_CLK_TCK")
+    assert reading.top_others == ((other_pid, "worker", 172 / hz),)
+    assert watch.own_cpu_s == 10 / hz
+    assert reading.others_cpu_s == 172 / hz            # not (160 - 10) / hz from /proc/stat alone
+    # And where /proc/stat reads more (interrupts, processes born and gone between samples), it wins.
+    watch = HostWatch([own_pid], sample_interval_s=60)
+    watch.start()
+    _fake_proc(proc, 1460, {own_pid: (1, "us", 70), other_pid: (1, "worker", 372)})
+    reading = watch.stop()
+    assert reading.others_cpu_s == (300 - 10) / hz
 
 
 def test_own_roots_are_re_read_at_every_sample(tmp_path):

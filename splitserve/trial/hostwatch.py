@@ -9,7 +9,11 @@ nothing to do with the arrangement. `HostWatch` measures that during a window:
   system + irq + softirq, which already contain guest time, and leave out idle, iowait and steal)
   minus (the CPU time of the "own" processes over the window), floored at 0. Taking the machine's
   total rather than summing per-process deltas catches a process that starts and exits between
-  two samples, and interrupt time, which no process carries.
+  two samples, and interrupt time, which no process carries. It is never less than the sum of
+  the non-own processes' own deltas (below): /proc/stat's busy time is sampled at the tick and a
+  process's utime + stime is its exact run time, so on a box of many short bursts the machine's
+  total can read a few ticks per process below what the processes themselves report (CI read
+  1.72 s against 1.84 s named in one busy 1-second window); the larger of the two is the reading.
 - "own" = the given root pids and all their descendants, re-read at every sample: a trial's
   servers and engines start and stop under it. An own process's CPU is utime + stime plus its
   reaped children's (cutime + cstime), so a short-lived child of an own process that ran and was
@@ -277,7 +281,8 @@ class HostWatch:
         hz, cores = self._ticks_per_s, self._cores
         busy = cpu1.busy - self._cpu0.busy
         total = cpu1.total - self._cpu0.total
-        others_cpu_s = max(0, busy - self._tally.own_ticks) / hz
+        named_ticks = sum(ticks for _, ticks in self._tally.others_by_proc.values())
+        others_cpu_s = max(0, busy - self._tally.own_ticks, named_ticks) / hz
         self.own_cpu_s = self._tally.own_ticks / hz
         others_share = others_cpu_s / (wall_s * cores) if wall_s > 0 else 0.0
         steal_share = (cpu1.steal - self._cpu0.steal) / total if total > 0 else 0.0
