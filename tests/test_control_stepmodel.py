@@ -83,3 +83,24 @@ def test_fit_separates_the_panel_cost_from_the_cost_per_token():
     report = fit_step_model(shapes, [true.predict(s) for s in shapes])
     assert report.model.per_panel_step_s == pytest.approx(0.05, rel=1e-6)
     assert report.model.per_prefill_token_s == pytest.approx(TRUE.per_prefill_token_s, rel=1e-6)
+
+
+def test_a_step_with_prompt_tokens_pays_the_prompt_step_cost_once_beside_its_decodes():
+    model = StepModel(0.01, 0.001, per_decode_seq_s=0.002, per_panel_step_s=0.05, per_prompt_step_s=0.02)
+    assert model.step_s(decode_seqs=16) == pytest.approx(0.01 + 16 * 0.002 + 0.05)   # no prompt: no prompt cost
+    assert model.step_s(prefill_tokens=4) == pytest.approx(0.01 + 0.004 + 0.02)
+    assert model.step_s(prefill_tokens=32, decode_seqs=8) == pytest.approx(0.01 + 0.032 + 0.016 + 0.05 + 0.02)
+    assert model.prefill_s(64, chunk_budget=32) == pytest.approx(2 * (0.01 + 0.032 + 0.05 + 0.02))
+
+
+def test_fit_tells_the_prompt_step_cost_from_the_panel_and_the_overhead():
+    """A decode-only step of more than 8 rows pays the panel and no prompt cost, a decode step of
+    8 or fewer pays neither: the profile's grid holds both, so the fit puts each fixed cost where it
+    belongs (on the AMX Xeon the panel term alone read a 32-token
+    prompt beside 8 decodes 24-29% short, since it charged the 16-decode steps the prompt's cost)."""
+    true = StepModel(**{**TRUE.to_dict(), "per_panel_step_s": 0.007, "per_prompt_step_s": 0.025})
+    shapes, _ = synthetic(0.0)
+    report = fit_step_model(shapes, [true.predict(s) for s in shapes])
+    assert report.model.per_prompt_step_s == pytest.approx(0.025, rel=1e-6)
+    assert report.model.per_panel_step_s == pytest.approx(0.007, rel=1e-6)
+    assert report.model.overhead_s == pytest.approx(TRUE.overhead_s, rel=1e-6)

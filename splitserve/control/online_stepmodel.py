@@ -39,11 +39,11 @@ REWEIGHTS = 3       # fits per refit: each weighs the prior's pseudo-samples by 
 
 def _prior_grid() -> list[StepShape]:
     """Shapes where the prior speaks, each dominated by one or two of its terms, so that a term the
-    measured steps pin down (say the overhead) moves the others little: a near-empty step, long
-    prompts, chunks deep into long prompts, wide and long decode batches. No mixed step: the model
+    measured steps pin down (say the overhead) moves the others little: a near-empty step, a short
+    prompt (its step's fixed costs), long prompts, chunks deep into long prompts, wide and long decode batches. No mixed step: the model
     adds its terms, and a mixed pseudo-sample would tie the prefill terms to the decode ones."""
     shapes = [StepShape(0, 0.0, 1, 64)]
-    shapes += [StepShape(n, prefill_attn_ktok2(0, n)) for n in (512, 1024)]
+    shapes += [StepShape(n, prefill_attn_ktok2(0, n)) for n in (32, 512, 1024)]  # 32: a prompt step's fixed cost
     shapes += [StepShape(256, prefill_attn_ktok2(start, 256)) for start in (2048, 4096)]
     shapes += [StepShape(0, 0.0, seqs, seqs * context) for seqs in (16, 32) for context in (64, 2048)]
     return shapes
@@ -63,7 +63,8 @@ class StepSample:
 def describe_model(m: StepModel) -> str:
     return (f"{m.overhead_s * 1e3:.1f} ms + {m.per_prefill_token_s * 1e3:.2f} ms/prompt token + "
             f"{m.per_prefill_attn_s * 1e3:.2f} ms/attention ktok2 + {m.per_decode_seq_s * 1e3:.2f} ms/decode + "
-            f"{m.per_decode_kv_token_s * 1e6:.1f} us/KV token + {m.per_panel_step_s * 1e3:.1f} ms/panel step")
+            f"{m.per_decode_kv_token_s * 1e6:.1f} us/KV token + {m.per_panel_step_s * 1e3:.1f} ms/panel step + "
+            f"{m.per_prompt_step_s * 1e3:.1f} ms/prompt step")
 
 
 class OnlineStepModel:

@@ -10,6 +10,7 @@ prefill tokens and on decode KV tokens):
            + per_decode_seq_s      * decode_seqs                (a decode token's matmuls)
            + per_decode_kv_token_s * decode_kv_tokens           (a decode reads its whole KV)
            + per_panel_step_s      * [prefill_tokens + decode_seqs > PANEL_ROWS]
+           + per_prompt_step_s     * [prefill_tokens > 0]
 
 where prefill_attn_ktok2 = sum over chunks of chunk * (start + chunk / 2) / 1000: a chunk of
 `chunk` tokens starting at position `start` attends to about start + chunk / 2 tokens each.
@@ -18,6 +19,15 @@ than one 8-row tile first dequantizes every weight into fp32 panels, once per st
 costs a fixed amount more than a step of up to 8 rows; on one AVX2 thread about 50 ms, which
 a line through the decode steps put on every prefill token instead (a 32-token prompt 28%
 short). With fp32 weights the fit leaves it near 0.
+
+The prompt-step term is a fixed cost of any step that carries prompt tokens, over what a
+decode-only step of as many rows pays. On the AMX Xeon of sessions 27-30 the panel term alone put a
+16-decode step's cost partly on that fixed cost, so each decode in a step beside a short prompt read
+2.4 ms where it costs 3.5-5 ms, and a 32-token prompt beside 8 decodes 24-29% short
+(bench/mixed_steps.py); with both terms the fit gives the panel 7 ms and a prompt step 24 ms, and
+that step reads 11-15% short (docs/benchmarks.md, "Planner"). Where decodes do pay the panel (the
+AVX2 EPYC's 50 ms) the fit can still say so: the two terms are apart wherever the profile has a
+decode-only step of more than PANEL_ROWS rows.
 
 The coefficients are fitted per thread count by non-negative least squares on a profile's
 samples. A thread count the profile lacks is extrapolated with Amdahl's law, its serial
@@ -32,7 +42,7 @@ import numpy as np
 from splitserve.stepfeatures import prefill_attn_ktok2  # one definition: engines report it, the model fits it
 
 COEFFICIENTS = ("overhead_s", "per_prefill_token_s", "per_prefill_attn_s", "per_decode_seq_s",
-                "per_decode_kv_token_s", "per_panel_step_s")
+                "per_decode_kv_token_s", "per_panel_step_s", "per_prompt_step_s")
 PANEL_ROWS = 8  # kMR in kernels/gguf_linear.cpp: steps with more rows take the panel path
 DEFAULT_SERIAL_FRACTION = 0.3  # when only one thread count was profiled: a CPU forward pass scales poorly
 
@@ -48,7 +58,8 @@ class StepShape:
 
     def vector(self) -> list[float]:
         return [1.0, float(self.prefill_tokens), self.prefill_attn_ktok2, float(self.decode_seqs),
-                float(self.decode_kv_tokens), float(self.prefill_tokens + self.decode_seqs > PANEL_ROWS)]
+                float(self.decode_kv_tokens), float(self.prefill_tokens + self.decode_seqs > PANEL_ROWS),
+                float(self.prefill_tokens > 0)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +70,7 @@ class StepModel:
     per_decode_seq_s: float = 0.0
     per_decode_kv_token_s: float = 0.0
     per_panel_step_s: float = 0.0
+    per_prompt_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,6 +84,8 @@ class StepModel:
         seconds = (self.overhead_s + self.per_prefill_token_s * prefill_tokens
                    + self.per_prefill_attn_s * prefill_attn + self.per_decode_seq_s * decode_seqs
                    + self.per_decode_kv_token_s * decode_kv_tokens)
+        if prefill_tokens:
+            seconds += self.per_prompt_step_s
         return seconds + self.per_panel_step_s if prefill_tokens + decode_seqs > PANEL_ROWS else seconds
 
     def predict(self, shape: StepShape) -> float:

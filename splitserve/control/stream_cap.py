@@ -69,7 +69,8 @@ def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float | N
     context = demand.mean_prompt + answer / 2
     per_stream = model.per_decode_seq_s + model.per_decode_kv_token_s * context
     if role == "colocated":
-        per_stream += model.per_prefill_token_s * demand.mean_prompt / answer
+        # its prompts' tokens and each prompt's step (at least one) over the answer's steps
+        per_stream += (model.per_prefill_token_s * demand.mean_prompt + model.per_prompt_step_s) / answer
     if per_stream <= 0:
         return None
     room = allowance * headroom - model.overhead_s - model.per_panel_step_s
