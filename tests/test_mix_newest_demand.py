@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from splitserve.control.mix import MixController, MixTargets
-from splitserve.control.whatif import Demand, Held, WhatIf
+import pytest
+
+from splitserve.control.mix import InstanceView, MixController, MixTargets, SloClass
+from splitserve.control.stepmodel import StepModel, prefill_attn_ktok2
+from splitserve.control.whatif import ClassDemand, Demand, Held, WhatIf
 
 from test_mix_no_flapping import MODEL, TARGETS, apply, chats, documents, mix_of
 
@@ -114,3 +117,67 @@ def test_the_knobs_return_to_a_setting_left_within_the_cooldown_only_for_a_misse
     back = run(MixController(MODEL, targets, chunk_knob=True, chunk_tokens=64), [retrieval(0.95)] + [mid] * 4)
     assert [d.chunk_tokens for d in back] == [128, None, 64, None, None], [d.reason for d in back]
     assert back[1].held == "patience"
+
+
+# demand_unseen_overload (session 29, AMX Xeon): agents' 80-480-token tool results with 24-64-token
+# answers, a 2.5 s TTFT and 0.5 s gap; the step model the adaptive server had fitted online then
+AGENT_MODEL = StepModel(0.0144, 0.00159, 0.00126, 0.00295, 5.1e-6, 0.0174)
+AGENT_TARGETS = MixTargets(4.0, 0.5, classes=(SloClass("agent", 2.5, 0.5), SloClass("chat", 4.0, 0.5),
+                                              SloClass("document", 10.0, 0.5, e2e_s=40.0)), e2e_s=20.0)
+AGENT_PROMPTS = tuple(range(80, 481, 20))
+
+
+def agents(rate: float) -> Demand:
+    return Demand(rate, rate * 280, rate * 44, 280, 44, prompts=AGENT_PROMPTS,
+                  classes=(ClassDemand("agent", 1.0, 280, AGENT_PROMPTS, 44),))
+
+
+def test_a_colocated_instance_past_its_capacity_holds_at_most_its_stream_cap_beside_a_chunk():
+    """Past capacity the fluid decode count grows without bound (slack held at 2%); a server that
+    caps each instance's streams admits no prompt past the cap, so the gap is a chunk beside the
+    cap's streams, and a prompt's chunks step beside those streams too."""
+    held = [Held("colocated", 1500, 10)] * 2
+    free = WhatIf(AGENT_MODEL, 128).predict(held, agents(4.0))
+    capped = WhatIf(AGENT_MODEL, 128, colocated_cap=22).predict(held, agents(4.0))
+    assert capped.saturated == free.saturated == ("colocated",) and capped.ttft_s < free.ttft_s
+    start = max(max(AGENT_PROMPTS) - 128, 0)
+    assert capped.gap_s == pytest.approx(AGENT_MODEL.step_s(128, prefill_attn_ktok2(start, 128), 22,
+                                                            int(22 * (280 + 44 / 2))))
+    assert free.gap_s > 1.4 * capped.gap_s  # without the cap: far more streams beside each chunk
+    # below capacity the cap is not reached and changes nothing
+    light = WhatIf(AGENT_MODEL, 128).predict(held, agents(0.5))
+    assert WhatIf(AGENT_MODEL, 128, colocated_cap=22).predict(held, agents(0.5)) == light
+    # and streams held now above the cap stay counted (a cap never evicts)
+    crowded = [Held("colocated", 1500, 30)] * 2
+    assert (WhatIf(AGENT_MODEL, 128, colocated_cap=22).predict(crowded, agents(4.0)).gap_s
+            == pytest.approx(WhatIf(AGENT_MODEL, 128, colocated_cap=30).predict(crowded, agents(4.0)).gap_s))
+
+
+def test_a_lesser_evil_move_that_keeps_the_gaps_on_the_newest_seconds_goes_ahead_when_no_setting_holds_there():
+    # the window (15 s) reads 2.13 req/s of agents, the newest seconds 4.0: every setting reads 5-10%
+    # of deadlines met there, and 64 tokens won the tie-break on its shorter gap, so the move to 128
+    # the window chose waited 4-5 intervals (session 29: 18.0-18.2 s in two repeats, 11.9 s in the one
+    # where the newest seconds read lower) while the agents' first tokens were lost
+    lagging = dataclasses.replace(agents(2.13), newest=agents(4.0))
+    views = [InstanceView(f"e{i}", "colocated", num_running=10, queued_prompt_tokens=1500, decode_kv_tokens=3000)
+             for i in range(2)]
+
+    def moves(capped: bool) -> list:
+        ctrl = MixController(AGENT_MODEL, AGENT_TARGETS, chunk_knob=True, chunk_tokens=64, stream_capped=capped)
+        return [ctrl.decide(views, float(t), lagging) for t in range(6)]
+
+    capped = moves(True)
+    assert [d.chunk_tokens for d in capped] == [None, 128, None, None, None, None], [d.reason for d in capped]
+    assert "keeps the streams' gaps there" in capped[1].reason
+    # read without the cap the server sets, the newest seconds' gap at 128 tokens passes the target
+    # (dozens of streams beside each chunk), and the move is blocked as before
+    assert all(d.chunk_tokens is None for d in moves(False))
+
+
+def test_with_stream_caps_the_newest_seconds_still_block_a_move_that_would_lose_the_gaps():
+    # session 20's writing burst, read with the caps: 128-token chunks step the capped streams past
+    # the gap target at the newest rate, where 32 keep them within it
+    lagging = dataclasses.replace(writing(0.65), newest=writing(1.3))
+    decisions = run(MixController(MODEL, TARGETS, chunk_knob=True, chunk_tokens=32, stream_capped=True), [lagging] * 10)
+    assert all(d.chunk_tokens is None and d.instance_id is None for d in decisions), [d.reason for d in decisions]
+    assert "the knobs stay" in decisions[-1].reason

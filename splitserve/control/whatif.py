@@ -16,7 +16,7 @@ control/mix.py _held):
   colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill
             f = lp * (c + s * g) (c: seconds per prompt token, attention included at the mean
             prompt length; s: steps with prompt tokens per prompt token at the chunk budget; g:
-            such a step's GGUF panel cost) and of decode ld * a (a: seconds per decode, KV reads
+            such a step's fixed cost: the GGUF panel path and a prompt step's own, stepmodel.py) and of decode ld * a (a: seconds per decode, KV reads
             included). With continuous batching its running decodes n satisfy
             n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
             queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
@@ -44,6 +44,14 @@ control/mix.py _held):
             ahead of it, chunked the same way. (Those queued tokens also chunk its streams' steps
             while they last; the gap leaves that transient out, as a decision's horizon outlasts it.)
   running decodes now, spread evenly, set a floor under n (a backlog takes time to drain).
+  stream cap (colocated_cap, where the server caps an instance's streams: serve --adaptive,
+            control/stream_cap.py): a colocated instance admits no prompt past it, so its n is at
+            most the cap (or what it holds now, never evicted); the requests past it wait in its
+            queue, which its utilisation, past 1 there, already reads as a TTFT the queue sets.
+            Without the bound the fluid n of an overload (its slack held at MIN_SLACK) put dozens
+            of streams beside each chunk: demand_unseen_overload, session 29 on an AMX Xeon, at
+            the newest seconds' 3.2-4.0 req/s a 128-token chunk's gap read 0.53-0.60 s where the
+            instances, capped at 21-23 streams, stepped it at 0.30-0.37 s.
 
 Per SLO class (requests that name one: `slo_class` in the body; serve --slo-classes gives each
 class its targets): a class's TTFT is its own prompts' service (its mean prompt, chunked as above
@@ -171,6 +179,7 @@ class WhatIf:
     attainment: float = 0.9  # the share of streams whose worst gap the prediction covers
     gap_tail: float = 1.0    # a step carrying prompt tokens, at that share of its spread, over the model's mean
                              # (online_stepmodel.OnlineStepModel.prompt_step_tail): a gap is one step, not a mean
+    colocated_cap: int | None = None  # the streams a colocated instance may hold (None: no cap)
 
     def gap_s(self, chunk: int, n: int, kv: int, prompt: int = 0) -> float:
         """The gap a stream meets at a step with a `chunk`-token prompt piece beside n decodes: the
@@ -231,7 +240,7 @@ class WhatIf:
         # prompt tokens/s, 256-token chunks 400-420 ms, 610/s; a line per token read them alike, so
         # every budget looked as overloaded in the agents' bursts and the shortest pause won).
         steps = self._prompt_steps_per_token(demand.prompts, demand.mean_prompt, self.chunk_budget)
-        c_panel = c + steps * m.per_panel_step_s
+        c_panel = c + steps * (m.per_panel_step_s + m.per_prompt_step_s)
         u = lp * (c_panel + steps * m.overhead_s) + ld * a  # busy share; past 1 the prompt steps alone overrun
         # the streams step with the prompt chunks, so their steps' overhead is what the rest leaves
         slack = max(1 - (lp * c_panel + ld * a), MIN_SLACK)
@@ -239,10 +248,11 @@ class WhatIf:
         gaps, ttfts, tpots = [], [], []
         prompt = max(int(demand.mean_prompt), 1)
         decode_share = max(1 - lp * c_panel, MIN_SLACK)  # the share of its time not spent on prompts
-        c_queued = c + (m.overhead_s + m.per_panel_step_s) / max(self.chunk_budget, 1)
+        c_queued = c + (m.overhead_s + m.per_panel_step_s + m.per_prompt_step_s) / max(self.chunk_budget, 1)
         by_class: list[list[float]] = [[] for _ in demand.classes]
+        capped = min(fluid_n, self.colocated_cap) if self.colocated_cap else fluid_n
         for h in serving:
-            n = math.ceil(max(fluid_n, h.num_running))
+            n = math.ceil(max(capped, h.num_running))
             kv = int(n * context)
             decode_step = m.step_s(0, 0.0, n, kv)
             tpots.append(decode_step / decode_share)
@@ -291,8 +301,9 @@ class WhatIf:
                               / max(demand.request_rate * (1 - share), 1e-9)), 1) if share < 1 else 1
         prompt = max(int(demand.mean_prompt), 1) if not local else remote_mean
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
-        # a whole prompt a step: each pays the step's overhead and the GGUF panel path once
-        u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * (m.overhead_s + m.per_panel_step_s)) \
+        # a whole prompt a step: each pays the step's overhead, the GGUF panel path and a prompt step's own cost once
+        u_prefill = (remote_rate * c + demand.request_rate * (1 - share)
+                     * (m.overhead_s + m.per_panel_step_s + m.per_prompt_step_s)) \
             / len(prefill)
         wait = (service * _queueing(min(u_prefill, 1 - MIN_SLACK))
                 + min(h.queued_prompt_tokens for h in prefill) * c)
@@ -302,7 +313,7 @@ class WhatIf:
         # local prompts in chunks beside the streams, each chunk's step paying the panel path (and its
         # overhead where no stream's step would have run), as on a colocated instance
         local_steps = self._prompt_steps_per_token(local, 0.0, self.chunk_budget) if local else 0.0
-        c_local = c + local_steps * m.per_panel_step_s
+        c_local = c + local_steps * (m.per_panel_step_s + m.per_prompt_step_s)
         u_decode = ld * a + local_rate * (c_local + local_steps * m.overhead_s)
         fluid_n = ld * m.overhead_s / max(1 - (ld * a + local_rate * c_local), MIN_SLACK)
         gaps, decodes = [], []

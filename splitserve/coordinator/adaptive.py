@@ -163,6 +163,7 @@ class AdaptiveMix:
         # and the stream cap: how many streams each instance may hold (control/stream_cap.py); with
         # it, each request's first-token deadline goes to its engine, which queues late prompts last
         client.ttft_target_of = lambda name: controller.targets.of(name)[0]
+        controller.stream_capped = True  # its what-ifs read the streams the caps allow
         self.loop = MixLoop(controller, self.views, self._change_role, interval_s, demand=self.demand,
                             set_threshold=set_threshold, set_chunk_tokens=self._set_chunk_tokens,
                             set_stream_caps=self._set_stream_caps)
