@@ -143,3 +143,35 @@ def test_a_chunk_budget_set_live_caps_every_step_beside_streams_and_outlives_a_r
     run_to_end(engine)
     assert_all_free(engine)
     engine.close()
+
+
+def test_a_prefill_role_keeps_its_own_budget_beside_carried_streams_whatever_the_knob(tiny):
+    """The knob (set for the decode and colocated instances' pauses) does not reach a prefill
+    role: beside the streams it carried over, its prompts step at its own carry budget, the one
+    the mix controller judged the move with; as a decode instance again it takes the knob back."""
+    carry = 48
+    config = EngineConfig(model=str(tiny), cache=CacheConfig(block_size=16, kv_cache_memory="2MiB"),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=128), role="colocated",
+                          kv_transfer=KVTransferConfig(transport="tcp"), instance_id="c-carry",
+                          local_prefill_chunk_tokens=carry)
+    engine = EngineCore(config, load_model(str(tiny)))
+    engine.set_chunk_tokens(CHUNK)
+    engine.add_request("stream", [5, 6, 7], greedy(200))
+    for _ in range(3):
+        engine.step()
+    engine.change_role("prefill")
+    assert engine.try_swap_role()   # the colocated connector had nothing in flight: the stream stays
+    assert engine.connector.chunk_tokens == carry and engine.chunk_tokens == CHUNK
+    engine.stats()
+    engine.add_request("doc", list(range(10, 170)), greedy(1))
+    shapes = []
+    while "doc" in engine.requests and engine.requests["doc"].num_computed_tokens < 160:
+        engine.step()
+        shapes += engine.stats().step_samples
+    beside = [s.prefill_tokens for s in shapes if s.prefill_tokens and s.decode_seqs]
+    assert beside and max(beside) == carry, shapes   # not the knob's 16
+    engine.change_role("decode")
+    run_to_end(engine)
+    assert engine.try_swap_role() and engine.connector.chunk_tokens == CHUNK
+    assert_all_free(engine)
+    engine.close()

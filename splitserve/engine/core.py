@@ -104,8 +104,7 @@ class EngineCore:
         shm_name = self._pool_handle.name if self._pool_handle is not None else ""
         connector = make_connector(role, self.config, self.runner.kv_cache, self.block_manager, shm_name,
                                    self._kv_network, self.scheduler.make_room_for_kv)
-        if self.chunk_tokens is not None:
-            connector.chunk_tokens = self.chunk_tokens
+        connector.chunk_tokens = self._role_chunk_tokens(role)
         self.scheduler.prompt_tokens_per_step = connector.prompt_tokens_per_step(self.scheduler.has_streams())
         return connector
 
@@ -116,10 +115,24 @@ class EngineCore:
 
     def set_chunk_tokens(self, tokens: int | None) -> None:
         """The prompt tokens a step may carry beside streams that answer here, from now on and
-        under any later role; None: each role's own (its config). ValueError if not positive."""
+        under any later colocated or decode role; None: each role's own (its config). A prefill
+        role keeps its own budget beside the streams it carried over (_role_chunk_tokens).
+        ValueError if not positive."""
         self.chunk_tokens = _positive_or_none(tokens, "chunk tokens")
-        default = default_chunk_tokens(self.connector.role, self.config)
-        self.connector.chunk_tokens = default if tokens is None else tokens
+        self.connector.chunk_tokens = self._role_chunk_tokens(self.connector.role)
+
+    def _role_chunk_tokens(self, role: str) -> int | None:
+        """A role's prompt tokens per step beside streams: the live knob's where it is set, except
+        on a prefill instance. There the streams are only those carried over from an earlier role,
+        a transient, while its prompts are every request's first token: the mix controller judges
+        a move to prefill with the carried streams stepping at that role's own budget
+        (MixController.carry_chunk_tokens), and the knob, which it sets for the decode and
+        colocated instances' pauses, would halve the instance's prompt rate while they last
+        (demand_rotation, session 29 on an AMX Xeon: at the knob's 32 tokens a 1,311-token summary
+        took 41 steps beside 8-13 carried answers, and 7 requests queued behind it waited 4.4-8.9 s
+        for a first token against a 4 s target)."""
+        default = default_chunk_tokens(role, self.config)
+        return default if role == "prefill" or self.chunk_tokens is None else self.chunk_tokens
 
     @property
     def role(self) -> str:
