@@ -40,8 +40,9 @@ REWEIGHTS = 3       # fits per refit: each weighs the prior's pseudo-samples by 
 def _prior_grid() -> list[StepShape]:
     """Shapes where the prior speaks, each dominated by one or two of its terms, so that a term the
     measured steps pin down (say the overhead) moves the others little: a near-empty step, a short
-    prompt (its step's fixed costs), long prompts, chunks deep into long prompts, wide and long decode batches. No mixed step: the model
-    adds its terms, and a mixed pseudo-sample would tie the prefill terms to the decode ones."""
+    prompt (its step's fixed costs), long prompts, chunks deep into long prompts, wide and long
+    decode batches. No mixed step: the model adds its terms, and a mixed pseudo-sample would tie
+    the prefill terms to the decode ones."""
     shapes = [StepShape(0, 0.0, 1, 64)]
     shapes += [StepShape(n, prefill_attn_ktok2(0, n)) for n in (32, 512, 1024)]  # 32: a prompt step's fixed cost
     shapes += [StepShape(256, prefill_attn_ktok2(start, 256)) for start in (2048, 4096)]

@@ -25,7 +25,8 @@ decode-only step of as many rows pays. On the AMX Xeon of sessions 27-30 the pan
 16-decode step's cost partly on that fixed cost, so each decode in a step beside a short prompt read
 2.4 ms where it costs 3.5-5 ms, and a 32-token prompt beside 8 decodes 24-29% short
 (bench/mixed_steps.py); with both terms the fit gives the panel 7 ms and a prompt step 24 ms, and
-that step reads 11-15% short (docs/benchmarks.md, "Planner"). Where decodes do pay the panel (the
+every prompt length from 32 to 256 tokens beside 8-16 decodes reads 5-11% short alike, the level of
+one engine start against another's (docs/benchmarks.md, "Planner", session 30). Where decodes do pay the panel (the
 AVX2 EPYC's 50 ms) the fit can still say so: the two terms are apart wherever the profile has a
 decode-only step of more than PANEL_ROWS rows.
 

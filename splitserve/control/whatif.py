@@ -16,8 +16,8 @@ control/mix.py _held):
   colocated instance: prompt tokens at lp/s, answer tokens at ld/s. Busy share of prefill
             f = lp * (c + s * g) (c: seconds per prompt token, attention included at the mean
             prompt length; s: steps with prompt tokens per prompt token at the chunk budget; g:
-            such a step's fixed cost: the GGUF panel path and a prompt step's own, stepmodel.py) and of decode ld * a (a: seconds per decode, KV reads
-            included). With continuous batching its running decodes n satisfy
+            such a step's fixed cost, the GGUF panel path and a prompt step's own, stepmodel.py)
+            and of decode ld * a (a: seconds per decode, KV reads included). With continuous batching its running decodes n satisfy
             n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
             queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
             (a burst of prompts with few streams runs a step per chunk, streams or not).
