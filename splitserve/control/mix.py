@@ -413,18 +413,12 @@ class MixController(KnobChoice):
         tail = info["prompt_step_tail"]  # 1.0 until the online fit has enough prompt steps
         longest = demand.prompt_quantile(1.0)  # the window's longest prompt (0: none)
 
-        caps: dict[int, tuple[Demand, int | None]] = {}  # by the demand read (kept, so its id stays its own)
-
-        def cap_for(d: Demand) -> int | None:
-            if not self.stream_capped:
-                return None
-            if id(d) not in caps:
-                caps[id(d)] = d, stream_cap(model, "colocated", d, allowance_s(d, self.targets), self.knob_headroom)
-            return caps[id(d)][1]
-
         def predict(changes: tuple[Change, ...], d: Demand = demand, threshold: int = knob,
                     chunk: int = chunk_now) -> Prediction:
-            return WhatIf(model, chunk, gap_tail=tail, colocated_cap=cap_for(d)).predict(
+            # the stream cap the server would set for this demand (a few multiplications: not cached)
+            cap = (stream_cap(model, "colocated", d, allowance_s(d, self.targets), self.knob_headroom)
+                   if self.stream_capped else None)
+            return WhatIf(model, chunk, gap_tail=tail, colocated_cap=cap).predict(
                 self._held(live, dict(changes)), d, threshold)
 
         def pressure(p: Prediction) -> float:
@@ -619,27 +613,6 @@ class MixController(KnobChoice):
         decision = self._change(views, first, now, best_pred, now_s, step, model_text)
         return Decision(**{**decision.to_dict(), **numbers,
                            "reason": f"{decision.reason}; gain {gain:.1f} > cost {cost:.1f} pressure-s{left_out}"})
-
-    def _newest_keeps_gaps(self, fresh: list[tuple[float, Prediction, tuple]], setting: tuple) -> bool:
-        """Whether a knob setting chosen on the window's demand, past every setting, may go ahead
-        though the newest seconds' demand does not choose it: where no setting holds the targets on
-        the newest seconds either, every TTFT there is lost many times over and their ranking
-        (target / TTFT, a few per cent each, ties broken by the gap) says little; what the newest
-        seconds still tell is whether the streams admitted keep their gaps. So the move goes ahead
-        unless, on the newest seconds, its gap passes the gap target and the setting now keeps a
-        shorter one (demand_unseen_overload, session 29 on an AMX Xeon: at 3.2-4.0 req/s of agents
-        every setting read 4-10% met, 64 tokens won there on the tie-break, and the move to 128
-        that the window chose, whose gap read under the target, waited 4-5 intervals while the
-        agents' TTFTs were lost; demand_rotation_overload_x2, session 20: the move to 128 tokens the
-        newest seconds blocked would have lost the writing streams' gaps, which it still blocks)."""
-        if any(p <= 1 for p, _, _ in fresh):
-            return False
-        now = fresh[0][1]  # options() lists the knobs as they are first
-        there = next((p for _, p, s in fresh if s == setting), None)
-        if there is None:
-            return False
-        target = self._gap_target()
-        return there.gap_s <= target or there.gap_s <= now.gap_s
 
     def stream_caps(self, views: list[InstanceView], demand: Demand | None) -> dict[str, int | None]:
         """Each live instance's stream cap for this demand (control/stream_cap.py; None: no cap),

@@ -217,6 +217,25 @@ class KnobChoice:
         shorter = [k for k in keyed if k[1] <= gap0 * (1 - self.margin) and k[0] <= min(1.0, p0 * (1 + self.knob_tie))]
         return min(shorter, key=lambda k: k[1:]) if shorter else None
 
+    def _newest_keeps_gaps(self, fresh: list[tuple[float, Prediction, tuple]], setting: tuple) -> bool:
+        """Whether a knob setting chosen on the window's demand, past every setting, may go ahead
+        though the newest seconds' demand does not choose it: where no setting holds the targets on
+        the newest seconds either, every TTFT there is lost many times over and their ranking
+        (target / TTFT, a few per cent each, ties broken by the gap) says little; what the newest
+        seconds still tell is whether the streams admitted keep their gaps. So the move goes ahead
+        unless, on the newest seconds, its gap passes the gap target and the setting now keeps a
+        shorter one (demand_unseen_overload, session 29 on an AMX Xeon: at 3.2-4.0 req/s of agents
+        every setting read 4-10% met, 64 tokens won there on the tie-break, and the move to 128
+        that the window chose, whose gap read under the target, waited 4-5 intervals while the
+        agents' TTFTs were lost; demand_rotation_overload_x2, session 20: the move to 128 tokens the
+        newest seconds blocked would have lost the writing streams' gaps, which it still blocks)."""
+        if any(p <= 1 for p, _, _ in fresh):
+            return False
+        now = fresh[0][1]  # options() lists the knobs as they are first
+        there = next(p for _, p, s in fresh if s == setting)  # the same settings, read on the newest seconds
+        target = self._gap_target()
+        return there.gap_s <= target or there.gap_s <= now.gap_s
+
     def _knob_undo(self, setting: tuple[int, int]) -> bool:
         """Moving to `setting` would return the knobs to where the last knob move left, within the cooldown."""
         return setting == self._knob_left and self._since_knob <= self.cooldown

@@ -89,6 +89,12 @@ class StepModel:
             seconds += self.per_prompt_step_s
         return seconds + self.per_panel_step_s if prefill_tokens + decode_seqs > PANEL_ROWS else seconds
 
+    @property
+    def prompt_step_fixed_s(self) -> float:
+        """What a step with prompt tokens pays once beside them, over the overhead: the panel path
+        (a prompt step nearly always has more than PANEL_ROWS rows) and its own fixed cost."""
+        return self.per_panel_step_s + self.per_prompt_step_s
+
     def predict(self, shape: StepShape) -> float:
         return self.step_s(shape.prefill_tokens, shape.prefill_attn_ktok2, shape.decode_seqs,
                            shape.decode_kv_tokens)

@@ -17,8 +17,8 @@ control/mix.py _held):
             f = lp * (c + s * g) (c: seconds per prompt token, attention included at the mean
             prompt length; s: steps with prompt tokens per prompt token at the chunk budget; g:
             such a step's fixed cost, the GGUF panel path and a prompt step's own, stepmodel.py)
-            and of decode ld * a (a: seconds per decode, KV reads included). With continuous batching its running decodes n satisfy
-            n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
+            and of decode ld * a (a: seconds per decode, KV reads included). With continuous
+            batching its running decodes n satisfy n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
             queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
             (a burst of prompts with few streams runs a step per chunk, streams or not).
             A stream's worst gaps are the steps that carry a prefill chunk: o + a * n + the
@@ -240,7 +240,7 @@ class WhatIf:
         # prompt tokens/s, 256-token chunks 400-420 ms, 610/s; a line per token read them alike, so
         # every budget looked as overloaded in the agents' bursts and the shortest pause won).
         steps = self._prompt_steps_per_token(demand.prompts, demand.mean_prompt, self.chunk_budget)
-        c_panel = c + steps * (m.per_panel_step_s + m.per_prompt_step_s)
+        c_panel = c + steps * m.prompt_step_fixed_s
         u = lp * (c_panel + steps * m.overhead_s) + ld * a  # busy share; past 1 the prompt steps alone overrun
         # the streams step with the prompt chunks, so their steps' overhead is what the rest leaves
         slack = max(1 - (lp * c_panel + ld * a), MIN_SLACK)
@@ -248,7 +248,7 @@ class WhatIf:
         gaps, ttfts, tpots = [], [], []
         prompt = max(int(demand.mean_prompt), 1)
         decode_share = max(1 - lp * c_panel, MIN_SLACK)  # the share of its time not spent on prompts
-        c_queued = c + (m.overhead_s + m.per_panel_step_s + m.per_prompt_step_s) / max(self.chunk_budget, 1)
+        c_queued = c + (m.overhead_s + m.prompt_step_fixed_s) / max(self.chunk_budget, 1)
         by_class: list[list[float]] = [[] for _ in demand.classes]
         capped = min(fluid_n, self.colocated_cap) if self.colocated_cap else fluid_n
         for h in serving:
@@ -302,8 +302,7 @@ class WhatIf:
         prompt = max(int(demand.mean_prompt), 1) if not local else remote_mean
         service = m.step_s(prompt, prefill_attn_ktok2(0, prompt))
         # a whole prompt a step: each pays the step's overhead, the GGUF panel path and a prompt step's own cost once
-        u_prefill = (remote_rate * c + demand.request_rate * (1 - share)
-                     * (m.overhead_s + m.per_panel_step_s + m.per_prompt_step_s)) \
+        u_prefill = (remote_rate * c + demand.request_rate * (1 - share) * (m.overhead_s + m.prompt_step_fixed_s)) \
             / len(prefill)
         wait = (service * _queueing(min(u_prefill, 1 - MIN_SLACK))
                 + min(h.queued_prompt_tokens for h in prefill) * c)
@@ -313,7 +312,7 @@ class WhatIf:
         # local prompts in chunks beside the streams, each chunk's step paying the panel path (and its
         # overhead where no stream's step would have run), as on a colocated instance
         local_steps = self._prompt_steps_per_token(local, 0.0, self.chunk_budget) if local else 0.0
-        c_local = c + local_steps * (m.per_panel_step_s + m.per_prompt_step_s)
+        c_local = c + local_steps * m.prompt_step_fixed_s
         u_decode = ld * a + local_rate * (c_local + local_steps * m.overhead_s)
         fluid_n = ld * m.overhead_s / max(1 - (ld * a + local_rate * c_local), MIN_SLACK)
         gaps, decodes = [], []
