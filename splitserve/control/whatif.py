@@ -18,9 +18,10 @@ control/mix.py _held):
             prompt length; s: steps with prompt tokens per prompt token at the chunk budget; g:
             such a step's fixed cost, the GGUF panel path and a prompt step's own, stepmodel.py)
             and of decode ld * a (a: seconds per decode, KV reads included). With continuous
-            batching its running decodes n satisfy n = ld * o / (1 - f - ld * a) (o: a step's fixed cost); its utilisation, for the
-            queueing and for saturation, also counts each prompt step's own overhead, lp * s * o
-            (a burst of prompts with few streams runs a step per chunk, streams or not).
+            batching its running decodes n satisfy n = ld * o / (1 - f - ld * a) (o: a step's
+            fixed cost); its utilisation, for the queueing and for saturation, also counts each
+            prompt step's own overhead, lp * s * o (a burst of prompts with few streams runs a
+            step per chunk, streams or not).
             A stream's worst gaps are the steps that carry a prefill chunk: o + a * n + the
             chunk of the longest prompt that the stream at the
             attainment target meets (the prompts arriving there while it is prefilled and while it
