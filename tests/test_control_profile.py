@@ -255,3 +255,20 @@ def test_a_profile_can_be_fitted_on_each_steps_median_repeat_instead_of_its_fast
     assert parse_profile({**doc, "fit_statistic": "fastest"}).steps.for_threads(1) == fastest
     assert fastest.prefill_s(128) == pytest.approx(cost(128), rel=0.02)
     assert median.prefill_s(128) == pytest.approx(1.1 * cost(128), rel=0.02)
+
+
+def test_host_work_reads_back_is_checked_and_is_dropped_by_a_trial_calibration():
+    from splitserve.control.predict import host_load
+    from splitserve.control.simulator import SimRequest
+
+    doc = {**HAND_WRITTEN, "host_work": {"idle_cores": 0.01, "per_request_s": 0.01, "per_token_s": 0.001}}
+    profile = parse_profile(json.loads(json.dumps(doc)))
+    assert profile.host_work.load(2.0, 100.0) == pytest.approx(0.01 + 0.02 + 0.1)
+    # 11 requests of 20 tokens over 10 s: 1.1 requests and 22 tokens a second
+    requests = [SimRequest(i, float(i), 50, 20) for i in range(11)]
+    assert host_load(profile, requests) == pytest.approx(0.01 + 1.1 * 0.01 + 22 * 0.001)
+    assert host_load(parse_profile(HAND_WRITTEN), requests) == 0.0  # not profiled: nothing taken
+    with pytest.raises(ProfileError, match="host_work.per_token_s"):
+        parse_profile({**HAND_WRITTEN, "host_work": {"per_token_s": -1}})
+    calibrated = {**doc, "trial_calibration": {"threads": {"1": {"step_model": HAND_WRITTEN["threads"]["1"]["step_model"]}}}}
+    assert parse_profile(calibrated).host_work is None  # a trial's steps ran beside that work already

@@ -92,10 +92,10 @@ def test_a_request_that_never_ran_misses_every_deadline_instead_of_crashing_the_
     assert result["attainment"] == 0.5
 
 
-def timelines(requests, specs, num_blocks, fast_forward):
+def timelines(requests, specs, num_blocks, fast_forward, host_load=0.0):
     model = StepModel(0.045, 0.0026, 0.001, 0.005, 1.4e-5, 0.05)  # the bundled model's 1-thread shape, with panels
     instances = [Instance(f"i{k}", spec, model, num_blocks=num_blocks, block_size=16) for k, spec in enumerate(specs)]
-    sim = Simulation(instances, lambda n: 0.002 + n * 1e-6)
+    sim = Simulation(instances, lambda n: 0.002 + n * 1e-6, host_load=host_load)
     sim.fast_forward = fast_forward
     fresh = [SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.answer_tokens) for r in requests]
     sim.run(fresh)
@@ -104,21 +104,26 @@ def timelines(requests, specs, num_blocks, fast_forward):
              for i in instances])
 
 
-@pytest.mark.parametrize("specs, num_blocks", [
-    ((InstanceSpec(budget=64),) * 2, 1000),
-    ((InstanceSpec(budget=256),), 50),  # tight: decodes run out of blocks and preempt
-    ((InstanceSpec(policy="whole"),), 1000),
-    ((InstanceSpec("prefill"), InstanceSpec("decode")), 1000),
-    ((InstanceSpec("prefill"), InstanceSpec("decode"), InstanceSpec("decode")), 50),
+@pytest.mark.parametrize("specs, num_blocks, host_load", [
+    ((InstanceSpec(budget=64),) * 2, 1000, 0.0),
+    ((InstanceSpec(budget=256),), 50, 0.0),  # tight: decodes run out of blocks and preempt
+    ((InstanceSpec(policy="whole"),), 1000, 0.0),
+    ((InstanceSpec("prefill"), InstanceSpec("decode")), 1000, 0.0),
+    ((InstanceSpec("prefill"), InstanceSpec("decode"), InstanceSpec("decode")), 50, 0.0),
+    # host work: steps stretched by who else is busy, decided at each step's start
+    ((InstanceSpec(budget=64),) * 2, 1000, 0.5),
+    ((InstanceSpec("prefill"), InstanceSpec("decode")), 1000, 0.5),
+    ((InstanceSpec("prefill"), InstanceSpec("decode"), InstanceSpec("decode")), 50, 0.8),
 ])
-def test_batched_decode_steps_give_the_same_timeline_as_one_step_at_a_time(specs, num_blocks):
+def test_batched_decode_steps_give_the_same_timeline_as_one_step_at_a_time(specs, num_blocks, host_load):
     import random
     rng = random.Random(1)
     requests, t = [], 0.0
     for i in range(150):
         t += rng.expovariate(3.0)
         requests.append(SimRequest(i, t, rng.choice([20, 60, 300, 700]), rng.randint(1, 60)))
-    fast, slow = timelines(requests, specs, num_blocks, True), timelines(requests, specs, num_blocks, False)
+    fast = timelines(requests, specs, num_blocks, True, host_load)
+    slow = timelines(requests, specs, num_blocks, False, host_load)
     assert fast == slow  # exact: the same floats in the same order
     assert all(first is not None for first, _, _ in fast[0])
     if num_blocks == 50:
@@ -152,3 +157,27 @@ def test_a_lone_instance_is_never_slowed_by_host_contention():
     assert token_times(req) == pytest.approx([0.11, 0.125, 0.14])
     with pytest.raises(ValueError, match="contention"):
         Simulation([Instance("i0", InstanceSpec(), MODEL, 1000, 16)], contention=0.5)
+
+
+def test_host_work_takes_cores_from_engine_steps_only_when_the_engines_need_them():
+    # 2 cores, the stack's host work keeps 0.5 busy: two busy 1-thread engines share 1.5 cores
+    # (each step 2 / 1.5 times its profiled time); one busy engine still has a whole core.
+    a, b = SimRequest(0, 0.0, 100, 3), SimRequest(1, 0.0, 100, 1)
+    instances = [Instance(f"i{k}", InstanceSpec(), MODEL, num_blocks=1000, block_size=16) for k in range(2)]
+    sim = Simulation(instances, host_load=0.5, cores=2)
+    sim.run([a, b])
+    assert b.first_s == pytest.approx(0.11 * 4 / 3)
+    assert token_times(a) == pytest.approx([0.11 * 4 / 3, 0.11 * 4 / 3 + 0.015, 0.11 * 4 / 3 + 0.03])
+    assert sim.stretch(1) == 1.0 and sim.stretch(2) == pytest.approx(4 / 3)
+
+
+def test_a_lone_instance_of_two_threads_runs_every_step_on_what_the_host_work_leaves():
+    req = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)
+    Simulation([Instance("i0", InstanceSpec(threads=2), MODEL, num_blocks=1000, block_size=16)],
+               host_load=0.4, cores=2).run([req])
+    assert token_times(req) == pytest.approx([0.11 * 1.25, 0.125 * 1.25, 0.14 * 1.25])
+    idle = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)  # no host work: the profiled times
+    Simulation([Instance("i0", InstanceSpec(threads=2), MODEL, num_blocks=1000, block_size=16)]).run([idle])
+    assert token_times(idle) == pytest.approx([0.11, 0.125, 0.14])
+    with pytest.raises(ValueError, match="host load"):
+        Simulation([Instance("i0", InstanceSpec(), MODEL, 1000, 16)], host_load=-0.1)

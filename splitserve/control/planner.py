@@ -182,5 +182,9 @@ def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimR
         "recommendation": recommendation(ranked, target, base, rate_multiplier),
         "step_times_beside_neighbours": profile.contention_note(
             sorted({i.threads for c in ranked if len(c.arrangement.instances) > 1 for i in c.arrangement.instances})),
+        "host_work": (f"the serving stack's CPU outside engine steps ({profile.host_work.per_request_s * 1e3:.2f} ms a "
+                      f"request, {profile.host_work.per_token_s * 1e3:.3f} ms a streamed token, "
+                      f"{profile.host_work.idle_cores:.3f} core idle) is taken from the engines' cores"
+                      if profile.host_work else "not profiled: the engines are simulated with all the cores"),
         "profile": profile.raw,
     }

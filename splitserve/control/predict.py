@@ -209,8 +209,21 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
                         r.priority) for r in requests]
     transport = arrangement.transport
     sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), contention,
-                     max_queued_requests, disagg)
+                     max_queued_requests, disagg, host_load(profile, fresh), arrangement.cores)
     return sim.run(fresh), instances
+
+
+def host_load(profile: Profile, requests: list[SimRequest]) -> float:
+    """Cores the profile's host work keeps busy over these requests: their mean rate of requests
+    and of streamed tokens over the span they arrive in (0 without host work in the profile)."""
+    host = profile.host_work
+    if host is None or not requests:
+        return 0.0
+    first = min(r.arrival_s for r in requests)
+    span = max(r.arrival_s for r in requests) - first
+    if span <= 0:
+        return host.idle_cores
+    return host.load(len(requests) / span, sum(r.answer_tokens for r in requests) / span)
 
 
 def _pct_sorted(values: list[float], q: float) -> float:

@@ -17,7 +17,9 @@ arrangements of several instances on one host (a trial's prompt steps ran 9-35% 
 lone profile said). The processes are not pinned, as a trial's engines are not. `--contended off`
 skips it; `--contended served` makes each neighbour an instance served over HTTP to a streaming
 client (its frontend's and client's work per request and per token on the host too, as in a trial). Also KV transfer per transport (control/kv_profile.py), the model load and engine start
-times, and the machine. Then the step model (control/stepmodel.py) is fitted and its error
+times, the machine, and (`--host-work`, on unless --quick) the serving stack's CPU outside engine
+steps per request and per streamed token (control/host_work.py), which the simulator takes from
+the engines' cores. Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
 fastest repeat (load only ever adds time).
@@ -63,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "2 x threads <= cores; the planner uses those steps for arrangements of several "
                              "instances); served: the same, each busy engine served over HTTP to a streaming "
                              "client, so its frontend's and client's work share the host too; off: lone steps only")
+    parser.add_argument("--host-work", choices=("auto", "on", "off"), default="auto",
+                        help="also measure the serving stack's CPU outside engine steps, per request and per "
+                             "streamed token (control/host_work.py: one served instance, about 30 s; the planner "
+                             "takes those cores from the engines). auto: on, except with --quick")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -311,7 +317,7 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
 
 
 def measure(model: str | None, threads: list[int], quick: bool, repeats: int | None,
-            transports: list[str], log=print, contended: str = "auto") -> dict:
+            transports: list[str], log=print, contended: str = "auto", host_work: str = "auto") -> dict:
     import torch
 
     from splitserve.control.kv_profile import measure_kv_transfer
@@ -343,6 +349,11 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
     doc["kv_transfer"] = measure_kv_transfer(config, 16, grid["transfer_tokens"], repeats, tuple(transports))
     for name, t in doc["kv_transfer"].items():
         log(f"  {name}: latency {t['latency_s'] * 1e3:.2f} ms, {t['gb_per_s']:.2f} GB/s")
+    if host_work == "on" or (host_work == "auto" and not quick):
+        from splitserve.control.host_work import measure_host_work
+
+        log("host work (the serving stack's CPU outside engine steps)")
+        doc["host_work"] = measure_host_work(model, min(threads), log)
     machine["load_average_end"] = os.getloadavg()[0]
     parse_profile(doc)  # what we write must read back
     return doc
@@ -362,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--out: folder {str(out.parent)!r} does not exist")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         set_omp_wait_policy(args.omp_wait_policy)
-        doc = measure(args.model, threads, args.quick, args.repeats, transports, log, args.contended)
+        doc = measure(args.model, threads, args.quick, args.repeats, transports, log, args.contended, args.host_work)
     except (ProfileError, ValueError, FileNotFoundError) as exc:
         print(f"splitserve profile: {exc}", file=sys.stderr)
         return 2

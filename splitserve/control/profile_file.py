@@ -14,6 +14,7 @@
      "startup_s": {"load_model": [...], "engine": [...]},            # optional
      "host_contention": {"factor": 1.15},                            # optional: bench/host_contention.py
      "fit_statistic": "fastest",                                     # optional: or "median" (of each step's repeats)
+     "host_work": {"idle_cores": 0.0, "per_request_s": 0.011, "per_token_s": 0.00076},  # optional: host_work.py
      "trial_calibration": {"source": "...", "threads": {"1": {"step_model": {...}, "num_steps": 900}}}}  # optional
 
 Samples are the truth when present: the step model is refitted from them on load. A hand-written
@@ -27,7 +28,13 @@ ran steps on the rest of the cores (`splitserve profile` measures it when the bo
 instance of that many threads). An arrangement of several instances, each on its own cores of one
 host, is simulated with these step times (Profile.instance_models); a profile without them (every
 profile before it) falls back to its lone step times and `host_contention`, and says so
-(contention_note). Every mistake raises ProfileError naming the field.
+(contention_note).
+
+`host_work` (issue 28 item 3, control/host_work.py) is the CPU the serving stack spends outside
+the engines' steps: the frontend, the coordinator, the engines' loops between steps and the
+trial's client, as a rate at idle plus CPU seconds per request and per streamed token. The
+simulator takes those cores from the engines' (control/simulator.py). A trial calibration drops
+it too: a trial's steps ran beside that work already. Every mistake raises ProfileError naming the field.
 """
 from __future__ import annotations
 
@@ -55,6 +62,19 @@ class TransferModel:
         return self.latency_s + num_bytes / (self.gb_per_s * 1e9)
 
 
+@dataclass(slots=True, frozen=True)
+class HostWork:
+    """CPU the serving stack takes from the host outside engine steps (control/host_work.py)."""
+
+    idle_cores: float = 0.0     # cores busy with nothing in flight
+    per_request_s: float = 0.0  # CPU seconds per request
+    per_token_s: float = 0.0    # CPU seconds per streamed token
+
+    def load(self, requests_per_s: float, tokens_per_s: float) -> float:
+        """Cores this work keeps busy at these rates."""
+        return self.idle_cores + requests_per_s * self.per_request_s + tokens_per_s * self.per_token_s
+
+
 @dataclass(slots=True)
 class Profile:
     model_name: str
@@ -66,6 +86,7 @@ class Profile:
     raw: dict
     host_contention: float = 1.0  # a step beside a busy instance on the same host takes this many times longer
     contended: dict[int, StepModel] = field(default_factory=dict)  # threads -> steps beside busy engines
+    host_work: HostWork | None = None  # the stack's CPU outside engine steps, when profiled
 
     def instance_models(self, threads: list[int]) -> tuple[list[StepModel], float]:
         """Each instance's step model and the simulator's neighbour factor, for an arrangement of
@@ -216,10 +237,15 @@ def parse_profile(doc, source: str = "profile") -> Profile:
                                    f"(it has {sorted(models)})")
             models[int(key)] = _step_model(_mapping(entry, path).get("step_model"), f"{path}.step_model")
         contention, contended = 1.0, {}  # a trial's steps ran beside their neighbours already
+    host_work = None
+    if doc.get("host_work") is not None and doc.get("trial_calibration") is None:
+        entry = _mapping(doc["host_work"], "host_work")
+        host_work = HostWork(*(_number(entry.get(k, 0.0), f"host_work.{k}")
+                               for k in ("idle_cores", "per_request_s", "per_token_s")))
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
                    machine=doc.get("machine") or {}, raw=doc, host_contention=contention,
-                   contended=contended)
+                   contended=contended, host_work=host_work)
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:

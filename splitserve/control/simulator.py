@@ -17,6 +17,11 @@ prefills it beside its streams, and no transfer is charged for it. The policy re
 counters as the engine would report them; `auto` weighs the step model the simulation runs on
 (what its online refit learns from the engines' steps).
 
+The serving stack's CPU outside the steps (the frontend, the coordinator, the engines' loops, a
+trial's client; the profile's host_work) takes cores from the engines: at the simulated rates it
+keeps `host_load` cores busy, and a step that starts while B engine threads are busy runs
+max(1, B / (cores - host_load)) times its profiled time.
+
 Left out: the frontend's own latency, the engines' stats delay (the router learns a decode
 instance's free blocks at each of its step ends, not every 0.25 s), prefix affinity, stop
 strings, failures. Admission limits are the frontend's (max_num_seqs + 256 queued per instance):
@@ -85,8 +90,12 @@ class Simulation:
     fast_forward = True  # run stretches of decode-only steps at once (tests turn it off to compare)
 
     def __init__(self, instances: list[SimEngine], transfer_s=lambda n: 0.0, contention: float = 1.0,
-                 max_queued_requests: int = MAX_QUEUED_REQUESTS, disagg: DisaggPolicy | None = None):
-        """disagg: where a separated arrangement's prompts are prefilled (None: always remote)."""
+                 max_queued_requests: int = MAX_QUEUED_REQUESTS, disagg: DisaggPolicy | None = None,
+                 host_load: float = 0.0, cores: float | None = None):
+        """disagg: where a separated arrangement's prompts are prefilled (None: always remote).
+        host_load: cores the serving stack keeps busy outside engine steps (the frontend, the
+        coordinator, the client: profile_file.HostWork.load at the simulated rates); cores: the
+        host's (default: the instances' threads, which fill it)."""
         self.instances = instances
         self.by_name = {i.name: i for i in instances}
         roles = {i.role for i in instances}
@@ -106,6 +115,22 @@ class Simulation:
         if contention < 1.0:
             raise ValueError(f"host contention must be >= 1 (a busy neighbour never speeds a step up), got {contention}")
         self.contention = contention if len(instances) > 1 else 1.0
+        # The stack's host work takes `host_load` of the cores; a step that starts while B engine
+        # threads are busy (its own and its busy neighbours') runs max(1, B / (cores - host_load))
+        # times its profiled time: the engine threads share what the stack leaves. One instance is
+        # always its own B, so its model is scaled once; several go through the event queue.
+        if host_load < 0:
+            raise ValueError(f"host load must be >= 0 cores, got {host_load}")
+        self.cores = float(cores if cores is not None else sum(i.spec.threads for i in instances))
+        self._engine_cores = max(self.cores - host_load, 0.05 * self.cores)
+        self.host_load = host_load
+        self._stretching = False
+        if host_load > 0:
+            if len(instances) == 1:
+                only = instances[0]
+                only.model = only.model.scaled(self.stretch(only.spec.threads))
+            else:
+                self._stretching = True
         self.events: list = []
         self._seq = 0
         self.now = 0.0
@@ -155,22 +180,26 @@ class Simulation:
         colocated instance; the same timeline, several times faster at low load)."""
         if inst.busy:
             return
-        now, contended = self.now, self.contention != 1.0
+        now, contended = self.now, self.contention != 1.0 or self._stretching
         while True:
             for request, source in inst.begin_step():
                 self.num_transfers += 1
                 self._push(now + self.transfer_s(request.num_prompt_tokens), _TRANSFER_END, (inst, request, source))
             horizon = self._next_arrival_s
-            if not self.colocated_only and self.events:
+            if (contended or not self.colocated_only) and self.events:
                 horizon = min(horizon, self.events[0][0])
-            if self.fast_forward and not contended:
-                now = self._fast_forward(inst, now, horizon)
+            # Contended, a step's time depends on who else is busy. When no other instance starts
+            # at this instant, that stays as it is until the next event or arrival (a neighbour's
+            # step end is an event; an idle one wakes only on an arrival or an event), so a
+            # stretch of steady steps up to then runs at one factor.
+            if self.fast_forward and (not contended or len(self._starting) <= 1):
+                now = self._fast_forward(inst, now, horizon, self._step_factor(inst) if contended else 1.0)
             batch = inst.scheduler.schedule()
             if not batch:
                 return
             step = inst.step_seconds(batch)
-            if contended and self._neighbour_busy(inst):
-                step *= self.contention
+            if contended:
+                step *= self._step_factor(inst)
             end = now + step
             inst.busy_s += step
             if contended or not self.colocated_only or end >= horizon:
@@ -180,16 +209,32 @@ class Simulation:
             self._finish_step(inst, batch, end)
             now = end
 
+    def _step_factor(self, inst: SimEngine) -> float:
+        """How many times its profiled time a step of inst starting now takes: the neighbour
+        factor while another instance is busy, times the host work's stretch."""
+        factor = self.contention if self.contention != 1.0 and self._neighbour_busy(inst) else 1.0
+        return factor * self.stretch(self._busy_threads(inst)) if self._stretching else factor
+
+    def stretch(self, busy_threads: int) -> float:
+        """How many times its profiled time a step takes while `busy_threads` engine threads share
+        the cores the stack's host work leaves."""
+        return max(1.0, busy_threads / self._engine_cores)
+
+    def _busy_threads(self, inst: SimEngine) -> int:
+        """inst's threads and those of every other instance busy now (as _neighbour_busy reads it)."""
+        return inst.spec.threads + sum(o.spec.threads for o in self.instances if o is not inst and (
+            o.busy or (o in self._starting and o.has_work())))
+
     def _neighbour_busy(self, inst: SimEngine) -> bool:
         """Another instance has a step in flight, or starts one at this same instant."""
         return any(o is not inst and (o.busy or (o in self._starting and o.has_work())) for o in self.instances)
 
-    def _fast_forward(self, inst: SimEngine, now: float, horizon: float) -> float:
+    def _fast_forward(self, inst: SimEngine, now: float, horizon: float, factor: float = 1.0) -> float:
         """Run, in one go, the steps the scheduler says keep the batch's shape (decodes plus one
         prompt's chunks, nothing admitted, preempted or finished: Scheduler.steady_steps) and that
         end before `horizon`. The same floats as one step at a time: each step's time from the
         same shape, each end the previous end plus that time. Returns the time the last of them
-        ends (`now` when none could run)."""
+        ends (`now` when none could run). factor: each step's time multiplied (host contention)."""
         sched, model = inst.scheduler, inst.model
         limit, prompt, chunk = sched.steady_steps(1 << 30)
         if limit == 0:
@@ -201,9 +246,9 @@ class Simulation:
         ends, end, busy = [], now, inst.busy_s
         for _ in range(limit):
             if prompt is None:
-                step = model.step_s(0, 0.0, n, kv)
+                step = model.step_s(0, 0.0, n, kv) * factor
             else:
-                step = model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv)
+                step = model.step_s(chunk, prefill_attn_ktok2(start, chunk), n, kv) * factor
                 start += chunk
             nxt = end + step
             if nxt >= horizon:

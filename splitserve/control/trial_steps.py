@@ -142,11 +142,12 @@ def refit(profile: Profile, samples: dict[int, list[OnlineSample]]) -> dict[int,
 
 
 def with_models(profile: Profile, models: dict[int, StepModel]) -> Profile:
-    """The profile with these thread counts' step models replaced, and no separate neighbour factor
-    or contended steps: steps measured in a trial already ran beside their neighbours."""
+    """The profile with these thread counts' step models replaced, and no separate neighbour factor,
+    contended steps or host work: steps measured in a trial already ran beside their neighbours and
+    the serving stack."""
     by_threads = {**profile.steps.by_threads, **models}
     return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
-                               host_contention=1.0, contended={})
+                               host_contention=1.0, contended={}, host_work=None)
 
 
 def calibration(profile: Profile, arrangements: list[tuple[dict[str, int], list[dict]]]) -> dict:

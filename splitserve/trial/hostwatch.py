@@ -150,6 +150,19 @@ def _own_keys(procs: dict[_ProcKey, _Proc], roots: Iterable[int]) -> set[_ProcKe
     return own
 
 
+def process_tree_cpu_s(root_pids: Iterable[int]) -> float:
+    """CPU seconds (utime + stime, and their reaped children's) the given processes and all their
+    live descendants have used since they started: the difference of two readings is what a
+    process tree took over a window (splitserve profile's host-work pass reads a server's)."""
+    procs = {}
+    for pid in _list_pids():
+        got = _read_proc(pid)
+        if got is not None:
+            procs[got[0]] = got[1]
+    ticks = sum(procs[k].self_ticks + procs[k].child_ticks for k in _own_keys(procs, root_pids))
+    return ticks / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
 @dataclass
 class _Tally:
     """Running sums over a window, advanced one sample at a time so memory stays bounded."""
