@@ -169,13 +169,20 @@ def test_host_work_takes_cores_from_engine_steps_only_when_the_engines_need_them
     assert b.first_s == pytest.approx(0.11 * 4 / 3)
     assert token_times(a) == pytest.approx([0.11 * 4 / 3, 0.11 * 4 / 3 + 0.015, 0.11 * 4 / 3 + 0.03])
     assert sim.stretch(1) == 1.0 and sim.stretch(2) == pytest.approx(4 / 3)
+    assert sim.stretch(4, 2) == pytest.approx(1 / (1 - 0.5 * 2 / 4))  # a 2-thread engine waits for both
 
 
-def test_a_lone_instance_of_two_threads_runs_every_step_on_what_the_host_work_leaves():
+def test_a_lone_instance_of_two_threads_waits_for_whichever_thread_the_host_work_preempts():
+    # 0.4 of a core taken from a 2-thread engine on 2 cores: each parallel region waits for the
+    # preempted thread, so the engine runs 1 / (1 - 0.4) times longer (not 2 / 1.6)
     req = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)
     Simulation([Instance("i0", InstanceSpec(threads=2), MODEL, num_blocks=1000, block_size=16)],
                host_load=0.4, cores=2).run([req])
-    assert token_times(req) == pytest.approx([0.11 * 1.25, 0.125 * 1.25, 0.14 * 1.25])
+    assert token_times(req) == pytest.approx([0.11 / 0.6, 0.125 / 0.6, 0.14 / 0.6])
+    spare = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)  # a third core takes the host work
+    Simulation([Instance("i0", InstanceSpec(threads=2), MODEL, num_blocks=1000, block_size=16)],
+               host_load=0.4, cores=3).run([spare])
+    assert token_times(spare) == pytest.approx([0.11, 0.125, 0.14])
     idle = SimRequest(0, 0.0, prompt_tokens=100, answer_tokens=3)  # no host work: the profiled times
     Simulation([Instance("i0", InstanceSpec(threads=2), MODEL, num_blocks=1000, block_size=16)]).run([idle])
     assert token_times(idle) == pytest.approx([0.11, 0.125, 0.14])

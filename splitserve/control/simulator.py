@@ -19,8 +19,9 @@ counters as the engine would report them; `auto` weighs the step model the simul
 
 The serving stack's CPU outside the steps (the frontend, the coordinator, the engines' loops, a
 trial's client; the profile's host_work) takes cores from the engines: at the simulated rates it
-keeps `host_load` cores busy, and a step that starts while B engine threads are busy runs
-max(1, B / (cores - host_load)) times its profiled time.
+keeps `host_load` cores busy: idle cores take it first, the rest takes an equal share of each busy
+engine thread's core, and a multi-thread engine waits at its barriers for the slowest of its
+threads (Simulation.stretch).
 
 Left out: the frontend's own latency, the engines' stats delay (the router learns a decode
 instance's free blocks at each of its step ends, not every 0.25 s), prefix affinity, stop
@@ -115,20 +116,23 @@ class Simulation:
         if contention < 1.0:
             raise ValueError(f"host contention must be >= 1 (a busy neighbour never speeds a step up), got {contention}")
         self.contention = contention if len(instances) > 1 else 1.0
-        # The stack's host work takes `host_load` of the cores; a step that starts while B engine
-        # threads are busy (its own and its busy neighbours') runs max(1, B / (cores - host_load))
-        # times its profiled time: the engine threads share what the stack leaves. One instance is
-        # always its own B, so its model is scaled once; several go through the event queue.
+        # The stack's host work keeps `host_load` cores busy. Idle cores take it first; what
+        # spills onto the B busy engine threads' cores takes an equal share of each. A step of an
+        # instance of T threads runs 1 / (1 - spill x T / B) times its profiled time: a 1-thread
+        # engine loses its core's share (with every core busy, B / (cores - host_load), the
+        # threads sharing what the stack leaves); a multi-thread engine waits at each parallel
+        # region's barrier for whichever of its threads the stack preempted, so it loses the
+        # share of all its cores together. One instance is always its own B, so its model is
+        # scaled once; several go through the event queue.
         if host_load < 0:
             raise ValueError(f"host load must be >= 0 cores, got {host_load}")
         self.cores = float(cores if cores is not None else sum(i.spec.threads for i in instances))
-        self._engine_cores = max(self.cores - host_load, 0.05 * self.cores)
         self.host_load = host_load
         self._stretching = False
         if host_load > 0:
             if len(instances) == 1:
                 only = instances[0]
-                only.model = only.model.scaled(self.stretch(only.spec.threads))
+                only.model = only.model.scaled(self.stretch(only.spec.threads, only.spec.threads))
             else:
                 self._stretching = True
         self.events: list = []
@@ -213,12 +217,15 @@ class Simulation:
         """How many times its profiled time a step of inst starting now takes: the neighbour
         factor while another instance is busy, times the host work's stretch."""
         factor = self.contention if self.contention != 1.0 and self._neighbour_busy(inst) else 1.0
-        return factor * self.stretch(self._busy_threads(inst)) if self._stretching else factor
+        return factor * self.stretch(self._busy_threads(inst), inst.spec.threads) if self._stretching else factor
 
-    def stretch(self, busy_threads: int) -> float:
-        """How many times its profiled time a step takes while `busy_threads` engine threads share
-        the cores the stack's host work leaves."""
-        return max(1.0, busy_threads / self._engine_cores)
+    def stretch(self, busy_threads: int, threads: int = 1) -> float:
+        """How many times its profiled time a step of an instance of `threads` threads takes while
+        `busy_threads` engine threads (its own among them) are busy beside the stack's host work."""
+        spill = self.host_load - max(self.cores - busy_threads, 0.0)
+        if spill <= 0:
+            return 1.0
+        return 1.0 / max(1.0 - spill * threads / busy_threads, 0.05)
 
     def _busy_threads(self, inst: SimEngine) -> int:
         """inst's threads and those of every other instance busy now (as _neighbour_busy reads it)."""
