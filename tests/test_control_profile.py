@@ -272,3 +272,23 @@ def test_host_work_reads_back_is_checked_and_is_dropped_by_a_trial_calibration()
         parse_profile({**HAND_WRITTEN, "host_work": {"per_token_s": -1}})
     calibrated = {**doc, "trial_calibration": {"threads": {"1": {"step_model": HAND_WRITTEN["threads"]["1"]["step_model"]}}}}
     assert parse_profile(calibrated).host_work is None  # a trial's steps ran beside that work already
+
+
+def test_steps_beside_busy_engines_are_fitted_on_their_median_repeat_unless_the_profile_says_fastest():
+    # the same shapes alone (fastest and median alike) and beside a neighbour whose phase spreads
+    # them: one repeat caught it between chunks (1.0x), two beside a chunk (1.5x)
+    shapes = [(32, 0), (128, 0), (512, 0), (0, 1), (0, 4), (0, 16), (128, 8)]
+    def sample(p, d, seconds):
+        return {"kind": "mixed" if p and d else "prefill" if p else "decode", "prefill_tokens": p,
+                "prefill_attn_ktok2": p * p / 2000, "decode_seqs": d, "decode_kv_tokens": 64 * d, "seconds": seconds}
+    base = [0.01 + 0.001 * p + 0.002 * d for p, d in shapes]
+    doc = copy.deepcopy(HAND_WRITTEN)
+    doc["threads"]["1"] = {"samples": [sample(p, d, [t, t]) for (p, d), t in zip(shapes, base)],
+                           "contended": {"samples": [sample(p, d, [t, 1.5 * t, 1.5 * t]) for (p, d), t in zip(shapes, base)]}}
+    profile = parse_profile(json.loads(json.dumps(doc)))
+    lone, beside = profile.steps.for_threads(1), profile.contended[1]
+    assert beside.step_s(128) == pytest.approx(1.5 * lone.step_s(128), rel=0.02)
+    fastest = parse_profile({**doc, "contended_fit_statistic": "fastest"}).contended[1]
+    assert fastest.step_s(128) == pytest.approx(lone.step_s(128), rel=0.02)
+    with pytest.raises(ProfileError, match="contended_fit_statistic"):
+        parse_profile({**doc, "contended_fit_statistic": "mean"})

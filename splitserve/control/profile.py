@@ -22,7 +22,8 @@ steps per request and per streamed token (control/host_work.py), which the simul
 the engines' cores. Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
-fastest repeat (load only ever adds time).
+fastest repeat (load only ever adds time); the steps beside busy engines their median repeat (there
+the spread is the neighbour's phase, the contention itself).
 """
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[i
 
 
 def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log, served: bool = False) -> dict:
-    report = fit_step_model(*step_samples(busy, "contended.samples"))
+    report = fit_step_model(*step_samples(busy, "contended.samples", "median"))  # as profile_file reads it
     by_kind = {}  # the same step (kind and shape) alone and beside the neighbours, fastest repeats
     for a, b in zip(lone, busy):
         if (a["kind"], a["prefill_tokens"], a["decode_seqs"]) == (b["kind"], b["prefill_tokens"], b["decode_seqs"]):
@@ -267,7 +268,7 @@ def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int
         log("  WARNING: steps ran faster beside busy engines than alone: other processes disturbed the lone pass; "
             "profile again on a quieter box")
     return {"samples": busy, "step_model": report.model.to_dict(),
-            "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
+            "fit": {"statistic": "median repeat", "median_abs_rel_error": report.median_abs_rel_error,
                     "max_abs_rel_error": report.max_abs_rel_error},
             "slowdown_median_by_kind": slowdown,
             "lone_pass_disturbed": any(v < 0.95 for v in slowdown.values()),
