@@ -54,12 +54,16 @@ def check(profile, path: Path) -> list[dict]:
         rows = [r for r in cmp["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None]
         pred = next((r["predicted"] for r in rows if r["metric"].startswith("capacity at")), None)
         refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
+        speed = next((r for r in rows if r["metric"] == "capacity at the trial's speed"), None)
         out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
                     "trial": doc.get("trial"), "arrangement": name,
                     "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
                     "num_probes": len(c.get("points") or []),
                     "predicted_rps": pred, **_verdict(pred, c),
                     "refit_rps": refit, "refit": _verdict(refit, c) if refit is not None else None,
+                    "at_speed_rps": speed["predicted"] if speed else None,
+                    "speed_factor": speed["speed_factor"] if speed else None,
+                    "at_speed": _verdict(speed["predicted"], c) if speed else None,
                     "compare_cpu_s": round(cpu, 2)})
     return out
 
@@ -87,16 +91,22 @@ def main() -> int:
     rows = []
     for path in args.results:
         rows.extend(check(profile, path))
-    print("| trial | arrangement | measured (90%) | probes | predicted | refit on its steps |")
-    print("|---|---|---|---|---|---|")
+    print("| trial | arrangement | measured (90%) | probes | predicted | at the trial's speed | refit on its steps |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        speed = (f"{_cell(r['at_speed_rps'], r['at_speed'])} (x{r['speed_factor']:.2f})" if r["at_speed"] else "-")
         print(f"| {r['results']} | {r['arrangement']} | {_iv(r['measured'])} | {r['num_probes']} | "
-              f"{_cell(r['predicted_rps'], r)} | {_cell(r['refit_rps'], r['refit']) if r['refit'] else '-'} |")
+              f"{_cell(r['predicted_rps'], r)} | {speed} | {_cell(r['refit_rps'], r['refit']) if r['refit'] else '-'} |")
     ok = sum(r["ok"] for r in rows)
     print(f"\n{ok} of {len(rows)} arrangement-runs predicted inside the interval or within 15% of the estimate")
+    if any(r["at_speed"] for r in rows):
+        fast = sum(r["at_speed"]["ok"] for r in rows if r["at_speed"])
+        print(f"{fast} of {sum(1 for r in rows if r['at_speed'])} at the speed each trial's box ran the host-speed "
+              "benchmark (the profile's step times scaled by the ratio)")
     if args.json:
-        args.json.write_text(json.dumps({"profile": str(args.profile), "rows": rows,
-                                         "ok": ok, "num": len(rows)}, indent=1))
+        args.json.write_text(json.dumps({"profile": str(args.profile), "rows": rows, "ok": ok, "num": len(rows),
+                                         "ok_at_speed": sum(r["at_speed"]["ok"] for r in rows if r["at_speed"])},
+                                        indent=1))
     return 0
 
 

@@ -374,3 +374,31 @@ def test_a_fitted_interval_says_whether_the_prediction_falls_inside():
     assert rows[names[1]]["in_measured_interval"] is False
     assert rows[names[1]]["measured"] == q / 10  # no searched capacity: the fitted crossing is the measurement
     assert "OUTSIDE" in render(out) and f"fitted {p * 0.9:.2f}-{p * 1.1:.2f}/s: inside" in render(out)
+
+
+def test_a_trial_on_a_slower_box_is_also_predicted_at_the_speed_its_box_ran_the_benchmark():
+    # the profile's box ran the speed loop at 2,000 units/s, the trial's at 1,000: the same steps
+    # take twice as long there, so the capacity at the trial's speed is about half
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    for arr in doc["arrangements"][:2]:
+        arr["capacity_rps"] = {"median": 3.0, "min": 2.0, "max": 4.0}
+        for run in arr["runs"]:
+            run["summary"]["speed_units_per_s"] = 1000.0
+    steps = {"overhead_s": 0.01, "per_prefill_token_s": 0.01, "per_decode_seq_s": 0.05}  # capacity inside the search
+    fast = parse_profile({**PROFILE, "threads": {"1": {"step_model": steps}}, "machine": {"speed_units_per_s": 2000.0}})
+    assert fast.speed_units_per_s == 2000.0
+    slow = fast.slowed(2.0)
+    assert slow.steps.for_threads(1).per_prefill_token_s == pytest.approx(0.02)
+    out = compare_results(fast, doc)
+    for name in ("colo", "1P1D"):
+        rows = {r["metric"]: r for r in out["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None}
+        at_speed = rows["capacity at the trial's speed"]
+        assert at_speed["speed_factor"] == 2.0
+        assert at_speed["predicted"] < 0.7 * rows["capacity at 80%"]["predicted"]
+    assert "ran the speed benchmark 0.50x the profile's" in render(out)
+    # a profile made before the benchmark was recorded (or a trial without it): no such row
+    old = compare_results(parse_profile(PROFILE), doc)
+    assert not [r for r in old["rows"] if r["metric"] == "capacity at the trial's speed"]
+    with pytest.raises(ValueError, match="speed factor"):
+        fast.slowed(0)

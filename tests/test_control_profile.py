@@ -35,6 +35,9 @@ def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_pa
     assert chunk["prefill_tokens"] == 16 and chunk["prefill_attn_ktok2"] == pytest.approx(16 * (32 + 8) / 1000)
     assert set(doc["kv_transfer"]) == {"shm", "tcp"} and doc["kv_transfer"]["tcp"]["gb_per_s"] > 0
     assert doc["machine"]["num_cores"] >= 1 and "cpu_model" in doc["machine"]
+    # the trial's host-speed loop, at start and end: a trial on another box is read at its speed
+    assert doc["machine"]["speed_units_per_s"] > 0 and doc["machine"]["speed_units_per_s_end"] > 0
+    assert "host_work" not in doc  # --quick leaves the served host-work pass out
     assert doc["startup_s"]["load_model"] > 0
     assert doc["model"]["weight_format"] == "fp32"  # an HF checkpoint: no GGUF blocks to keep
     profile = parse_profile(doc)

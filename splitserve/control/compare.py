@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import statistics
 import sys
 
 from types import SimpleNamespace
@@ -172,6 +173,24 @@ def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
 
+def trial_speed(results: dict) -> float | None:
+    """The median of the host-speed benchmark a trial ran before each probe (summary
+    speed_units_per_s; trial/hostwatch.speed_benchmark), or None where it recorded none."""
+    speeds = [r["summary"].get("speed_units_per_s") for a in results.get("arrangements", ())
+              for r in a.get("runs", ()) if isinstance(r.get("summary"), dict)]
+    speeds = [x for x in speeds if isinstance(x, (int, float)) and x > 0]
+    return statistics.median(speeds) if speeds else None
+
+
+def _speed_factor(profile: Profile, results: dict) -> float | None:
+    """How many times slower the trial's box ran the speed benchmark than the profile's (None when
+    either lacks it): the same box kind varies by 20% between machines (session 31: 1,660-1,740
+    against 2,110-2,170 units/s), and a step model moves with it. This reads the box, not the
+    trial's outcome: the benchmark is a fixed loop timed before each probe."""
+    trial, prof = trial_speed(results), profile.speed_units_per_s
+    return prof / trial if trial and prof else None
+
+
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
                     spec_path: str | None = None) -> dict:
     """Every run the trial made beside the prediction for exactly what it replayed (its own requests
@@ -188,6 +207,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
         raise ValueError("results.json has an empty plan: nothing to simulate")
     base, main = offered_rate(plan), _main_multiplier(results)
     settings = _probe_settings(results, spec_path)
+    speed_factor = _speed_factor(profile, results)
     rows, skipped, at_main, capacities, step_rows = [], [], [], [], []
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
@@ -251,6 +271,12 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          "workload": "the trial's probes" if settings is not None else "the whole plan"})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
+            if speed_factor is not None:  # the same search on the box as fast as the trial's measured it
+                p3 = predicted_capacity(profile.slowed(speed_factor))
+                rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
+                             "metric": "capacity at the trial's speed", "predicted": p3, "measured": measured_cap,
+                             "error": _error("capacity", p3, measured_cap), "speed_factor": round(speed_factor, 4),
+                             **({"in_measured_interval": _inside(p3, fitted)} if fitted else {})})
             refitted = refit(profile, trial_samples({i.role: i.threads for i in arr.instances}, arr_doc["runs"]))
             if refitted:  # the same search with the steps as this trial's engines ran them
                 p2 = predicted_capacity(with_models(profile, {t: o.model for t, o in refitted.items()}))
@@ -320,6 +346,9 @@ def render(doc: dict) -> str:
             where = (f"{c['lo_rps']:.2f}-{c['hi_rps']:.2f}/s" if c["kind"] == "point" else
                      f"{'>=' if c['kind'] == 'at_least' else '<='}{c['estimate_rps']:.2f}/s")
             line += f"  fitted {where}: {'inside' if r['in_measured_interval'] else 'OUTSIDE'}"
+        if "speed_factor" in r:
+            line += (f"  (the trial's box ran the speed benchmark {1 / r['speed_factor']:.2f}x the profile's; "
+                     f"{'inside' if r.get('in_measured_interval') else 'outside'} its interval)")
         lines.append(line)
     if doc.get("steps"):
         lines.append("engine steps in the trial / the profile's step model (median [p10-p90], time-weighted):")

@@ -111,7 +111,18 @@ def machine_info() -> dict:
     return {"cpu_model": model, "flags": [f for f in CPU_FLAGS if f in flags], "num_cores": os.cpu_count(),
             "platform": platform.platform(), "torch": torch.__version__,
             "load_average_start": os.getloadavg()[0], "niceness": os.nice(0),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default").lower()}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default").lower(),
+            "speed_units_per_s": machine_speed()}
+
+
+def machine_speed(readings: int = 5) -> float:
+    """The trial's host-speed benchmark (trial/hostwatch.speed_benchmark: a fixed single-thread loop,
+    wall time, so steal and clock changes show), median of a few readings. A trial records the same
+    figure before each probe, so a prediction can be read at the speed the trial's box ran at
+    (control/compare.py): two boxes of one kind ran it 1,660-1,740 and 2,110-2,170 units/s."""
+    from splitserve.trial.hostwatch import speed_benchmark
+
+    return round(statistics.median(speed_benchmark() for _ in range(readings)), 1)
 
 
 class StepTimer:
@@ -356,6 +367,7 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
         log("host work (the serving stack's CPU outside engine steps)")
         doc["host_work"] = measure_host_work(model, min(threads), log)
     machine["load_average_end"] = os.getloadavg()[0]
+    machine["speed_units_per_s_end"] = machine_speed()
     parse_profile(doc)  # what we write must read back
     return doc
 

@@ -39,6 +39,7 @@ it too: a trial's steps ran beside that work already. Every mistake raises Profi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -116,6 +117,26 @@ class Profile:
                     f"on too few cores): arrangements of several instances use the lone step times {factor}")
         return (f"step times beside busy engines exist for {', '.join(map(str, have))} thread(s) only: an "
                 f"arrangement with a {', '.join(map(str, lack))}-thread instance uses the lone step times {factor}")
+
+    @property
+    def speed_units_per_s(self) -> float | None:
+        """The host-speed benchmark the profile ran when it started (machine.speed_units_per_s; the
+        trial records the same before each probe), or None in profiles made before it."""
+        value = self.machine.get("speed_units_per_s")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+    def slowed(self, factor: float) -> "Profile":
+        """The profile as the same box would measure it running `factor` times slower: every step
+        model (lone and contended) and the host work's CPU times `factor`; transfers as they are."""
+        if not factor > 0:
+            raise ValueError(f"a speed factor must be positive, got {factor}")
+        host = self.host_work
+        return dataclasses.replace(
+            self, steps=StepModels({t: m.scaled(factor) for t, m in self.steps.by_threads.items()},
+                                   self.steps.serial_fraction),
+            contended={t: m.scaled(factor) for t, m in self.contended.items()},
+            host_work=None if host is None else HostWork(host.idle_cores * factor, host.per_request_s * factor,
+                                                         host.per_token_s * factor))
 
     def transfer_s(self, transport: str, num_tokens: int) -> float:
         if transport not in self.transfer:
