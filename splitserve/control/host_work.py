@@ -75,7 +75,8 @@ def _step_cpu_s(base: str, since: dict[str, int]) -> tuple[float, dict[str, int]
 
 
 def _window(base: str, server_pid: int, requests, model_id: str | None, steps_since: dict[str, int],
-            idle_s: float = IDLE_S) -> dict:
+            idle_s: float = IDLE_S) -> tuple[dict, dict[str, int]]:
+    """One window's figures, and each instance's step count at its end (where the next starts)."""
     from splitserve.trial.client import run_load
     from splitserve.trial.hostwatch import process_tree_cpu_s
 
@@ -97,8 +98,7 @@ def _window(base: str, server_pid: int, requests, model_id: str | None, steps_si
     step_s, counts = _step_cpu_s(base, steps_since)
     return {"requests": len(requests), "tokens": tokens, "wall_s": round(wall_s, 3),
             "server_cpu_s": round(tree_s, 3), "engine_step_cpu_s": round(step_s, 3),
-            "client_cpu_s": round(client_s, 3), "host_cpu_s": round(max(tree_s - step_s, 0.0) + client_s, 3),
-            "_counts": counts}
+            "client_cpu_s": round(client_s, 3), "host_cpu_s": round(max(tree_s - step_s, 0.0) + client_s, 3)}, counts
 
 
 def solve(windows: dict) -> dict:
@@ -143,15 +143,12 @@ def measure_host_work(model: str | None = None, threads: int = 1, log=print, req
                          for _ in range(800))
         tokens = sorted(set(http_tokenizer(base)(words)))
         _, counts = _step_cpu_s(base, {})
-        warm = _window(base, server.pid, _planned(tokens, *WARMUP, seed=1), model_id, counts)
-        windows, counts = {}, warm["_counts"]
+        _, counts = _window(base, server.pid, _planned(tokens, *WARMUP, seed=1), model_id, counts)
+        windows = {}
         for seed, (name, shape) in enumerate((("idle", None), ("requests", requests_window),
                                               ("tokens", tokens_window)), start=2):
-            windows[name] = _window(base, server.pid, _planned(tokens, *shape, seed=seed) if shape else [],
-                                    model_id, counts, idle_s)
-            counts = windows[name]["_counts"]
-        for w in windows.values():
-            w.pop("_counts")
+            windows[name], counts = _window(base, server.pid, _planned(tokens, *shape, seed=seed) if shape else [],
+                                            model_id, counts, idle_s)
         result = solve(windows)
         log(f"  host work beside the engines: {result['per_request_s'] * 1e3:.2f} ms CPU a request, "
             f"{result['per_token_s'] * 1e3:.3f} ms a streamed token, {result['idle_cores']:.3f} core idle")

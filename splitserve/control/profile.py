@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from splitserve.control.profile_file import FORMAT, ProfileError, parse_profile, step_samples
+from splitserve.control.profile_file import CONTENDED_FIT_STATISTIC, FORMAT, ProfileError, parse_profile, step_samples
 from splitserve.control.stepmodel import StepShape, fit_step_model, prefill_attn_ktok2
 
 FULL = {"prefill": [32, 128, 512, 1024], "chunks": [(512, 256), (1024, 256), (1024, 512)],
@@ -267,7 +267,7 @@ def busy_neighbours(count: int, threads: int, model: str | None, prompts: list[i
 
 
 def contended_entry(lone: list[dict], busy: list[dict], count: int, threads: int, log, served: bool = False) -> dict:
-    report = fit_step_model(*step_samples(busy, "contended.samples", "median"))  # as profile_file reads it
+    report = fit_step_model(*step_samples(busy, "contended.samples", CONTENDED_FIT_STATISTIC))  # as read back
     by_kind = {}  # the same step (kind and shape) alone and beside the neighbours, fastest repeats
     for a, b in zip(lone, busy):
         if (a["kind"], a["prefill_tokens"], a["decode_seqs"]) == (b["kind"], b["prefill_tokens"], b["decode_seqs"]):

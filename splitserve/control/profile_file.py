@@ -171,6 +171,11 @@ def _step_model(raw, path: str) -> StepModel:
 
 
 FIT_STATISTICS = ("fastest", "median")  # which repeat of each profiled step a model is fitted on
+# Steps timed beside busy engines vary with what the neighbour runs at that moment (a prompt chunk
+# or a decode): that spread is the contention, not noise to shed, so their model is fitted on each
+# step's median repeat (the fastest caught the neighbour between its chunks: session 31, a 256-token
+# chunk 738 ms fastest against 778-1,033 ms typical).
+CONTENDED_FIT_STATISTIC = "median"
 
 
 def _thread_model(entry: dict, path: str, statistic: str = "fastest") -> StepModel:
@@ -223,11 +228,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     statistic = doc.get("fit_statistic", "fastest")
     if statistic not in FIT_STATISTICS:
         raise ProfileError(f"fit_statistic: one of {list(FIT_STATISTICS)}, got {statistic!r}")
-    # Steps timed beside busy engines vary with what the neighbour runs at that moment (a prompt
-    # chunk or a decode): that spread is the contention, not noise to shed, so their model is
-    # fitted on each step's median repeat (the fastest caught the neighbour between its chunks:
-    # session 31, a 256-token chunk 738 ms fastest against 778-1,033 ms typical).
-    contended_statistic = doc.get("contended_fit_statistic", "median")
+    contended_statistic = doc.get("contended_fit_statistic", CONTENDED_FIT_STATISTIC)
     if contended_statistic not in FIT_STATISTICS:
         raise ProfileError(f"contended_fit_statistic: one of {list(FIT_STATISTICS)}, got {contended_statistic!r}")
     models, contended = {}, {}

@@ -227,14 +227,16 @@ class Simulation:
             return 1.0
         return 1.0 / max(1.0 - spill * threads / busy_threads, 0.05)
 
+    def _busy_neighbours(self, inst: SimEngine):
+        """The other instances with a step in flight, or starting one at this same instant."""
+        return (o for o in self.instances if o is not inst and (o.busy or (o in self._starting and o.has_work())))
+
     def _busy_threads(self, inst: SimEngine) -> int:
-        """inst's threads and those of every other instance busy now (as _neighbour_busy reads it)."""
-        return inst.spec.threads + sum(o.spec.threads for o in self.instances if o is not inst and (
-            o.busy or (o in self._starting and o.has_work())))
+        """inst's threads and those of every busy neighbour."""
+        return inst.spec.threads + sum(o.spec.threads for o in self._busy_neighbours(inst))
 
     def _neighbour_busy(self, inst: SimEngine) -> bool:
-        """Another instance has a step in flight, or starts one at this same instant."""
-        return any(o is not inst and (o.busy or (o in self._starting and o.has_work())) for o in self.instances)
+        return any(True for _ in self._busy_neighbours(inst))
 
     def _fast_forward(self, inst: SimEngine, now: float, horizon: float, factor: float = 1.0) -> float:
         """Run, in one go, the steps the scheduler says keep the batch's shape (decodes plus one
