@@ -3,7 +3,13 @@ attainment (median, min-max), attainment per phase (median), longest pause p99 (
 role changes per run and per minute of run, and the knob moves; then adaptive against the best
 fixed arrangement (by median attainment) on the issue's three rules.
 
-    python bench/mix_summary.py RESULTS.json [--json OUT]
+    python bench/mix_summary.py RESULTS.json [--json OUT] [--misses]
+
+--misses adds, for every request an adaptive run did not answer within all its deadlines, which
+deadline it missed and what the server had set when it was sent: the roles, the chunk budget and
+the stream caps in force, and the controller's last word before it (session 32: demand_rotation's
+last-phase chats were held by a stream cap of 2 per instance read while the summaries filled the
+window).
 
 Reads what the trial wrote (results.json); computes nothing the report does not, only lays it out
 the way docs/benchmarks.md ("Adaptive stage mix") tables it.
@@ -88,6 +94,71 @@ def summarize(results: dict) -> dict:
     return out
 
 
+def _missed(slo: dict, rec: dict) -> list[str]:
+    """Which of a request's deadlines it missed (the trial's own grading decides `good`; this only
+    names the deadlines that read past their targets)."""
+    out = [f"failed ({rec['failure']})"] if rec.get("failure") else []
+    if rec.get("ttft_s") is None or rec["ttft_s"] > slo["ttft_s"]:
+        out.append(f"first token {rec['ttft_s'] if rec.get('ttft_s') is None else round(rec['ttft_s'], 2)} s > {slo['ttft_s']}")
+    if rec.get("longest_pause_s") is not None and rec["longest_pause_s"] > slo.get("gap_s", float("inf")):
+        out.append(f"longest pause {rec['longest_pause_s']:.2f} s > {slo['gap_s']}")
+    if slo.get("e2e_s") and rec.get("e2e_s") is not None and rec["e2e_s"] > slo["e2e_s"]:
+        out.append(f"end to end {rec['e2e_s']:.1f} s > {slo['e2e_s']}")
+    return out or ["the gap percentile or pace (see the report)"]
+
+
+def misses(results: dict) -> list[dict]:
+    """Every request an adaptive run (a run with a role timeline) missed, with the server's settings
+    when it was sent. Decisions are on the run's clock (trial/mix_timeline.py), as are send times
+    (the plan's, over the run's rate multiplier)."""
+    plan = {p["index"]: p for p in results.get("plan") or []}
+    classes = results.get("classes") or {}
+    out = []
+    for arr in results["arrangements"]:
+        for run in _fixed_runs(arr):
+            s = run["summary"]
+            timeline = s.get("role_timeline")
+            if not timeline:
+                continue
+            m = run.get("rate_multiplier") or 1.0
+            decisions = timeline.get("decisions") or []
+            for rec in s.get("per_request") or []:
+                if rec.get("good"):
+                    continue
+                p = plan.get(rec["index"], {})
+                sent = p.get("send_at_s", 0.0) / m
+                roles, chunk, caps, last = dict(timeline.get("roles_at_start") or {}), None, {}, None
+                for d in decisions:
+                    if d["at_s"] > sent:
+                        break
+                    if d.get("instance_id") and d.get("to_role"):
+                        roles[d["instance_id"]] = d["to_role"]
+                    chunk = d.get("chunk_tokens") or chunk
+                    caps.update(d.get("stream_caps") or {})
+                    last = d
+                slo = (classes.get(p.get("class")) or {}).get("slo") or results["slo"]
+                out.append({"arrangement": arr["name"], "repeat": run.get("repeat"), "index": rec["index"],
+                            "class": p.get("class"), "prompt_tokens": p.get("num_prompt_tokens"),
+                            "sent_s": sent, "missed": _missed(slo, rec), "roles": roles,
+                            "chunk_tokens": chunk, "stream_caps": caps,
+                            "last_decision": None if last is None else
+                            {"at_s": last["at_s"], "held": last.get("held"), "reason": last["reason"][:160]}})
+    return out
+
+
+def render_misses(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        roles = ", ".join(f"{k} {v}" for k, v in sorted(r["roles"].items()))
+        caps = ", ".join(f"{k} {v}" for k, v in sorted(r["stream_caps"].items())) or "none"
+        last = r["last_decision"]
+        lines.append(f"  {r['arrangement']} repeat {r['repeat']}: #{r['index']} {r['class']} ({r['prompt_tokens']} "
+                     f"tokens) sent {r['sent_s']:.1f} s: {'; '.join(r['missed'])}. Then: {roles}; chunk budget "
+                     f"{r['chunk_tokens'] or 'as served'}; stream caps {caps}"
+                     + ("" if last is None else f"; last decision at {last['at_s']:.1f} s: {last['held'] or 'a move'}"))
+    return "\n".join(lines) if lines else "  (no adaptive run missed a request)"
+
+
 def render(doc: dict) -> str:
     lines = [f"trial {doc['trial']}"]
     for a in doc["arrangements"]:
@@ -122,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--misses", action="store_true",
+                        help="also list every request an adaptive run missed, with the server's settings when sent")
     args = parser.parse_args(argv)
     with open(args.results) as f:
-        doc = summarize(json.load(f))
+        results = json.load(f)
+    doc = summarize(results)
     print(render(doc))
+    if args.misses:
+        doc["misses"] = misses(results)
+        print("missed by the adaptive runs:")
+        print(render_misses(doc["misses"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
