@@ -86,6 +86,34 @@ def test_the_cap_keeps_the_steps_within_the_allowance_and_lets_no_prefill_instan
     assert stream_cap(MODEL, "colocated", demand, 0.001) == 1
 
 
+def test_the_successors_are_the_prompts_arriving_now_where_they_are_lighter_than_the_window_s():
+    """At a boundary from long prompts to short ones the window still holds the long ones, and a cap
+    read on it holds the short prompts of the new phase behind a handful of streams (demand_rotation,
+    session 30: 2-3 streams an instance while the next phase's chats waited 4-5 s); the newest
+    seconds show what a stream that ends lets in. Heavier newest seconds (one document among
+    chats) do not lower the cap ahead of the window."""
+    targets = MixTargets(4.0, 0.5, classes=parse_slo_classes(CLASSES), e2e_s=20.0)
+    writing = [(2 + i / 2.6, 50, 200, "writing") for i in range(26)]        # 2-12 s, still streaming
+    summaries = [(12 + 2.4 * i, 1350, 35, "summary") for i in range(8)]    # 12-29 s
+    chats = [(30 + 0.3 * i, 40, 80, "chat") for i in range(10)]            # 30-33 s: the next phase
+
+    def cap(arrivals, now):
+        d = Demand.from_arrivals(arrivals, now, 15.0, 30.0, newest_s=5.0)
+        return stream_cap(MODEL, "colocated", d, allowance_s(d, targets), 0.9), d
+
+    with_newest, d = cap(writing + summaries + chats, 33.0)
+    assert d.mean_prompt > 2.5 * d.newest.mean_prompt  # the 15 s window: five summaries among the chats
+    unread = Demand.from_arrivals(writing + summaries + chats, 33.0, 15.0, 30.0)  # no newest seconds read
+    before = stream_cap(MODEL, "colocated", unread, allowance_s(unread, targets), 0.9)
+    assert with_newest >= 2 * before  # the chats' successors, not the summaries'
+    # the newest seconds heavier than the window: the window's reading stands
+    docs_last = [(10 + i / 2, 40, 80, "chat") for i in range(20)] + [(19.5, 1350, 35, "summary")]
+    heavy, d = cap(docs_last, 20.0)
+    assert d.newest.mean_prompt > d.mean_prompt
+    plain = Demand.from_arrivals(docs_last, 20.0, 15.0, 30.0)
+    assert heavy == stream_cap(MODEL, "colocated", plain, allowance_s(plain, targets), 0.9)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("cap") / "m", arch="llama")

@@ -19,7 +19,8 @@ requests binds, times `headroom`. A step of n streams costs
 
 where prompt work per stream is what admitting the stream's successors costs: in a steady state
 every stream that ends lets one prompt in, so each of n streams brings a prompt's prefill once
-per answer (per prefill token * mean prompt / mean answer) into the steps. A decode instance
+per answer (per prefill token * mean prompt / mean answer) into the steps; the prompts arriving in
+the newest seconds where they are lighter than the window's (successor_s). A decode instance
 prefills only what its local threshold keeps, which this leaves out. A prefill instance holds no
 streams of its own: no cap.
 
@@ -60,6 +61,25 @@ def allowance_s(demand: Demand, targets) -> float | None:
     return best if math.isfinite(best) else None
 
 
+def successor_s(model: StepModel, demand: Demand) -> float:
+    """A colocated stream's share of its successor's prompt work, seconds a step: the prompt's tokens
+    and its step (at least one) over the answer's steps. The successors are the prompts arriving
+    now, so where the newest seconds' prompts read lighter than the window's, theirs count: at a
+    phase boundary from long prompts to short ones the window still holds the long ones
+    (demand_rotation, session 30: 2-3 streams an instance at 39.6-40.6 s, the window full of
+    1,300-token summaries, while the chats of the next phase came and waited 4.0-5.0 s for a first
+    token). Heavier newest seconds are not taken over the window (five seconds may hold one
+    document among chats); the window catches up within its own length."""
+    def share(d: Demand) -> float:
+        return (model.per_prefill_token_s * d.mean_prompt + model.per_prompt_step_s) / max(d.mean_answer, 1.0)
+
+    window = share(demand)
+    newest = demand.newest
+    if newest is not None and newest.request_rate > 0:
+        return min(window, share(newest))
+    return window
+
+
 def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float | None,
                headroom: float = 0.9) -> int | None:
     """The most streams an instance of `role` may hold (None: no cap; see the module's text)."""
@@ -69,8 +89,7 @@ def stream_cap(model: StepModel, role: str, demand: Demand, allowance: float | N
     context = demand.mean_prompt + answer / 2
     per_stream = model.per_decode_seq_s + model.per_decode_kv_token_s * context
     if role == "colocated":
-        # its prompts' tokens and each prompt's step (at least one) over the answer's steps
-        per_stream += (model.per_prefill_token_s * demand.mean_prompt + model.per_prompt_step_s) / answer
+        per_stream += successor_s(model, demand)
     if per_stream <= 0:
         return None
     room = allowance * headroom - model.overhead_s - model.per_panel_step_s
