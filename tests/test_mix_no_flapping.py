@@ -371,3 +371,22 @@ def test_a_move_gaining_barely_more_than_its_cost_is_not_made():
                           [(30, documents(0.3))], mix_of("colocated", "colocated"))
     assert moved_run and moved_run[0].reason.split(";")[0] == at.reason.split(";")[0]
     assert not held_run or held_run[0].predicted_gain > held_run[0].predicted_cost * 1.1
+
+
+def test_a_minute_in_which_both_mixes_were_calm_does_not_delay_the_move_out_of_a_saturated_stage():
+    # demand_unseen_overload, session 32: a minute of light demand on 1 prefill + 1 decode, where 2
+    # colocated would have met every target with room too, read as ~-0.3x a second against moving
+    # back; when the closing chats saturated the one decode instance the move waited 7 s while chats
+    # missed their TTFT. Room against room gains nothing: the move comes once it pays for itself on
+    # the saturation alone (the code before: 7 s here)
+    views = mix_of("prefill", "decode")
+    probe = MixController(MODEL, TARGETS, horizon_s=60.0)
+    probe.decide(views, 0.0, chats(0.3))
+    assert TARGETS.pressure(probe.last["now"]) < probe.calm
+    assert all(TARGETS.pressure(p) < probe.calm for _, p in probe.last["candidates"])  # premise: both calm
+    probe.decide(views, 1.0, chats(1.15))
+    assert 1.5 < TARGETS.pressure(probe.last["now"]) < 2.5  # premise: the decode instance saturated, ~2x
+    ctrl = MixController(MODEL, TARGETS, horizon_s=60.0)
+    t, d = first_move_after(ctrl, 60.0, chats(0.3), chats(1.15), views, interval_s=1.0)
+    assert d is not None and d.to_role == "colocated" and d.predicted_gain > d.predicted_cost
+    assert t - 60.0 <= 4.0, t

@@ -20,7 +20,8 @@ a single change from two colocated instances only ever helps as the first of two
 A move must also pay for itself (issue 31): its gain is the SLO pressure it removes (capped at
 `pressure_cap`, past which mixes are overloaded alike; the part past 1, where deadlines are lost,
 counted `miss_weight` times more, so a phase that saturates a stage outweighs a minute of margins
-in the phase before it), averaged over the demand of the last `horizon_s` seconds and counted
+in the phase before it; and nothing where both mixes are under `calm`: no move is made for room
+alone, so none is weighed by it), averaged over the demand of the last `horizon_s` seconds and counted
 over that horizon, in pressure-seconds; its cost is the measured
 seconds a change takes (MixLoop times each one; `change_cost_s` until one is measured) per role
 change, times the pressure then. Demand that alternates faster than the horizon averages out,
@@ -656,6 +657,19 @@ class MixController(KnobChoice):
         p = min(p, self.pressure_cap)
         return p + self.miss_weight * max(p - 1.0, 0.0)
 
+    def _difference(self, here: float, there: float) -> float:
+        """What moving from a mix at pressure `here` to one at `there` gains for one interval of
+        demand: nothing where both are under `calm` (every target met with room in either, and
+        nothing moves for room alone), else the difference of their values. So a minute in which
+        both mixes were calm does not stand against a move out of a stage that saturates now
+        (demand_unseen_overload, session 32: after a minute of documents among chats on 1 prefill +
+        1 decode, the move back to 2 colocated for the closing chats, which saturated the one decode
+        instance, waited 7 s on a gain of -13.8 .. +11.7 pressure-s against a cost of 10, while 8
+        chats went past their TTFT)."""
+        if max(here, there) < self.calm:
+            return 0.0
+        return self._value(here) - self._value(there)
+
     def _gain_and_cost(self, changes: tuple[Change, ...], best, now: Prediction, p_now: float,
                        now_s: float) -> tuple[float, float, bool]:
         """The move's predicted gain: the capped pressure it removes, averaged over the demand of the
@@ -666,8 +680,7 @@ class MixController(KnobChoice):
         cap = self.pressure_cap
         diffs = []
         for _, d in self._history:
-            here, there = (self._value(best(c, d)[0]) for c in ((), changes))
-            diffs.append(here - there)
+            diffs.append(self._difference(*(best(c, d)[0] for c in ((), changes))))
         gain = statistics.fmean(diffs) * self.horizon_s
         cost = self.move_cost_s() * len(changes) * max(min(p_now, cap), 1.0)
         target = best(changes)[1].serving
