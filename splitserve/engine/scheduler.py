@@ -3,8 +3,11 @@
 A request's path:
   add() puts it in `waiting`. Each schedule() call
     chunked policy: (1) every running decode gets its one token, preempting the newest
-      running requests if blocks run out; (2) short waiting prompts (at most half the step's
-      token budget, together at most half of it) are admitted and prefilled whole; (3) running,
+      running requests if blocks run out; (2) short waiting prompts (at most half the configured
+      token budget, together at most half of it) are admitted and prefilled whole; where the
+      step's live budget is narrower than such a prompt (a chunk knob, a decode instance's local
+      prefill, a step full of decodes), the first one that does not fit is admitted with what the
+      lane has, and keeps the lane's first tokens in later steps until its prompt is done; (3) running,
       partly prefilled requests get a chunk; (4) other waiting requests are admitted (blocks
       for the whole sequence) while the step's token budget and max_num_seqs allow, their
       first chunk capped by the budget.
@@ -67,6 +70,7 @@ class _StepPlan:
     """What is left of one step's allowances while its prompt work is planned, level by level."""
 
     short_budget: int  # tokens short prompts may still jump ahead with
+    lane: int = 0  # the short budget the step began with
     admitting: bool = True  # False once a waiting request did not fit: nothing behind it is admitted
 
 
@@ -88,6 +92,10 @@ class Scheduler:
         # below every one, instead of walking a long queue of documents to find them
         self._short_waiting: deque[Request] = deque()
         self._shortest_waiting = _NO_SHORT
+        # short prompts admitted in part because the step's lane was narrower than they are (a
+        # 32-token chunk budget, a chat of 60 tokens): they take the lane first in the next steps,
+        # so a chat behind a document's 32-token chunks waits a few steps, not the document's prefill
+        self._lane: set[str] = set()
         # The streams (running requests that answer here) this instance may hold, below
         # max_num_seqs; None: max_num_seqs alone. The mix controller sets it live (SetStreamCap)
         # when more streams would step slower than their classes' per-token allowance: a request
@@ -162,6 +170,7 @@ class Scheduler:
             self._from_waiting(request)
         elif request in self.prefilled:
             self.prefilled.remove(request)
+        self._lane.discard(request.request_id)
         self.blocks.free(request)
 
     def schedule(self) -> ScheduledBatch:
@@ -198,6 +207,7 @@ class Scheduler:
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        self._lane.discard(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._to_waiting(request, front=True)
@@ -282,7 +292,8 @@ class Scheduler:
 
     def _schedule_chunked(self) -> ScheduledBatch:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
-        step = _StepPlan(short_budget=min(self._budget(batch), self.config.max_num_batched_tokens // 2))
+        lane = max(min(self._budget(batch), self.config.max_num_batched_tokens // 2), 0)
+        step = _StepPlan(short_budget=lane, lane=lane)
         if not self.by_priority:
             self._plan_prompts(batch, step, None, list(self._short_waiting), self.running)
             return batch
@@ -301,18 +312,41 @@ class Scheduler:
         `waiting` (None: the whole queue), its short requests `short` and `running` are in
         scheduling order."""
         jumped, short_refused = set(), False
+        if self._lane:
+            # short prompts admitted in part in earlier steps finish first, in the lane (those no
+            # longer prefilling here, handed over or ended, leave it)
+            self._lane &= {r.request_id for r in self.running if r.is_prefilling}
+            for request in running:
+                if request.request_id not in self._lane or step.short_budget <= 0:
+                    continue
+                chunk = min(request.num_tokens - request.num_computed_tokens, step.short_budget, self._budget(batch))
+                if chunk <= 0:
+                    break
+                batch.prefills.append((request, chunk))
+                jumped.add(request.request_id)
+                step.short_budget -= chunk
+                if chunk == request.num_tokens - request.num_computed_tokens:
+                    self._lane.discard(request.request_id)
         for request in short:
-            if step.short_budget < self._shortest_waiting or not step.admitting:
+            if step.short_budget <= 0 or not step.admitting:
                 break
-            if request.num_tokens - request.num_computed_tokens > step.short_budget:
+            remaining = request.num_tokens - request.num_computed_tokens
+            # in part: only a prompt wider than the whole lane, and only into a lane nobody took yet
+            partial = remaining > step.lane and step.short_budget == step.lane
+            if remaining > step.short_budget and not partial:
+                if step.short_budget < self._shortest_waiting:
+                    break
                 continue
             if not self._admit(request, batch):
                 short_refused = True  # the level's head may still fit (a prefix hit): try it below
                 break
-            chunk = min(request.num_tokens - request.num_computed_tokens, self._budget(batch))
+            remaining = request.num_tokens - request.num_computed_tokens  # less after a prefix hit
+            chunk = min(remaining, step.short_budget, self._budget(batch))
             batch.prefills.append((request, chunk))
             jumped.add(request.request_id)
             step.short_budget -= chunk
+            if chunk < remaining:
+                self._lane.add(request.request_id)
         for request in running:
             budget = self._budget(batch)
             if budget <= 0:
