@@ -14,7 +14,12 @@ of the host reads on both alike.
 
     python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
     python bench/served_steps.py --disagg | --queue [--sizes ...] [--repeats N] [--json out.json]
-    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--instances N] [--json out.json]
+    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--instances N] [--idle-servers K]
+                                 [--json out.json]
+
+--idle-servers K (session 33) keeps K more servers of 2 idle instances each running beside the one
+under traffic, as a trial keeps its other arrangements' servers up while it probes one: whether
+their short wakes (stats, health) stretch the served engine's prompt steps.
 """
 from __future__ import annotations
 
@@ -94,6 +99,8 @@ def main() -> int:
     ap.add_argument("--instances", type=int, default=1,
                     help="--traffic: serve this many 1-thread instances (8 clients each); with more than one, the "
                          "steps are read against the profile's steps beside busy engines, as the planner reads them")
+    ap.add_argument("--idle-servers", type=int, default=0,
+                    help="--traffic: keep this many more servers (2 instances each) running idle beside it")
     args = ap.parse_args()
     if args.traffic:
         return traffic(args)
@@ -188,8 +195,10 @@ def traffic(args) -> int:
     if not args.profile:
         raise SystemExit("--traffic needs --profile PROFILE.json")
     model_1t = load_profile(args.profile).instance_models([1] * args.instances)[0][0]
-    with serving("--instances", str(args.instances), "--max-num-batched-tokens", "256",
-                 "--prefill-policy", "chunked") as ep:
+    with contextlib.ExitStack() as idle, serving("--instances", str(args.instances), "--max-num-batched-tokens",
+                                                  "256", "--prefill-policy", "chunked") as ep:
+        for _ in range(args.idle_servers):
+            idle.enter_context(serving("--instances", "2"))
         before = step_counts(ep.base_url)
         stop = time.monotonic() + args.traffic
 
@@ -216,7 +225,7 @@ def traffic(args) -> int:
         kind = tags["kind"] if not shape.prefill_tokens else f"{tags['kind']} {tags['beside']}"
         groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
     out = {"mode": "traffic", "seconds": args.traffic, "instances": args.instances, "profile": args.profile,
-           "rows": []}
+           "idle_servers": args.idle_servers, "rows": []}
     for kind, values in sorted(groups.items()):
         row = {"kind": kind, **ratio_row(values)}
         out["rows"].append(row)
