@@ -294,6 +294,8 @@ class Scheduler:
         batch = ScheduledBatch(decodes=self._reserve_decodes())
         lane = max(min(self._budget(batch), self.config.max_num_batched_tokens // 2), 0)
         step = _StepPlan(short_budget=lane, lane=lane)
+        if self._lane:  # lane prompts no longer prefilling here (handed over, ended) leave it
+            self._lane &= {r.request_id for r in self.running if r.is_prefilling}
         if not self.by_priority:
             self._plan_prompts(batch, step, None, list(self._short_waiting), self.running)
             return batch
@@ -313,9 +315,7 @@ class Scheduler:
         scheduling order."""
         jumped, short_refused = set(), False
         if self._lane:
-            # short prompts admitted in part in earlier steps finish first, in the lane (those no
-            # longer prefilling here, handed over or ended, leave it)
-            self._lane &= {r.request_id for r in self.running if r.is_prefilling}
+            # short prompts admitted in part in earlier steps finish first, in the lane
             for request in running:
                 if request.request_id not in self._lane or step.short_budget <= 0:
                     continue
