@@ -14,8 +14,11 @@ of the host reads on both alike.
 
     python bench/served_steps.py [--sizes 32,64,96,128,256] [--repeats 7] [--churn N] [--json out.json]
     python bench/served_steps.py --disagg | --queue [--sizes ...] [--repeats N] [--json out.json]
-    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--instances N] [--idle-servers K]
-                                 [--json out.json]
+    python bench/served_steps.py --traffic SECONDS --profile PROFILE.json [--instances N] [--threads T]
+                                 [--idle-servers K] [--text] [--json out.json]
+
+--text (session 34) sends windows of the bundled text as prompts, as a trial's are, in place of
+random ids: whether what a prompt says changes its step (bench/content_steps.py times that alone).
 
 --idle-servers K (session 33) keeps K more servers of 2 idle instances each running beside the one
 under traffic, as a trial keeps its other arrangements' servers up while it probes one: whether
@@ -48,20 +51,29 @@ from splitserve.trial.spec import Arrangement  # noqa: E402
 
 
 @contextlib.contextmanager
-def serving(*serve_args: str):
-    """`splitserve serve` of the bundled model with 1-thread instances and these arguments, ready, as a
-    trial launches an arrangement (its log in a temporary folder and quoted if it fails to start; its
-    process group stopped on exit). Yields the trial's Endpoint: base_url and the model id."""
-    arr = Arrangement("served-steps", serve_args=["--threads-per-instance", "1", "--log-level", "warning",
+def serving(*serve_args: str, threads: int = 1):
+    """`splitserve serve` of the bundled model with instances of `threads` threads (1 unless told) and these
+    arguments, ready, as a trial launches an arrangement (its log in a temporary folder and quoted if it
+    fails to start; its process group stopped on exit). Yields the trial's Endpoint: base_url and the
+    model id."""
+    arr = Arrangement("served-steps", serve_args=["--threads-per-instance", str(threads), "--log-level", "warning",
                                                   *serve_args])
     with tempfile.TemporaryDirectory() as logs, launched(arr, None, Path(logs), 600.0) as endpoint:
         yield endpoint
 
 
-def request(model: str, rng: random.Random, prompt_tokens: int, max_tokens: int, stream: bool = False) -> dict:
-    """A completion of fresh random token ids (no prefix-cache hit), greedy, as long as asked."""
-    return {"model": model, "prompt": [rng.randrange(100, VOCAB) for _ in range(prompt_tokens)],
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+def request(model: str, rng: random.Random, prompt_tokens: int, max_tokens: int, stream: bool = False,
+            source=None) -> dict:
+    """A completion of fresh random token ids (no prefix-cache hit), greedy, as long as asked; with a
+    trial's PromptSource, a window of its text at a random place instead."""
+    if source is None:
+        prompt = [rng.randrange(100, VOCAB) for _ in range(prompt_tokens)]
+    else:
+        import numpy as np
+
+        prompt = source.prompt(prompt_tokens, np.random.default_rng(rng.randrange(2**32)))
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
 
 
 def steps_of(base_url: str, before: dict[str, int] | None, role: str | None = None) -> list[dict]:
@@ -99,6 +111,10 @@ def main() -> int:
     ap.add_argument("--instances", type=int, default=1,
                     help="--traffic: serve this many 1-thread instances (8 clients each); with more than one, the "
                          "steps are read against the profile's steps beside busy engines, as the planner reads them")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--traffic: threads per served instance (read against the profile's model for that many)")
+    ap.add_argument("--text", action="store_true",
+                    help="--traffic: prompts are windows of the bundled text (as a trial sends), not random ids")
     ap.add_argument("--idle-servers", type=int, default=0,
                     help="--traffic: keep this many more servers (2 instances each) running idle beside it")
     args = ap.parse_args()
@@ -194,9 +210,16 @@ def traffic(args) -> int:
 
     if not args.profile:
         raise SystemExit("--traffic needs --profile PROFILE.json")
-    model_1t = load_profile(args.profile).instance_models([1] * args.instances)[0][0]
+    model = load_profile(args.profile).instance_models([args.threads] * args.instances)[0][0]
+    source = None
+    if args.text:
+        from splitserve.models.loader import load_tokenizer
+        from splitserve.trial.workload import PromptSource
+
+        tokenizer, _ = load_tokenizer(None)
+        source = PromptSource(lambda text: tokenizer.encode(text, add_special_tokens=False))
     with contextlib.ExitStack() as idle, serving("--instances", str(args.instances), "--max-num-batched-tokens",
-                                                  "256", "--prefill-policy", "chunked") as ep:
+                                                  "256", "--prefill-policy", "chunked", threads=args.threads) as ep:
         for _ in range(args.idle_servers):
             idle.enter_context(serving("--instances", "2"))
         before = step_counts(ep.base_url)
@@ -222,10 +245,10 @@ def traffic(args) -> int:
         shape = StepShape(int(x["prefill_tokens"]), float(x["prefill_attn_ktok2"]), int(x["decode_seqs"]),
                           int(x["decode_kv_tokens"]))
         tags = labels(shape.prefill_tokens, shape.prefill_attn_ktok2, shape.decode_seqs, x["loop_seconds"])
-        kind = tags["kind"] if not shape.prefill_tokens else f"{tags['kind']} {tags['beside']}"
-        groups.setdefault(kind, []).append((x["seconds"], model_1t.predict(shape), x["cpu_seconds"]))
+        kind = tags["kind"] if not shape.prefill_tokens else f"{tags['kind']} {tags['beside']} {tags['turn']}"
+        groups.setdefault(kind, []).append((x["seconds"], model.predict(shape), x["cpu_seconds"]))
     out = {"mode": "traffic", "seconds": args.traffic, "instances": args.instances, "profile": args.profile,
-           "idle_servers": args.idle_servers, "rows": []}
+           "threads": args.threads, "idle_servers": args.idle_servers, "text": args.text, "rows": []}
     for kind, values in sorted(groups.items()):
         row = {"kind": kind, **ratio_row(values)}
         out["rows"].append(row)

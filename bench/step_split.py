@@ -9,12 +9,14 @@ arrangement: the steps timed beside busy engines where it has several instances)
     beside   no decodes in the step, or some
     turn     'busy': the engine loop ran straight on from the turn before (loop_seconds > 0);
              'after-wait': it had waited for work (a first step after idling)
+    batch    how many decodes ran in the step: d0, d1-4, d5-8, d9-16, d17-32, d33+ (whether a
+             miss grows with the batch, a shape the profile samples sparsely, or stays flat)
 
 with the median and time-weighted ratio of measured to modelled seconds, and, where the engines
 sent it (cpu_seconds; 1-thread instances only), the ratio of the engine thread's CPU time to the
 model and the share of the steps' wall time that thread was on a core.
 
-    python bench/step_split.py PROFILE.json RESULTS.json [RESULTS.json ...] [--by kind,start,beside,turn]
+    python bench/step_split.py PROFILE.json RESULTS.json [RESULTS.json ...] [--by kind,start,beside,turn,batch]
 """
 from __future__ import annotations
 
@@ -32,7 +34,15 @@ def labels(p: int, attn: float, d: int, loop: float) -> dict[str, str]:
     return {"kind": ("decode" if not p else "prompt<128" if p < 128 else "prompt>=128"),
             "start": "-" if not p else "start0" if start < 1 else "start<64" if start < 64 else "start>=64",
             "beside": "alone" if not d else "+decodes",
-            "turn": "busy" if loop > 0 else "after-wait"}
+            "turn": "busy" if loop > 0 else "after-wait",
+            "batch": batch_label(d)}
+
+
+def batch_label(d: int) -> str:
+    for hi, name in ((0, "d0"), (4, "d1-4"), (8, "d5-8"), (16, "d9-16"), (32, "d17-32")):
+        if d <= hi:
+            return name
+    return "d33+"
 
 
 def split(profile, results: dict, by: list[str]) -> list[dict]:
@@ -75,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     by = [x.strip() for x in args.by.split(",") if x.strip()]
-    unknown = set(by) - {"kind", "start", "beside", "turn"}
+    unknown = set(by) - {"kind", "start", "beside", "turn", "batch"}
     if unknown:
-        parser.error(f"--by: unknown {sorted(unknown)}; choose from kind, start, beside, turn")
+        parser.error(f"--by: unknown {sorted(unknown)}; choose from kind, start, beside, turn, batch")
     profile = load_profile(args.profile)
     out = []
     for path in args.results:
