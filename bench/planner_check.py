@@ -55,6 +55,7 @@ def check(profile, path: Path) -> list[dict]:
         pred = next((r["predicted"] for r in rows if r["metric"].startswith("capacity at")), None)
         refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
         speed = next((r for r in rows if r["metric"] == "capacity at the trial's speed"), None)
+        agreeing = next((r.get("runs_agreeing") for r in rows if r["metric"].startswith("capacity at")), None)
         out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
                     "trial": doc.get("trial"), "arrangement": name,
                     "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
@@ -64,7 +65,7 @@ def check(profile, path: Path) -> list[dict]:
                     "at_speed_rps": speed["predicted"] if speed else None,
                     "speed_factor": speed["speed_factor"] if speed else None,
                     "at_speed": _verdict(speed["predicted"], c) if speed else None,
-                    "compare_cpu_s": round(cpu, 2)})
+                    "runs_agreeing": agreeing, "compare_cpu_s": round(cpu, 2)})
     return out
 
 
@@ -81,6 +82,20 @@ def _cell(p, v) -> str:
     return f"{p:.2f}{err} {'inside' if v['inside'] else 'within 15%' if v['within_15'] else 'MISS'}"
 
 
+def miss_reads_as(r: dict) -> str:
+    """Which step a capacity miss comes from, by its runs (compare's runs_agreeing: each run simulated
+    as profiled and at its own engines' step speed): step time where more of its runs land at their
+    own speed than as profiled, or where the prediction refit on the trial's steps lands; scheduling
+    where neither."""
+    a = r.get("runs_agreeing")
+    if a and a["with_steps"] and a["own_steps"] > a["profile"]:
+        return (f"step time: {a['own_steps']} of {a['with_steps']} runs land at their own step speed, "
+                f"{a['profile']} of {a['runs']} as profiled")
+    if r.get("refit") and r["refit"]["ok"]:
+        return "step time: the prediction on the trial's own steps (refit) lands"
+    return "scheduling: neither the runs at their own step speed nor the refit land where the trial did"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profile", type=Path)
@@ -91,14 +106,21 @@ def main() -> int:
     rows = []
     for path in args.results:
         rows.extend(check(profile, path))
-    print("| trial | arrangement | measured (90%) | probes | predicted | at the trial's speed | refit on its steps |")
-    print("|---|---|---|---|---|---|---|")
+    print("| trial | arrangement | measured (90%) | probes | predicted | at the trial's speed | refit on its steps "
+          "| runs agreeing: profile, own step speed |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         speed = (f"{_cell(r['at_speed_rps'], r['at_speed'])} (x{r['speed_factor']:.2f})" if r["at_speed"] else "-")
+        a = r.get("runs_agreeing")
+        runs = f"{a['profile']}/{a['runs']}, {a['own_steps']}/{a['with_steps']}" if a else "-"
         print(f"| {r['results']} | {r['arrangement']} | {_iv(r['measured'])} | {r['num_probes']} | "
-              f"{_cell(r['predicted_rps'], r)} | {speed} | {_cell(r['refit_rps'], r['refit']) if r['refit'] else '-'} |")
+              f"{_cell(r['predicted_rps'], r)} | {speed} | {_cell(r['refit_rps'], r['refit']) if r['refit'] else '-'} "
+              f"| {runs} |")
     ok = sum(r["ok"] for r in rows)
     print(f"\n{ok} of {len(rows)} arrangement-runs predicted inside the interval or within 15% of the estimate")
+    for r in rows:
+        if not r["ok"]:
+            print(f"  miss: {r['arrangement']} ({r['trial']}): {miss_reads_as(r)}")
     if any(r["at_speed"] for r in rows):
         fast = sum(r["at_speed"]["ok"] for r in rows if r["at_speed"])
         print(f"{fast} of {sum(1 for r in rows if r['at_speed'])} at the speed each trial's box ran the host-speed "

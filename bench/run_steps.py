@@ -8,9 +8,11 @@ arrangement on exactly the requests it replayed, three ways:
 
     profile   the profile as it is (compare's per-run prediction)
     own       the profile's step models times that run's own time-weighted ratio of measured to
-              modelled step time (its engines' steps, GET /admin/steps as the trial kept them)
+              modelled step time (its engines' steps, GET /admin/steps as the trial kept them,
+              against the models the simulation uses: trial_steps.run_speed)
 
-and prints measured attainment beside both. Where `own` lands on the measured attainment and
+and prints measured attainment beside both (compare pools the same by rate and counts it per
+arrangement; this lists every run). Where `own` lands on the measured attainment and
 `profile` does not, that run's miss is its step time (the box that minute); where neither does,
 it is the simulation's scheduling. A diagnosis of finished trials, not a calibration: nothing is
 written back to the profile.
@@ -27,7 +29,7 @@ import sys
 from splitserve.control.compare import _slos, arrangement_from_serve_args, class_priorities, run_requests
 from splitserve.control.predict import predict
 from splitserve.control.profile_file import load_profile
-from splitserve.control.trial_steps import step_ratios
+from splitserve.control.trial_steps import run_speed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             own = run_requests(run, class_priorities(results))
             if own is None:
                 continue
-            ratios = step_ratios(profile, threads_by_role, [run])
-            ratio = ratios["all"]["model"]["time_weighted"] if ratios else None
+            ratio = run_speed(profile, [i.threads for i in arr.instances], threads_by_role, run)
             measured = run["summary"]["attainment"]
             predicted = predict(arr, profile, own, slo, 1.0, class_slos)["attainment"]
             at_own = (predict(arr, profile.slowed(ratio), own, slo, 1.0, class_slos)["attainment"]

@@ -260,6 +260,45 @@ def test_a_trials_engine_steps_are_put_beside_the_profile_and_capacity_is_predic
     assert "engine steps in the trial" in render(out) and "tw 4.00" in render(out)
 
 
+def test_each_run_is_simulated_again_at_the_step_speed_its_own_engines_ran():
+    """A run whose engines stepped 8x the profile's model: compare simulates it again with the model
+    times 8, and counts, per arrangement, the runs each simulation lands on (session 34: a VM's
+    speed moves minute to minute; a run's miss at its own speed reads as scheduling, else as the
+    step time of its minute)."""
+    from splitserve.control.trial_steps import run_speed
+
+    doc = with_engine_steps(results_doc(), factor=8.0, loop_factor=8.0)
+    doc["arrangements"][0]["capacity_rps"] = 1.0
+    profile = parse_profile(PROFILE)
+    colo = doc["arrangements"][0]
+    arr = arrangement_from_serve_args("colo", colo["launch"]["serve"], 2)
+    # the pair's steps against the models the simulation gives it (no contended pass: the lone one)
+    assert run_speed(profile, [1, 1], {"colocated": 1}, colo["runs"][0]) == pytest.approx(8.0)
+    slo = SLO(**{k: SLO_DOC[k] for k in ("ttft_s", "gap_s", "e2e_s", "max_pause_s", "gap_percentile")})
+    plan = requests_from_results(doc)
+    as_profiled = predict(arr, profile, plan, slo, 1.0)["attainment"]
+    at_eight = predict(arr, profile.slowed(8.0), plan, slo, 1.0)["attainment"]
+    assert at_eight < as_profiled - 0.1  # the speed matters for this workload
+    for measured, own_lands in ((at_eight, True), (as_profiled, False)):
+        colo["runs"][0]["summary"]["attainment"] = measured
+        out = compare_results(profile, doc)
+        row = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "attainment, own steps")
+        assert row["predicted"] == pytest.approx(at_eight) and row["step_speed"] == [pytest.approx(8.0)]
+        cap = next(r for r in out["rows"] if r["arrangement"] == "colo" and r["metric"] == "capacity at 90%")
+        assert cap["runs_agreeing"] == {"runs": 1, "profile": int(not own_lands), "with_steps": 1,
+                                        "own_steps": int(own_lands)}
+        assert "at their own step speed" in render(out)
+
+
+def test_a_stopped_probe_agrees_with_a_simulation_on_the_same_side_of_the_target():
+    from splitserve.control.compare import _agrees
+
+    stopped = {"attainment": 0.38, "stopped_early": True}
+    assert _agrees({"attainment": 0.5}, stopped, 0.9) and not _agrees({"attainment": 0.93}, stopped, 0.9)
+    ran = {"attainment": 0.8}
+    assert _agrees({"attainment": 0.9}, ran, 0.9) and not _agrees({"attainment": 0.95}, ran, 0.9)
+
+
 def test_too_few_engine_steps_give_no_ratio_and_no_second_prediction():
     doc = with_engine_steps(results_doc(), factor=1.5, loop_factor=2.0, n=5)
     doc["arrangements"][0]["capacity_rps"] = 1.0

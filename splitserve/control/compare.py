@@ -15,7 +15,12 @@ the top two by capacity when measured, else by attainment at the trial's own rat
 Where the trial kept its engines' measured steps (trial/engine_steps.py), each arrangement also
 gets those steps against the profile's step model (control/trial_steps.py), and its capacity is
 predicted a second time with the step model refitted on the trial's own steps (the profile as its
-prior): the first error minus the second is what step time explains.
+prior): the first error minus the second is what step time explains. Each run is also simulated
+at its own step speed (trial_steps.run_speed: that run's steps against the models the simulation
+uses, time-weighted), and the capacity row counts the runs whose simulation lands within 10
+points of them (a stopped probe: on the same side of the target) both ways: where the count at
+their own speed is the higher, the misses are the step time of the minutes they ran in (a VM's
+speed moves; one pooled refit cannot follow a probe on a cliff), where it is not, scheduling.
 
     python -m splitserve.control.compare plan.json trial-results/x/results.json [--spec S.yaml] [--json out.json]
         [--calibrate-out calibrated-profile.json [--calibrate-with other-results.json ...]]
@@ -36,7 +41,7 @@ from splitserve.control.predict import (arrangement_from_serve_args, capacity, c
                                         predict, requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
-from splitserve.control.trial_steps import calibration, refit, step_ratios, trial_samples, with_models
+from splitserve.control.trial_steps import calibration, refit, run_speed, step_ratios, trial_samples, with_models
 from splitserve.trial.method import CapacitySpec
 from splitserve.trial.spec import SLO, SpecError, load_spec
 from splitserve.trial.workload import probe_length
@@ -169,6 +174,18 @@ def unmodelled(serve: list[str], profiled_weight_format: str | None = None) -> l
     return out
 
 
+AGREE_POINTS = 0.10  # a run's predicted attainment agrees with the measured one within this
+
+
+def _agrees(predicted: dict, summary: dict, target: float) -> bool:
+    """Whether a run's simulation lands where the run did: within AGREE_POINTS of its attainment,
+    or, for a probe that stopped early (its attainment counts only what it saw before it could no
+    longer pass), on the same side of the target."""
+    if summary.get("stopped_early"):
+        return (predicted["attainment"] >= target) == (summary["attainment"] >= target)
+    return abs(predicted["attainment"] - summary["attainment"]) <= AGREE_POINTS + 1e-9
+
+
 def _group(values: list[float | None]) -> float | None:
     return _median([v for v in values if v is not None and math.isfinite(v)]) if values else None
 
@@ -221,12 +238,23 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
         kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
         if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
             arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
+        threads_by_role = {i.role: i.threads for i in arr.instances}
         by_rate: dict[float, list[tuple[dict, dict]]] = {}
+        at_own: dict[float, list[tuple[dict, dict, float]]] = {}  # each run again at its own step speed
+        agreeing = {"runs": 0, "profile": 0, "with_steps": 0, "own_steps": 0}
         for run in arr_doc["runs"]:
             own = run_requests(run, class_priorities(results))
-            predicted = (predict(arr, profile, own, slo, 1.0, class_slos) if own is not None else
-                         predict(arr, profile, plan, slo, run["rate_multiplier"], class_slos))
+            replay, multiplier = (own, 1.0) if own is not None else (plan, run["rate_multiplier"])
+            predicted = predict(arr, profile, replay, slo, multiplier, class_slos)
             by_rate.setdefault(run["rate_multiplier"], []).append((predicted, run["summary"]))
+            agreeing["runs"] += 1
+            agreeing["profile"] += _agrees(predicted, run["summary"], target)
+            speed = run_speed(profile, [i.threads for i in arr.instances], threads_by_role, run)
+            if speed:
+                again = predict(arr, profile.slowed(speed), replay, slo, multiplier, class_slos)
+                at_own.setdefault(run["rate_multiplier"], []).append((again, run["summary"], speed))
+                agreeing["with_steps"] += 1
+                agreeing["own_steps"] += _agrees(again, run["summary"], target)
         for multiplier in sorted(by_rate):
             pairs = by_rate[multiplier]
             done = [(p, m) for p, m in pairs if not m.get("stopped_early")]
@@ -240,6 +268,17 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "error": error, **({"held": held} if name == "attainment" else {})})
                 if name == "attainment" and multiplier == main and not missing:
                     at_main.append((arr.name, p, m))
+            if multiplier in at_own:  # the same runs simulated at the speed their engines stepped
+                runs = at_own[multiplier]
+                done = [(p, m) for p, m, _ in runs if not m.get("stopped_early")]
+                m = _median([x["attainment"] for _, x, _ in runs if not x.get("stopped_early")]
+                            or [x["attainment"] for _, x, _ in runs])
+                rows.append({"arrangement": arr.name, "rate_multiplier": multiplier, "num_runs": len(runs),
+                             "num_stopped": len(runs) - len(done), "metric": "attainment, own steps",
+                             "predicted": _group([p["attainment"] for p, _, _ in runs]), "measured": m,
+                             "error": _error("attainment", _group([p["attainment"] for p, _ in done]), m) if done else None,
+                             "held": [(p["attainment"] >= target, x["attainment"] >= target) for p, x, _ in runs],
+                             "step_speed": [round(v, 4) for _, _, v in runs]})
         ratios = step_ratios(profile, {i.role: i.threads for i in arr.instances}, arr_doc["runs"])
         if ratios:
             step_rows.append({"arrangement": arr.name, **ratios})
@@ -268,7 +307,8 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                          # with a fitted curve, whether the prediction falls inside its interval
                          **({"measured_interval": {k: fitted[k] for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
                              "in_measured_interval": _inside(p, fitted)} if fitted else {}),
-                         "workload": "the trial's probes" if settings is not None else "the whole plan"})
+                         "workload": "the trial's probes" if settings is not None else "the whole plan",
+                         "runs_agreeing": agreeing})
             if not missing:
                 capacities.append((arr.name, p or 0.0, measured_cap))
             if speed_factor is not None:  # the same search on the box as fast as the trial's measured it
@@ -318,7 +358,7 @@ def calibrated_profile(profile_doc: dict, results: dict | list[dict], source: st
 def _cell(metric: str, value) -> str:
     if value is None:
         return "n/a"
-    if metric == "attainment":
+    if metric.startswith("attainment"):
         return f"{value:.0%}"
     if metric.startswith("capacity"):
         return f"{value:.2f}/s"
@@ -330,7 +370,8 @@ def render(doc: dict) -> str:
              f"{'arrangement':26} {'rate':>5} {'metric':22} {'predicted':>10} {'measured':>10} {'error':>8}"]
     for r in doc["rows"]:
         err = r["error"]
-        err_text = "n/a" if err is None else (f"{err * 100:+.0f} pt" if r["metric"] == "attainment" else f"{err:+.0%}")
+        err_text = ("n/a" if err is None else
+                    f"{err * 100:+.0f} pt" if r["metric"].startswith("attainment") else f"{err:+.0%}")
         rate = "" if r["rate_multiplier"] is None else f"x{r['rate_multiplier']:g}"
         if r.get("num_runs", 1) and r.get("num_runs", 1) > 1:
             rate += f"({r['num_runs']})"
@@ -346,6 +387,13 @@ def render(doc: dict) -> str:
             where = (f"{c['lo_rps']:.2f}-{c['hi_rps']:.2f}/s" if c["kind"] == "point" else
                      f"{'>=' if c['kind'] == 'at_least' else '<='}{c['estimate_rps']:.2f}/s")
             line += f"  fitted {where}: {'inside' if r['in_measured_interval'] else 'OUTSIDE'}"
+        if r.get("step_speed"):
+            lo, hi = min(r["step_speed"]), max(r["step_speed"])
+            line += f"  (its steps x{lo:.2f}{f'-{hi:.2f}' if hi > lo else ''} the model)"
+        if "runs_agreeing" in r:
+            a = r["runs_agreeing"]
+            line += (f"  runs within {AGREE_POINTS * 100:.0f} points: {a['profile']}/{a['runs']}, at their own step speed "
+                     f"{a['own_steps']}/{a['with_steps']}")
         if "speed_factor" in r:
             line += (f"  (the trial's box ran the speed benchmark {1 / r['speed_factor']:.2f}x the profile's; "
                      f"{'inside' if r.get('in_measured_interval') else 'outside'} its interval)")

@@ -118,6 +118,26 @@ def step_ratios(profile: Profile, threads_by_role: dict[str, int], runs: list[di
     return out or None
 
 
+def run_speed(profile: Profile, instance_threads: list[int], threads_by_role: dict[str, int],
+              run: dict) -> float | None:
+    """One run's steps against the step models the simulator gives this arrangement (its instances'
+    thread counts: the lone model for one instance, the contended ones for several where profiled):
+    the time-weighted ratio of measured to modelled seconds, or None under MIN_STEPS steps. How fast
+    the box stepped during that run, as its own engines saw it: on a VM whose speed moves minute to
+    minute (session 34: 0.96-1.54x the profile within an hour) a run's miss reads as that minute's
+    step time when the simulation at this speed lands where the run did, and as scheduling when
+    it does not."""
+    models, _ = profile.instance_models(instance_threads)
+    by_threads = dict(zip(instance_threads, models))
+    measured = predicted = 0.0
+    count = 0
+    for _role, threads, shape, seconds, _loop, _cpu in instance_steps(threads_by_role, [run]):
+        p = by_threads[threads].predict(shape)
+        if seconds > 0 and p > 0:
+            measured, predicted, count = measured + seconds, predicted + p, count + 1
+    return measured / predicted if count >= MIN_STEPS else None
+
+
 def trial_samples(threads_by_role: dict[str, int], runs: list[dict]) -> dict[int, list[OnlineSample]]:
     """Every run's measured steps by thread count: the engine loop's turn where it was measured (what
     the instance's time went to), the model's own seconds otherwise."""
