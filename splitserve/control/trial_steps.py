@@ -124,7 +124,7 @@ def run_speed(profile: Profile, instance_threads: list[int], threads_by_role: di
     thread counts: the lone model for one instance, the contended ones for several where profiled):
     the time-weighted ratio of measured to modelled seconds, or None under MIN_STEPS steps. How fast
     the box stepped during that run, as its own engines saw it: on a VM whose speed moves minute to
-    minute (session 34: 0.96-1.54x the profile within an hour) a run's miss reads as that minute's
+    minute (session 34: 0.86-1.54x the profile within an hour) a run's miss reads as that minute's
     step time when the simulation at this speed lands where the run did, and as scheduling when
     it does not."""
     models, _ = profile.instance_models(instance_threads)
