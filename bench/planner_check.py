@@ -52,10 +52,10 @@ def check(profile, path: Path) -> list[dict]:
         if c.get("kind") not in ("point", "at_least", "at_most"):
             continue
         rows = [r for r in cmp["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None]
-        pred = next((r["predicted"] for r in rows if r["metric"].startswith("capacity at")), None)
+        first = next((r for r in rows if r["metric"].startswith("capacity at")), {})
+        pred, agreeing = first.get("predicted"), first.get("runs_agreeing")
         refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
         speed = next((r for r in rows if r["metric"] == "capacity at the trial's speed"), None)
-        agreeing = next((r.get("runs_agreeing") for r in rows if r["metric"].startswith("capacity at")), None)
         out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
                     "trial": doc.get("trial"), "arrangement": name,
                     "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},

@@ -22,14 +22,12 @@ written back to the profile.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
-from splitserve.control.compare import _slos, arrangement_from_serve_args, class_priorities, run_requests
-from splitserve.control.predict import predict
+from splitserve.control.compare import _slos, class_priorities, launched_arrangement, simulate_run
+from splitserve.control.predict import requests_from_results
 from splitserve.control.profile_file import load_profile
-from splitserve.control.trial_steps import run_speed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,35 +43,27 @@ def main(argv: list[str] | None = None) -> int:
     slo, class_slos = _slos(results)
     out = []
     print(f"{'arrangement':22} {'purpose':6} {'rate':>7} {'n':>4}  measured  profile  own (step ratio)  speed loop")
+    plan, priorities = requests_from_results(results), class_priorities(results)
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
         if not launch.get("serve") or (args.arrangement and arr_doc["name"] != args.arrangement):
             continue
-        arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
-        kv = (arr_doc.get("resources") or {}).get("kv_per_instance")
-        if kv:
-            arr = dataclasses.replace(arr, kv_cache_bytes=int(kv))
-        threads_by_role = {i.role: i.threads for i in arr.instances}
+        arr = launched_arrangement(arr_doc)
         for run in arr_doc.get("runs") or []:
-            own = run_requests(run, class_priorities(results))
-            if own is None:
-                continue
-            ratio = run_speed(profile, [i.threads for i in arr.instances], threads_by_role, run)
+            predicted, ratio, at_own = simulate_run(arr, profile, run, plan, slo, class_slos, priorities)
             measured = run["summary"]["attainment"]
-            predicted = predict(arr, profile, own, slo, 1.0, class_slos)["attainment"]
-            at_own = (predict(arr, profile.slowed(ratio), own, slo, 1.0, class_slos)["attainment"]
-                      if ratio else None)
             stopped = " (stopped early)" if run["summary"].get("stopped_early") else ""
             speed = run["summary"].get("speed_units_per_s")
-            print(f"{arr_doc['name']:22} {run['purpose']:6} x{run['rate_multiplier']:<6.3g} {len(own):4d}  "
-                  f"{measured:7.0%}  {predicted:7.0%}  "
-                  + (f"{at_own:4.0%} (x{ratio:.2f})" if ratio else "   -          ")
+            print(f"{arr_doc['name']:22} {run['purpose']:6} x{run['rate_multiplier']:<6.3g} "
+                  f"{len(run.get('requests') or ()):4d}  {measured:7.0%}  {predicted['attainment']:7.0%}  "
+                  + (f"{at_own['attainment']:4.0%} (x{ratio:.2f})" if ratio else "   -          ")
                   + (f"  {speed:6.0f}" if speed else "") + stopped)
             out.append({"arrangement": arr_doc["name"], "purpose": run["purpose"],
-                        "rate_multiplier": run["rate_multiplier"], "num_requests": len(own),
+                        "rate_multiplier": run["rate_multiplier"], "num_requests": len(run.get("requests") or ()),
                         "stopped_early": bool(run["summary"].get("stopped_early")),
-                        "measured": measured, "predicted": predicted, "step_ratio": ratio,
-                        "predicted_at_own_steps": at_own, "speed_units_per_s": speed})
+                        "measured": measured, "predicted": predicted["attainment"], "step_ratio": ratio,
+                        "predicted_at_own_steps": at_own["attainment"] if at_own else None,
+                        "speed_units_per_s": speed})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile": args.profile, "results": args.results, "runs": out}, f, indent=1)

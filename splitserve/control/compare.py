@@ -37,8 +37,8 @@ import sys
 
 from types import SimpleNamespace
 
-from splitserve.control.predict import (arrangement_from_serve_args, capacity, class_priorities, offered_rate,
-                                        predict, requests_from_results, tile)
+from splitserve.control.predict import (Arrangement, arrangement_from_serve_args, capacity, class_priorities,
+                                        offered_rate, predict, requests_from_results, tile)
 from splitserve.control.profile_file import Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
 from splitserve.control.trial_steps import calibration, refit, run_speed, step_ratios, trial_samples, with_models
@@ -208,6 +208,31 @@ def _speed_factor(profile: Profile, results: dict) -> float | None:
     return prof / trial if trial and prof else None
 
 
+def launched_arrangement(arr_doc: dict) -> Arrangement:
+    """The arrangement a trial launched, rebuilt from its `serve` arguments, with the share of the
+    trial's KV budget each of its instances had."""
+    launch = arr_doc["launch"]
+    arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+    kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
+    if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
+        arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
+    return arr
+
+
+def simulate_run(arr: Arrangement, profile: Profile, run: dict, plan: list[SimRequest], slo: SLO,
+                 class_slos: dict[str, SLO], priorities: dict[str, int] | None = None
+                 ) -> tuple[dict, float | None, dict | None]:
+    """One run simulated on exactly what it replayed (older runs: the plan at its rate): the
+    prediction as profiled, the speed its engines stepped at (trial_steps.run_speed; None without
+    enough steps), and the prediction again at that speed (None likewise)."""
+    own = run_requests(run, priorities)
+    replay, multiplier = (own, 1.0) if own is not None else (plan, run["rate_multiplier"])
+    predicted = predict(arr, profile, replay, slo, multiplier, class_slos)
+    speed = run_speed(profile, [i.threads for i in arr.instances], {i.role: i.threads for i in arr.instances}, run)
+    again = predict(arr, profile.slowed(speed), replay, slo, multiplier, class_slos) if speed else None
+    return predicted, speed, again
+
+
 def compare_results(profile: Profile, results: dict, target: float = 0.9, with_capacity: bool = True,
                     spec_path: str | None = None) -> dict:
     """Every run the trial made beside the prediction for exactly what it replayed (its own requests
@@ -225,33 +250,27 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
     base, main = offered_rate(plan), _main_multiplier(results)
     settings = _probe_settings(results, spec_path)
     speed_factor = _speed_factor(profile, results)
+    priorities = class_priorities(results)
     rows, skipped, at_main, capacities, step_rows = [], [], [], [], []
     for arr_doc in results["arrangements"]:
         launch = arr_doc.get("launch") or {}
         if not launch.get("serve") or not arr_doc["runs"]:
             skipped.append(f"{arr_doc['name']}: {'failed to start' if arr_doc.get('error') else 'not launched by serve'}")
             continue
-        arr = arrangement_from_serve_args(arr_doc["name"], launch["serve"], launch.get("cores"))
+        arr = launched_arrangement(arr_doc)
         missing = unmodelled(launch["serve"], (profile.raw.get("model") or {}).get("weight_format"))
         if missing:
             skipped.append(f"{arr.name}: simulated without {', '.join(missing)} (not modelled), not ranked")
-        kv_per_instance = (arr_doc.get("resources") or {}).get("kv_per_instance")
-        if kv_per_instance:  # the trial splits one KV budget between an arrangement's instances
-            arr = dataclasses.replace(arr, kv_cache_bytes=int(kv_per_instance))
         threads_by_role = {i.role: i.threads for i in arr.instances}
         by_rate: dict[float, list[tuple[dict, dict]]] = {}
         at_own: dict[float, list[tuple[dict, dict, float]]] = {}  # each run again at its own step speed
         agreeing = {"runs": 0, "profile": 0, "with_steps": 0, "own_steps": 0}
         for run in arr_doc["runs"]:
-            own = run_requests(run, class_priorities(results))
-            replay, multiplier = (own, 1.0) if own is not None else (plan, run["rate_multiplier"])
-            predicted = predict(arr, profile, replay, slo, multiplier, class_slos)
+            predicted, speed, again = simulate_run(arr, profile, run, plan, slo, class_slos, priorities)
             by_rate.setdefault(run["rate_multiplier"], []).append((predicted, run["summary"]))
             agreeing["runs"] += 1
             agreeing["profile"] += _agrees(predicted, run["summary"], target)
-            speed = run_speed(profile, [i.threads for i in arr.instances], threads_by_role, run)
-            if speed:
-                again = predict(arr, profile.slowed(speed), replay, slo, multiplier, class_slos)
+            if again is not None:
                 at_own.setdefault(run["rate_multiplier"], []).append((again, run["summary"], speed))
                 agreeing["with_steps"] += 1
                 agreeing["own_steps"] += _agrees(again, run["summary"], target)
@@ -279,7 +298,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "error": _error("attainment", _group([p["attainment"] for p, _ in done]), m) if done else None,
                              "held": [(p["attainment"] >= target, x["attainment"] >= target) for p, x, _ in runs],
                              "step_speed": [round(v, 4) for _, _, v in runs]})
-        ratios = step_ratios(profile, {i.role: i.threads for i in arr.instances}, arr_doc["runs"])
+        ratios = step_ratios(profile, threads_by_role, arr_doc["runs"])
         if ratios:
             step_rows.append({"arrangement": arr.name, **ratios})
         measured_cap = _measured_capacity(arr_doc)
@@ -317,7 +336,7 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "metric": "capacity at the trial's speed", "predicted": p3, "measured": measured_cap,
                              "error": _error("capacity", p3, measured_cap), "speed_factor": round(speed_factor, 4),
                              **({"in_measured_interval": _inside(p3, fitted)} if fitted else {})})
-            refitted = refit(profile, trial_samples({i.role: i.threads for i in arr.instances}, arr_doc["runs"]))
+            refitted = refit(profile, trial_samples(threads_by_role, arr_doc["runs"]))
             if refitted:  # the same search with the steps as this trial's engines ran them
                 p2 = predicted_capacity(with_models(profile, {t: o.model for t, o in refitted.items()}))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
