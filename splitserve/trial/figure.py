@@ -13,6 +13,7 @@ import io
 import math
 
 from splitserve.trial import curve
+from splitserve.trial.quote import OFF_SPEED, SLOW_ENGINE
 
 
 def _logistic(fit, ceiling: float, x: float) -> float:
@@ -93,13 +94,19 @@ def capacity_figure(doc: dict) -> bytes:
 
 
 def _step_cell(check: dict | None, index: int) -> str:
-    """This run's median decode-only step beside its arrangement's median over its probes."""
+    """This run's engine speed against its arrangement's median run, and its median decode-only
+    step beside its arrangement's median over its probes."""
     row = next((r for r in (check or {}).get("runs", []) if r["run"] == index), None)
     if row is None:
         return "-"
     median = check.get("probe_median_s")
-    cell = f"{row['decode_step_median_s'] * 1e3:.0f} ms" + (f" ({median * 1e3:.0f} ms)" if median else "")
-    return cell + (": slow engine" if row["slow"] else "")
+    parts = []
+    if row.get("speed") is not None:
+        parts.append(f"x{row['speed']:.2f}")
+    if row.get("decode_step_median_s") is not None:
+        parts.append(f"{row['decode_step_median_s'] * 1e3:.0f} ms" + (f" ({median * 1e3:.0f} ms)" if median else ""))
+    mark = ": slow engine" if row["slow"] else ": fast engine" if row.get("fast") else ""
+    return ", ".join(parts) + mark
 
 
 def _idle_cell(s: dict) -> str:
@@ -144,7 +151,12 @@ def probes_html(doc: dict) -> str:
     return ("<h3>Every probe and fixed-rate run</h3><table><tr><th>repeat</th><th>round</th><th>arrangement</th>"
             "<th>req/s</th><th>good / decided of planned</th><th>host during the run</th><th>host</th>"
             "<th>speed before it</th><th>idle servers' CPU</th><th>wait for an idle server</th>"
-            "<th>median decode step (its arrangement's over its probes)</th></tr>" + body + "</table>"
-            "<p>A run whose median decode-only step is more than twice its arrangement's median over its "
-            "probes is marked \"slow engine\": the engine ran slower than elsewhere in the trial (a measured "
-            "symptom, not an input to the verdict; steps also grow with the batch at a higher rate).</p>")
+            "<th>engine steps: time against the arrangement's median run; median decode step (its "
+            "arrangement's over its probes)</th></tr>" + body + "</table>"
+            f"<p>The engine speed: the run's steps against a step model fitted on every step of its "
+            f"arrangement's runs (so bigger batches at a higher rate do not read as slower), 1.00 the median run. "
+            f"Past x{OFF_SPEED:.2f} a run is marked \"slow engine\", under x{1 / OFF_SPEED:.2f} \"fast engine\": "
+            f"its engines stepped slower (faster) than the same steps did elsewhere in the trial, a slow minute "
+            f"of the host or another process that the host watch may miss (a measured symptom, not an input to "
+            f"the verdict). A run without that reading is marked slow when its median decode-only step is more "
+            f"than {SLOW_ENGINE:g} times its arrangement's median over its probes.</p>")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve.trial import curve
+from splitserve.trial.engine_steps import run_speeds
 
 MIN_PER_CLASS = 20
 OTHER_TARGETS = (-0.05, 0.05)   # attainment targets, beside the spec's, that the verdict also reads
@@ -93,12 +94,13 @@ def quote(doc: dict) -> dict | None:
             ratio = curve.paired_ratio(probes[sep], probes[col], target, rng)
         else:
             ratio = bound_ratio(per[sep], per[col])
+    steps = step_check(doc)
     others = (at_other_targets(probes[sep], probes[col], target, rng)
               if sep and col and per[sep]["kind"] != "none" and per[col]["kind"] != "none" else [])
     return {"target": target, "level": curve.LEVEL, "arrangements": per, "separated": sep, "colocated": col,
             "ratio": ratio, "decision": decide(ratio) if sep and col else None, "other_targets": others,
             "held_nothing": all(c["kind"] in ("at_most", "none") for c in per.values()),
-            "host": host_summary(doc), "steps": step_check(doc)}
+            "host": host_summary(doc), "steps": steps, "engine_speed": engine_speed_summary(steps)}
 
 
 def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcomes], target: float,
@@ -134,6 +136,10 @@ def _point(p: curve.ProbeOutcomes) -> dict:
 
 WATCHED = ("probe", "probe-disturbed", "fixed", "fixed-disturbed")
 SLOW_ENGINE = 2.0   # a run's median decode step past this many times its arrangement's probes' median
+# a run's engine speed past this many times its arrangement's median run (or under its inverse): on a
+# VM whose lone step moved 340-524 ms within four minutes, 59 runs of session 34 spread 0.86-1.18
+# of their arrangement's median, so 1.25 marks a run beyond what that drift gave
+OFF_SPEED = 1.25
 
 
 def host_summary(doc: dict) -> dict:
@@ -163,24 +169,44 @@ def host_summary(doc: dict) -> dict:
 
 
 def step_check(doc: dict) -> dict:
-    """Per arrangement: the median over its fitted probes of each probe's median decode-only step,
-    and every watched run's own median beside it, flagged "slow" past SLOW_ENGINE times. A measured
-    symptom (the engine ran slower than it does elsewhere in the trial: another process, a slow
-    core), shown in the report, not an input to the verdict. Decode steps grow with their batch,
-    so a run at a much higher rate can be slower without anything wrong."""
+    """Per arrangement, every watched run's engine speed (engine_steps.run_speeds: its steps against
+    the same steps in the arrangement's other runs, 1.0 the median run), flagged "slow" past
+    OFF_SPEED times and "fast" under its inverse, and the range over the runs; with each run's
+    median decode-only step beside the median over the arrangement's probes, as before. A measured
+    symptom (the engines stepped slower or faster than they did elsewhere in the trial: a slow
+    minute of the VM, another process on a core), shown in the report, not an input to the verdict.
+    A run without a speed (older results, too few steps) is flagged by its decode step alone,
+    past SLOW_ENGINE times the median; decode steps grow with their batch, so that reading can
+    flag a run at a much higher rate with nothing wrong, which the speed does not."""
     out = {}
     for a in doc["arrangements"]:
         own = [r["summary"].get("decode_step_median_s") for r in a["runs"] if r.get("purpose") == "probe"]
         own = [x for x in own if x]
         median = float(np.median(own)) if own else None
+        speeds = run_speeds(a["runs"])
         runs = []
         for i, r in enumerate(a["runs"]):
             step = r["summary"].get("decode_step_median_s")
-            if r.get("purpose") in WATCHED and step is not None:
-                runs.append({"run": i, "purpose": r["purpose"], "decode_step_median_s": step,
-                             "slow": bool(median and step > SLOW_ENGINE * median)})
-        out[a["name"]] = {"probe_median_s": median, "runs": runs}
+            if r.get("purpose") not in WATCHED or (step is None and speeds[i] is None):
+                continue
+            speed = speeds[i]
+            slow = speed > OFF_SPEED if speed is not None else bool(median and step > SLOW_ENGINE * median)
+            runs.append({"run": i, "purpose": r["purpose"], "decode_step_median_s": step, "speed": speed,
+                         "slow": slow, "fast": speed is not None and speed < 1.0 / OFF_SPEED})
+        read = [r["speed"] for r in runs if r["speed"] is not None]
+        out[a["name"]] = {"probe_median_s": median, "runs": runs,
+                          "speed_range": (min(read), max(read)) if read else None}
     return out
+
+
+def engine_speed_summary(steps: dict) -> dict | None:
+    """Over every arrangement's watched runs: the range of their engine speeds (each against its own
+    arrangement's median run) and how many were off (slow or fast); None where no run has a speed."""
+    runs = [r for c in steps.values() for r in c["runs"] if r.get("speed") is not None]
+    if not runs:
+        return None
+    return {"runs": len(runs), "lo": min(r["speed"] for r in runs), "hi": max(r["speed"] for r in runs),
+            "slow": sum(r["slow"] for r in runs), "fast": sum(r["fast"] for r in runs)}
 
 
 def fixed_rule(doc: dict, m: float | None) -> tuple[bool, str]:

@@ -291,6 +291,7 @@ def _fitted_context(doc: dict, q: dict) -> str:
             out += "."
         else:
             out += " Host: not watched (no /proc)."
+        out += _engine_speed(q.get("engine_speed"))
     m = equal_rate(doc)
     if m is not None:
         comparison, why = fixed_rule(doc, m)
@@ -302,6 +303,20 @@ def _fitted_context(doc: dict, q: dict) -> str:
         at = f"{_rps(rate)}" if rate else f"x{m:.3g} of the spec's rate"
         out += f" The fixed-rate run at {at} ({label}): {listing}."
     return out
+
+
+def _engine_speed(e: dict | None) -> str:
+    """The host through the engines' eyes (quote.engine_speed_summary): how far the runs' steps moved
+    against the same steps in their arrangement's other runs, and how many were off."""
+    from splitserve.trial.quote import OFF_SPEED
+
+    if not e:
+        return ""
+    off = e["slow"] + e["fast"]
+    return (f" Engines: the runs' steps took {e['lo']:.0%}-{e['hi']:.0%} of the time the same steps took in their "
+            f"arrangement's median run ({e['runs']} runs read)"
+            + (f"; {off} ran more than {OFF_SPEED - 1:.0%} off it ({e['slow']} slow, {e['fast']} fast), "
+               f"marked in the table of runs" if off else "") + ".")
 
 
 def _other_targets(q: dict) -> str:
