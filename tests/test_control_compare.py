@@ -441,3 +441,31 @@ def test_a_trial_on_a_slower_box_is_also_predicted_at_the_speed_its_box_ran_the_
     assert not [r for r in old["rows"] if r["metric"] == "capacity at the trial's speed"]
     with pytest.raises(ValueError, match="speed factor"):
         fast.slowed(0)
+
+
+def test_a_profile_with_a_watched_step_predicts_each_capacity_at_its_slow_and_fast_ends():
+    # the watched 16-token step ran 1.0-2.0x the model through the profile: at its 90th percentile
+    # every step takes ~1.9x, so the capacity there is well under the one at the model's speed
+    from splitserve.control.stepmodel import StepModel
+    from splitserve.stepfeatures import prefill_attn_ktok2
+
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    for arr in doc["arrangements"][:2]:
+        arr["capacity_rps"] = {"median": 3.0, "min": 2.0, "max": 4.0}
+    steps = {"overhead_s": 0.01, "per_prefill_token_s": 0.01, "per_decode_seq_s": 0.05}
+    step = StepModel(**steps).step_s(16, prefill_attn_ktok2(0, 16))
+    drift = {"prompt_tokens": 16, "readings": [[2.0 * i, step * (1.0 + i / 20)] for i in range(21)]}
+    profile = parse_profile({**PROFILE, "threads": {"1": {"step_model": steps, "drift": drift}}})
+    assert profile.speed_band["p90"] == pytest.approx(1.9) and profile.speed_band["p10"] == pytest.approx(1.1)
+    out = compare_results(profile, doc)
+    for name in ("colo", "1P1D"):
+        rows = {r["metric"]: r for r in out["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None}
+        point, slow, fast = (rows[m]["predicted"] for m in ("capacity at 80%", "capacity at the profile's slow end",
+                                                             "capacity at the profile's fast end"))
+        assert rows["capacity at the profile's slow end"]["speed_factor"] == pytest.approx(1.9)
+        assert slow < 0.75 * point and slow < fast <= point * 1.02
+    assert "capacity at the profile's slow end" in render(out)
+    # without the watch: no such rows
+    plain = compare_results(parse_profile({**PROFILE, "threads": {"1": {"step_model": steps}}}), doc)
+    assert not [r for r in plain["rows"] if "profile's" in r["metric"]]

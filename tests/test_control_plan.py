@@ -176,3 +176,40 @@ def test_the_plan_judges_each_class_by_its_own_slo_as_the_trial_does(files, tmp_
     # the chats keep the global deadlines either way
     for name in by_class["tight"]:
         assert by_class["lenient"][name]["chat"]["attainment"] == by_class["tight"][name]["chat"]["attainment"]
+
+
+def test_the_plan_gives_the_picks_capacity_at_the_slow_and_fast_ends_of_the_profiles_watched_step(files, capsys):
+    import copy
+
+    from splitserve.control.stepmodel import StepModel
+    from splitserve.stepfeatures import prefill_attn_ktok2
+
+    model = StepModel(**PROFILE["threads"]["1"]["step_model"])
+    step = model.step_s(128, prefill_attn_ktok2(0, 128))
+    # twenty readings of the watched step: 0.95-1.45x the model, as a VM's minutes might be
+    factors = [0.95 + 0.5 * i / 19 for i in range(20)]
+    profile = copy.deepcopy(PROFILE)
+    profile["threads"]["1"]["drift"] = {"prompt_tokens": 128, "readings": [[5.0 * i, step * f]
+                                                                            for i, f in enumerate(factors)]}
+    spec, path, out = files(profile=profile)
+    assert main(["plan", str(spec), "--profile", str(path), "--cores", "2", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    band = plan["speed_band"]
+    assert band["readings"] == 20 and band["p10"] == pytest.approx(1.0, abs=0.01)
+    assert band["p90"] == pytest.approx(1.4, abs=0.01) and band["span_s"] == 95.0
+    pick = plan["arrangements"][0]
+    ends = pick["capacity_band_rps"]
+    assert ends["slow"] < pick["capacity_rps"] * 0.95            # 1.4x slower steps hold less
+    assert ends["slow"] <= ends["fast"]
+    other = next(a for a in plan["arrangements"] if a["kind"] != pick["kind"])
+    assert "capacity_band_rps" in other                            # and the best of the other kind
+    assert sum("capacity_band_rps" in a for a in plan["arrangements"]) == 2
+    assert "At the speeds the profile's watched step ran (20 readings over 95 s: x1.00-x1.40" in \
+        plan["recommendation"]["reason"]
+    assert "x1.00-x1.40 the step model" in capsys.readouterr().out
+    # a profile without the watch (every one before session 35): no band, no sentence
+    spec, path, out = files()
+    assert main(["plan", str(spec), "--profile", str(path), "--cores", "2", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["speed_band"] is None and not any("capacity_band_rps" in a for a in plan["arrangements"])
+    assert "watched step" not in plan["recommendation"]["reason"]

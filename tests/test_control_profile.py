@@ -42,6 +42,13 @@ def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_pa
     assert doc["model"]["weight_format"] == "fp32"  # an HF checkpoint: no GGUF blocks to keep
     profile = parse_profile(doc)
     assert profile.steps.for_threads(1).per_prefill_token_s >= 0
+    # one lone prompt timed before each of the grid's items and after the last: the host's drift
+    drift = doc["threads"]["1"]["drift"]
+    assert drift["prompt_tokens"] == 16 and len(drift["readings"]) == len(doc["threads"]["1"]["samples"]) + 1
+    times = [t for t, _ in drift["readings"]]
+    assert times == sorted(times) and all(s > 0 for _, s in drift["readings"])
+    assert profile.speed_band["readings"] == len(drift["readings"])
+    assert 0 < profile.speed_band["p10"] <= profile.speed_band["p50"] <= profile.speed_band["p90"]
     # the box holds a second 1-thread instance: the grid again beside a busy engine
     if (os.cpu_count() or 1) >= 2:
         contended = doc["threads"]["1"]["contended"]
@@ -194,6 +201,12 @@ def _broken(path: str, value):
      "threads.1.contended.step_model.overhead_s"),
     ("threads.1.contended", {}, "threads.1.contended"),
     ("fit_statistic", "mean", "fit_statistic"),
+    ("threads.1.drift", [], "threads.1.drift"),
+    ("threads.1.drift", {"prompt_tokens": 0, "readings": []}, "threads.1.drift.prompt_tokens"),
+    ("threads.1.drift", {"prompt_tokens": 128, "readings": 3}, "threads.1.drift.readings"),
+    ("threads.1.drift", {"prompt_tokens": 128, "readings": [[0.0, 0.3], [1.0]]}, "threads.1.drift.readings[1]"),
+    ("threads.1.drift", {"prompt_tokens": 128, "readings": [[0.0, 0.3], [1.0, 0]]},
+     "threads.1.drift.readings[1][1]"),
 ])
 def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
     with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):

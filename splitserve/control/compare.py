@@ -336,6 +336,14 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "metric": "capacity at the trial's speed", "predicted": p3, "measured": measured_cap,
                              "error": _error("capacity", p3, measured_cap), "speed_factor": round(speed_factor, 4),
                              **({"in_measured_interval": _inside(p3, fitted)} if fitted else {})})
+            band = profile.speed_band
+            for end, q in (("slow", "p90"), ("fast", "p10")) if band else ():
+                # the same search at the slow and the fast ends of the speeds the profile itself saw
+                pb = predicted_capacity(profile.slowed(band[q]))
+                rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
+                             "metric": f"capacity at the profile's {end} end", "predicted": pb,
+                             "measured": measured_cap, "error": _error("capacity", pb, measured_cap),
+                             "speed_factor": round(band[q], 4)})
             refitted = refit(profile, trial_samples(threads_by_role, arr_doc["runs"]))
             if refitted:  # the same search with the steps as this trial's engines ran them
                 p2 = predicted_capacity(with_models(profile, {t: o.model for t, o in refitted.items()}))

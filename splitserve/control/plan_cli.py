@@ -78,7 +78,7 @@ def format_table(doc: dict, top: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.config import parse_size
-    from splitserve.control.planner import enumerate_arrangements, evaluate, plan_document
+    from splitserve.control.planner import enumerate_arrangements, evaluate, plan_document, speed_band_capacities
     from splitserve.control.predict import DisaggSpec, offered_rate, requests_from_spec, tile
     from splitserve.control.profile_file import ProfileError, load_profile
     from splitserve.trial.spec import SpecError, load_spec
@@ -125,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         ranked = evaluate(arrangements, profile, requests, spec.slo, target, multiplier,
                           with_capacity=not args.no_capacity, class_slos=spec.class_slos)
+        band_caps = speed_band_capacities(ranked, profile, requests, spec.slo, target, multiplier, spec.class_slos)
         doc = plan_document(ranked, profile, requests, spec.slo, target, multiplier, cores, spec.name,
-                            str(spec.source) if spec.source else None)
+                            str(spec.source) if spec.source else None, band_caps)
         doc["seconds_to_plan"] = time.perf_counter() - start
         doc["spec_num_requests"] = len(spec_requests)
     except (SpecError, ProfileError, ValueError, OSError) as exc:

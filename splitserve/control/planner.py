@@ -105,6 +105,40 @@ def rank(candidates: list[Candidate], target: float) -> list[Candidate]:
     return sorted(candidates, key=key, reverse=True)
 
 
+def speed_band_capacities(ranked: list[Candidate], profile: Profile, requests: list[SimRequest], slo: SLO,
+                          target: float, rate_multiplier: float = 1.0,
+                          class_slos: dict[str, SLO] | None = None) -> dict[str, dict]:
+    """The pick's and the best other-kind arrangement's capacity (rate multipliers) again with every
+    step as slow as the profile's watched step ran at its 90th percentile and as fast as at its
+    10th (profile_file.speed_band): what the same plan predicts at the slow and the fast minutes
+    the profile saw. Not an interval of the prediction's error; the host's drift alone. {} without
+    a band or capacities."""
+    band = profile.speed_band
+    if not band or not ranked or ranked[0].capacity_multiplier is None:
+        return {}
+    best = ranked[0]
+    other = _best(ranked, "separated" if best.arrangement.kind == "colocated" else "colocated")
+    out = {}
+    for c in (best, other):
+        if c is None or c.capacity_multiplier is None:
+            continue
+        out[c.arrangement.name] = {
+            end: capacity(c.arrangement, profile.slowed(band[q]), requests, slo, target, first=c.capacity_multiplier,
+                          steps=5, max_multiplier=CAPACITY_HEADROOM * rate_multiplier, class_slos=class_slos)
+            for end, q in (("slow", "p90"), ("fast", "p10"))}
+    return out
+
+
+def _band_sentence(name: str, band: dict | None, caps: dict | None, base_rate: float) -> str:
+    if not band or not caps:
+        return ""
+    def rps(m):
+        return "nothing" if m is None else f"{m * base_rate:.2f} req/s"
+    return (f"At the speeds the profile's watched step ran ({band['readings']} readings over {band['span_s']:.0f} s: "
+            f"x{band['p10']:.2f}-x{band['p90']:.2f} the step model, median x{band['p50']:.2f}), {name}'s capacity "
+            f"would be {rps(caps['slow'])} at the slow end and {rps(caps['fast'])} at the fast end.")
+
+
 def _is_floor(c: Candidate, rate_multiplier: float) -> bool:
     return c.capacity_multiplier is not None and c.capacity_multiplier >= CAPACITY_HEADROOM * rate_multiplier
 
@@ -119,7 +153,8 @@ def _fmt_s(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def recommendation(ranked: list[Candidate], target: float, base_rate: float, rate_multiplier: float) -> dict:
+def recommendation(ranked: list[Candidate], target: float, base_rate: float, rate_multiplier: float,
+                   band: dict | None = None, band_caps: dict | None = None) -> dict:
     best = ranked[0]
     rate = base_rate * rate_multiplier
     p = best.predicted
@@ -159,6 +194,9 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
         if gap < NEAR_TIE and runner.attainment >= target:
             reason.append(f"The runner-up, {runner.arrangement.name}, is within {gap:.0%} on capacity: closer than "
                           f"the model's error (about {NEAR_TIE:.0%}), so run a trial of both before choosing.")
+    sentence = _band_sentence(best.arrangement.name, band, (band_caps or {}).get(best.arrangement.name), base_rate)
+    if sentence:
+        reason.append(sentence)
     busiest = max(p["utilization"].items(), key=lambda kv: kv[1], default=None)
     if busiest:
         reason.append(f"Busiest instance of {best.arrangement.name}: {busiest[0]} at {busiest[1]:.0%}.")
@@ -166,8 +204,11 @@ def recommendation(ranked: list[Candidate], target: float, base_rate: float, rat
 
 
 def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimRequest], slo: SLO, target: float,
-                  rate_multiplier: float, cores: int, spec_name: str, spec_path: str | None) -> dict:
+                  rate_multiplier: float, cores: int, spec_name: str, spec_path: str | None,
+                  band_caps: dict | None = None) -> dict:
+    """band_caps: speed_band_capacities' answer (rate multipliers at the profile's slow and fast ends)."""
     base = offered_rate(requests)
+    band_caps = band_caps or {}
     return {
         "format": "splitserve-plan/1", "spec": spec_name, "spec_path": spec_path, "cores": cores,
         "num_requests": len(requests), "rate_multiplier": rate_multiplier,
@@ -177,9 +218,13 @@ def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimR
         "arrangements": [{**c.arrangement.describe(), "predicted": c.predicted,
                           "capacity_multiplier": c.capacity_multiplier,
                           "capacity_rps": c.capacity_multiplier * base if c.capacity_multiplier else None,
-                          "capacity_is_floor": _is_floor(c, rate_multiplier)}
+                          "capacity_is_floor": _is_floor(c, rate_multiplier),
+                          **({"capacity_band_rps": {end: m * base if m else None
+                                                    for end, m in band_caps[c.arrangement.name].items()}}
+                             if c.arrangement.name in band_caps else {})}
                          for c in ranked],
-        "recommendation": recommendation(ranked, target, base, rate_multiplier),
+        "speed_band": profile.speed_band,
+        "recommendation": recommendation(ranked, target, base, rate_multiplier, profile.speed_band, band_caps),
         "step_times_beside_neighbours": profile.contention_note(
             sorted({i.threads for c in ranked if len(c.arrangement.instances) > 1 for i in c.arrangement.instances})),
         "host_work": (f"the serving stack's CPU outside engine steps ({profile.host_work.per_request_s * 1e3:.2f} ms a "

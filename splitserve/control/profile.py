@@ -23,7 +23,9 @@ the engines' cores. Then the step model (control/stepmodel.py) is fitted and its
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
 fastest repeat (load only ever adds time); the steps beside busy engines their median repeat (there
-the spread is the neighbour's phase, the contention itself).
+the spread is the neighbour's phase, the contention itself). The lone pass also times one fresh
+128-token prompt before every grid item (`drift`): how far the host's speed moved while it
+measured, which the planner turns into a capacity at both ends of that range.
 """
 from __future__ import annotations
 
@@ -42,11 +44,17 @@ import time
 from splitserve.control.profile_file import CONTENDED_FIT_STATISTIC, FORMAT, ProfileError, parse_profile, step_samples
 from splitserve.control.stepmodel import StepShape, fit_step_model, prefill_attn_ktok2
 
+# the step the lone pass times before every grid item (about 0.3 s on one Zen 4 core): on a VM
+# whose speed moves minute to minute (session 34: this step 340-524 ms within four minutes, idle),
+# the readings say how far, and the planner gives a capacity at both ends (profile_file.speed_band)
+WATCH_PROMPT = 128
 FULL = {"prefill": [32, 128, 512, 1024], "chunks": [(512, 256), (1024, 256), (1024, 512)],
         "decode_batch": [1, 4, 16], "decode_context": [64, 512, 1024], "mixed": [(8, 128), (8, 512)],
-        "decode_steps": 4, "transfer_tokens": [256, 1024, 2048], "repeats": 3}
+        "decode_steps": 4, "transfer_tokens": [256, 1024, 2048], "repeats": 3,
+        "watch": WATCH_PROMPT}
 QUICK = {"prefill": [16, 48], "chunks": [(32, 16)], "decode_batch": [1, 4], "decode_context": [16, 48],
-         "mixed": [(2, 16)], "decode_steps": 2, "transfer_tokens": [16, 64], "repeats": 2}
+         "mixed": [(2, 16)], "decode_steps": 2, "transfer_tokens": [16, 64], "repeats": 2,
+         "watch": 16}
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
              "asimd", "sve")
 
@@ -133,6 +141,8 @@ class StepTimer:
         self.vocab = core.model_config.vocab_size
         self.rng = random.Random(seed)  # another seed, other prompts: no prefix-cache hit on an earlier pass's
         self.samples: list[dict] = []
+        self.drift: list[list[float]] = []  # [seconds since the pass began, one watched step's seconds]
+        self._began = time.perf_counter()
         self._next = 0
 
     def prompt(self, n: int) -> list[int]:
@@ -170,6 +180,13 @@ class StepTimer:
                                "the engine's scheduler no longer behaves as profile.py assumes")
         cached = outputs[0].num_cached_tokens
         return seconds, StepShape(len(prompt) - cached, prefill_attn_ktok2(cached, len(prompt) - cached))
+
+    def watch(self, n: int) -> None:
+        """One fresh lone prompt of n tokens, timed and kept apart from the samples: the same step
+        again and again through the pass, so the pass records how the host's speed moved while it
+        measured (the planner's speed band, profile_file.speed_band)."""
+        seconds, _ = self.prefill([], n)
+        self.drift.append([round(time.perf_counter() - self._began, 3), round(seconds, 6)])
 
     def measure_prefill(self, n: int) -> None:
         runs = [self.prefill([], n) for _ in range(self.repeats)]
@@ -219,18 +236,23 @@ class StepTimer:
         self._record("mixed" if new_prompt else "decode", shape, seconds)
 
 
-def run_grid(timer: StepTimer, grid: dict) -> list[dict]:
+def run_grid(timer: StepTimer, grid: dict, watch: int = 0) -> list[dict]:
+    """Every step of the grid, timed; with `watch`, a lone prompt of that many tokens is timed before
+    each item and once at the end (timer.drift)."""
     timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
     timer.samples.clear()
-    for n in grid["prefill"]:
-        timer.measure_prefill(n)
-    for cached, chunk in grid["chunks"]:
-        timer.measure_chunk(cached, chunk)
-    for context in grid["decode_context"]:
-        for batch in grid["decode_batch"]:
-            timer.measure_decode(batch, context, grid["decode_steps"])
-    for batch, n in grid["mixed"]:
-        timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
+    items = ([lambda n=n: timer.measure_prefill(n) for n in grid["prefill"]]
+             + [lambda c=c, k=k: timer.measure_chunk(c, k) for c, k in grid["chunks"]]
+             + [lambda b=b, c=c: timer.measure_decode(b, c, grid["decode_steps"])
+                for c in grid["decode_context"] for b in grid["decode_batch"]]
+             + [lambda b=b, n=n: timer.measure_decode(b, min(grid["decode_context"]), 0, new_prompt=n)
+                for b, n in grid["mixed"]])
+    for item in items:
+        if watch:
+            timer.watch(watch)
+        item()
+    if watch:
+        timer.watch(watch)
     return timer.samples
 
 
@@ -309,7 +331,12 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
     engine_s = time.perf_counter() - start
     contended = None
     try:
-        samples = run_grid(StepTimer(core, repeats, log), grid)
+        timer = StepTimer(core, repeats, log)
+        samples = run_grid(timer, grid, watch=grid["watch"])
+        drift = {"prompt_tokens": grid["watch"], "readings": timer.drift}
+        log(f"  watched {grid['watch']}-token prompt over {timer.drift[-1][0]:.0f} s: "
+            f"{min(r[1] for r in timer.drift) * 1e3:.1f} .. {max(r[1] for r in timer.drift) * 1e3:.1f} ms "
+            f"({len(timer.drift)} readings)")
         report = fit_step_model(*step_samples(samples))
         log(f"  fit: median |error| {report.median_abs_rel_error:.1%}, max {report.max_abs_rel_error:.1%}")
         if neighbours:
@@ -320,7 +347,7 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
             contended = contended_entry(samples, busy, neighbours, threads, log, served)
     finally:
         core.close()
-    entry = {"samples": samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s,
+    entry = {"samples": samples, "step_model": report.model.to_dict(), "engine_start_s": engine_s, "drift": drift,
              "fit": {"statistic": "fastest repeat", "median_abs_rel_error": report.median_abs_rel_error,
                      "max_abs_rel_error": report.max_abs_rel_error}}
     if contended is not None:

@@ -7,7 +7,9 @@
                                     "decode_seqs": 0, "decode_kv_tokens": 0, "seconds": [0.9, 0.95]}, ...],
                        "step_model": {"overhead_s": ..., ...},      # fitted; or alone, by hand
                        "contended": {"samples": [...], "step_model": {...},   # optional: the same steps
-                                     "neighbours": {"count": 1, ...}}},       # beside busy engines
+                                     "neighbours": {"count": 1, ...}},        # beside busy engines
+                       "drift": {"prompt_tokens": 128, "readings": [[0.4, 0.31], ...]}},  # optional: one step
+                                                                    # timed through the pass ([s since start, seconds])
                  "2": {...}},
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
@@ -31,6 +33,13 @@ host, is simulated with these step times (Profile.instance_models); a profile wi
 profile before it) falls back to its lone step times and `host_contention`, and says so
 (contention_note).
 
+`drift` (since session 35) is one lone prompt step timed before every item of a thread count's
+lone pass: on a VM whose speed moves minute to minute a lone 128-token prompt step took 340-524 ms
+within four minutes, idle (session 34, bench/speed_probe.py). `speed_band` reads every thread count's readings against that
+count's step model (fitted on the fastest repeats) as factors, and gives their 10th, 50th and
+90th percentiles: the planner's capacity at both ends (planner.speed_band_capacities) is what the
+same plan predicts at the slow and the fast minutes the profile itself saw.
+
 `host_work` (issue 28 item 3, control/host_work.py) is the CPU the serving stack spends outside
 the engines' steps: the frontend, the coordinator, the engines' loops between steps and the
 trial's client, as a rate at idle plus CPU seconds per request and per streamed token. The
@@ -46,6 +55,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from splitserve.control.stepmodel import COEFFICIENTS, StepModel, StepModels, StepShape, fit_step_model
+from splitserve.stepfeatures import prefill_attn_ktok2
 
 FORMAT = "splitserve-profile/1"
 SAMPLE_FIELDS = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens")
@@ -89,6 +99,7 @@ class Profile:
     host_contention: float = 1.0  # a step beside a busy instance on the same host takes this many times longer
     contended: dict[int, StepModel] = field(default_factory=dict)  # threads -> steps beside busy engines
     host_work: HostWork | None = None  # the stack's CPU outside engine steps, when profiled
+    speed_band: dict | None = None  # the lone passes' watched step against the model (speed_band())
 
     def instance_models(self, threads: list[int]) -> tuple[list[StepModel], float]:
         """Each instance's step model and the simulator's neighbour factor, for an arrangement of
@@ -272,10 +283,46 @@ def parse_profile(doc, source: str = "profile") -> Profile:
         entry = _mapping(doc["host_work"], "host_work")
         host_work = HostWork(*(_number(entry.get(k, 0.0), f"host_work.{k}")
                                for k in ("idle_cores", "per_request_s", "per_token_s")))
+    band = speed_band(threads, models)
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
                    machine=doc.get("machine") or {}, raw=doc, host_contention=contention,
-                   contended=contended, host_work=host_work)
+                   contended=contended, host_work=host_work, speed_band=band)
+
+
+MIN_DRIFT_READINGS = 8  # fewer and a 10th percentile is one reading
+
+
+def speed_band(threads: dict, models: dict[int, StepModel]) -> dict | None:
+    """Every thread count's `drift` readings against its own (lone, uncalibrated) step model's time
+    for that step: {"p10", "p50", "p90"} of the factors, "readings" and the span in seconds; None
+    without MIN_DRIFT_READINGS (profiles made before session 35 have none)."""
+    factors, span = [], 0.0
+    for key, entry in threads.items():
+        drift = entry.get("drift")
+        if drift is None:
+            continue
+        path = f"threads.{key}.drift"
+        drift = _mapping(drift, path)
+        n = drift.get("prompt_tokens")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ProfileError(f"{path}.prompt_tokens: a positive whole number of tokens, got {n!r}")
+        readings = drift.get("readings")
+        if not isinstance(readings, list):
+            raise ProfileError(f"{path}.readings: a list of [seconds since start, step seconds], got {readings!r}")
+        modelled = models[int(key)].step_s(n, prefill_attn_ktok2(0, n))
+        for i, r in enumerate(readings):
+            if not isinstance(r, list) or len(r) != 2:
+                raise ProfileError(f"{path}.readings[{i}]: [seconds since start, step seconds], got {r!r}")
+            at = _number(r[0], f"{path}.readings[{i}][0]")
+            seconds = _number(r[1], f"{path}.readings[{i}][1]", strict=True)
+            span = max(span, at)
+            if modelled > 0:
+                factors.append(seconds / modelled)
+    if len(factors) < MIN_DRIFT_READINGS:
+        return None
+    q = statistics.quantiles(factors, n=10, method="inclusive")
+    return {"p10": q[0], "p50": statistics.median(factors), "p90": q[-1], "readings": len(factors), "span_s": span}
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:
