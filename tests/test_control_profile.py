@@ -48,6 +48,7 @@ def test_quick_profile_of_the_tiny_model_writes_a_profile_that_reads_back(tmp_pa
     times = [t for t, _ in drift["readings"]]
     assert times == sorted(times) and all(s > 0 for _, s in drift["readings"])
     assert profile.speed_band["readings"] == len(drift["readings"])
+    assert profile.speed_band["span_s"] == pytest.approx(times[-1] - times[0], abs=1e-3)
     assert 0 < profile.speed_band["p10"] <= profile.speed_band["p50"] <= profile.speed_band["p90"]
     # the box holds a second 1-thread instance: the grid again beside a busy engine
     if (os.cpu_count() or 1) >= 2:
@@ -207,6 +208,7 @@ def _broken(path: str, value):
     ("threads.1.drift", {"prompt_tokens": 128, "readings": [[0.0, 0.3], [1.0]]}, "threads.1.drift.readings[1]"),
     ("threads.1.drift", {"prompt_tokens": 128, "readings": [[0.0, 0.3], [1.0, 0]]},
      "threads.1.drift.readings[1][1]"),
+    ("threads.1.drift", {"prompt_tokens": 128, "began_unix": "now", "readings": []}, "threads.1.drift.began_unix"),
 ])
 def test_malformed_profiles_are_refused_naming_the_field(path, value, message):
     with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -142,7 +142,7 @@ class StepTimer:
         self.rng = random.Random(seed)  # another seed, other prompts: no prefix-cache hit on an earlier pass's
         self.samples: list[dict] = []
         self.drift: list[list[float]] = []  # [seconds since the pass began, one watched step's seconds]
-        self._began = time.perf_counter()
+        self._began, self.began_unix = time.perf_counter(), time.time()
         self._next = 0
 
     def prompt(self, n: int) -> list[int]:
@@ -333,7 +333,7 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
     try:
         timer = StepTimer(core, repeats, log)
         samples = run_grid(timer, grid, watch=grid["watch"])
-        drift = {"prompt_tokens": grid["watch"], "readings": timer.drift}
+        drift = {"prompt_tokens": grid["watch"], "began_unix": round(timer.began_unix, 3), "readings": timer.drift}
         log(f"  watched {grid['watch']}-token prompt over {timer.drift[-1][0]:.0f} s: "
             f"{min(r[1] for r in timer.drift) * 1e3:.1f} .. {max(r[1] for r in timer.drift) * 1e3:.1f} ms "
             f"({len(timer.drift)} readings)")

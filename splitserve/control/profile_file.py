@@ -8,8 +8,8 @@
                        "step_model": {"overhead_s": ..., ...},      # fitted; or alone, by hand
                        "contended": {"samples": [...], "step_model": {...},   # optional: the same steps
                                      "neighbours": {"count": 1, ...}},        # beside busy engines
-                       "drift": {"prompt_tokens": 128, "readings": [[0.4, 0.31], ...]}},  # optional: one step
-                                                                    # timed through the pass ([s since start, seconds])
+                       "drift": {"prompt_tokens": 128, "began_unix": 1.8e9,      # optional: one step timed
+                                 "readings": [[0.4, 0.31], ...]}},   # through the pass ([s since it began, seconds])
                  "2": {...}},
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
@@ -295,9 +295,10 @@ MIN_DRIFT_READINGS = 8  # fewer and a 10th percentile is one reading
 
 def speed_band(threads: dict, models: dict[int, StepModel]) -> dict | None:
     """Every thread count's `drift` readings against its own (lone, uncalibrated) step model's time
-    for that step: {"p10", "p50", "p90"} of the factors, "readings" and the span in seconds; None
+    for that step: {"p10", "p50", "p90"} of the factors, "readings" and the seconds from the first
+    to the last (the passes placed by their `began_unix`; without it, each on its own clock); None
     without MIN_DRIFT_READINGS (profiles made before session 35 have none)."""
-    factors, span = [], 0.0
+    factors, times = [], []
     for key, entry in threads.items():
         drift = entry.get("drift")
         if drift is None:
@@ -310,19 +311,21 @@ def speed_band(threads: dict, models: dict[int, StepModel]) -> dict | None:
         readings = drift.get("readings")
         if not isinstance(readings, list):
             raise ProfileError(f"{path}.readings: a list of [seconds since start, step seconds], got {readings!r}")
+        began = _number(drift.get("began_unix", 0.0), f"{path}.began_unix")  # 0: one pass's own clock
         modelled = models[int(key)].step_s(n, prefill_attn_ktok2(0, n))
         for i, r in enumerate(readings):
             if not isinstance(r, list) or len(r) != 2:
                 raise ProfileError(f"{path}.readings[{i}]: [seconds since start, step seconds], got {r!r}")
             at = _number(r[0], f"{path}.readings[{i}][0]")
             seconds = _number(r[1], f"{path}.readings[{i}][1]", strict=True)
-            span = max(span, at)
+            times.append(began + at)
             if modelled > 0:
                 factors.append(seconds / modelled)
     if len(factors) < MIN_DRIFT_READINGS:
         return None
     q = statistics.quantiles(factors, n=10, method="inclusive")
-    return {"p10": q[0], "p50": statistics.median(factors), "p90": q[-1], "readings": len(factors), "span_s": span}
+    return {"p10": q[0], "p50": statistics.median(factors), "p90": q[-1], "readings": len(factors),
+            "span_s": max(times) - min(times)}
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:
