@@ -28,6 +28,8 @@ from splitserve.control.compare import _inside, compare_results, profile_of  # n
 from splitserve.trial.quote import quote  # noqa: E402
 
 WITHIN = 0.15
+BAND_ROWS = {"slow": "capacity at the profile's slow end", "median": "capacity at the profile's median speed",
+             "fast": "capacity at the profile's fast end"}
 
 
 def _verdict(p: float | None, c: dict) -> dict:
@@ -56,8 +58,7 @@ def check(profile, path: Path) -> list[dict]:
         pred, agreeing = first.get("predicted"), first.get("runs_agreeing")
         refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
         speed = next((r for r in rows if r["metric"] == "capacity at the trial's speed"), None)
-        ends = {r["metric"].split()[-2]: r["predicted"] for r in rows
-                if r["metric"] in ("capacity at the profile's slow end", "capacity at the profile's fast end")}
+        ends = {key: r["predicted"] for r in rows for key, metric in BAND_ROWS.items() if r["metric"] == metric}
         out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
                     "trial": doc.get("trial"), "arrangement": name,
                     "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},
@@ -68,7 +69,8 @@ def check(profile, path: Path) -> list[dict]:
                     "speed_factor": speed["speed_factor"] if speed else None,
                     "at_speed": _verdict(speed["predicted"], c) if speed else None,
                     "runs_agreeing": agreeing, "compare_cpu_s": round(cpu, 2),
-                    **({"band_rps": ends, "band_meets": _band_meets(ends, c)} if len(ends) == 2 else {})})
+                    **({"band_rps": ends, "band_meets": _band_meets(ends, c),
+                        "at_median_speed": _verdict(ends["median"], c)} if len(ends) == 3 else {})})
     return out
 
 
@@ -144,14 +146,21 @@ def main() -> int:
         for r in banded:
             e = r["band_rps"]
             print(f"  {r['arrangement']} ({r['trial']}): {_iv(r['measured'])} against "
-                  f"{e['slow'] or 0:.2f}-{e['fast'] or 0:.2f}: {'meets' if r['band_meets'] else 'APART'}")
+                  f"{e['slow'] or 0:.2f}-{e['fast'] or 0:.2f}: {'meets' if r['band_meets'] else 'APART'}; "
+                  f"at the median speed {_cell(e['median'], r['at_median_speed'])}")
+        print(f"{sum(r['at_median_speed']['ok'] for r in banded)} of {len(banded)} predicted at the profile's median "
+              f"watched speed (x{b['p50']:.2f} the model) inside the interval or within 15% of the estimate")
     if any(r["at_speed"] for r in rows):
         fast = sum(r["at_speed"]["ok"] for r in rows if r["at_speed"])
         print(f"{fast} of {sum(1 for r in rows if r['at_speed'])} at the speed each trial's box ran the host-speed "
               "benchmark (the profile's step times scaled by the ratio)")
     if args.json:
         args.json.write_text(json.dumps({"profile": str(args.profile), "rows": rows, "ok": ok, "num": len(rows),
-                                         "ok_at_speed": sum(r["at_speed"]["ok"] for r in rows if r["at_speed"])},
+                                         "ok_at_speed": sum(r["at_speed"]["ok"] for r in rows if r["at_speed"]),
+                                         "speed_band": profile.speed_band,
+                                         "band_meets": sum(r["band_meets"] for r in rows if "band_rps" in r),
+                                         "ok_at_median_speed": sum(r["at_median_speed"]["ok"] for r in rows
+                                                                   if "band_rps" in r)},
                                         indent=1))
     return 0
 

@@ -461,10 +461,12 @@ def test_a_profile_with_a_watched_step_predicts_each_capacity_at_its_slow_and_fa
     out = compare_results(profile, doc)
     for name in ("colo", "1P1D"):
         rows = {r["metric"]: r for r in out["rows"] if r["arrangement"] == name and r["rate_multiplier"] is None}
-        point, slow, fast = (rows[m]["predicted"] for m in ("capacity at 80%", "capacity at the profile's slow end",
-                                                             "capacity at the profile's fast end"))
+        point, slow, mid, fast = (rows[m]["predicted"] for m in (
+            "capacity at 80%", "capacity at the profile's slow end", "capacity at the profile's median speed",
+            "capacity at the profile's fast end"))
         assert rows["capacity at the profile's slow end"]["speed_factor"] == pytest.approx(1.9)
-        assert slow < 0.75 * point and slow < fast <= point * 1.02
+        assert rows["capacity at the profile's median speed"]["speed_factor"] == pytest.approx(1.5)
+        assert slow < 0.75 * point and slow <= mid <= fast <= point * 1.02 and slow < fast
     assert "capacity at the profile's slow end" in render(out)
     # without the watch: no such rows
     plain = compare_results(parse_profile({**PROFILE, "threads": {"1": {"step_model": steps}}}), doc)

@@ -337,11 +337,12 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "error": _error("capacity", p3, measured_cap), "speed_factor": round(speed_factor, 4),
                              **({"in_measured_interval": _inside(p3, fitted)} if fitted else {})})
             band = profile.speed_band
-            for end, q in (("slow", "p90"), ("fast", "p10")) if band else ():
-                # the same search at the slow and the fast ends of the speeds the profile itself saw
+            for end, q in (("slow end", "p90"), ("median speed", "p50"), ("fast end", "p10")) if band else ():
+                # the same search at the slow and the fast ends of the speeds the profile itself saw,
+                # and at their median (the model is fitted on each step's fastest repeat)
                 pb = predicted_capacity(profile.slowed(band[q]))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
-                             "metric": f"capacity at the profile's {end} end", "predicted": pb,
+                             "metric": f"capacity at the profile's {end}", "predicted": pb,
                              "measured": measured_cap, "error": _error("capacity", pb, measured_cap),
                              "speed_factor": round(band[q], 4)})
             refitted = refit(profile, trial_samples(threads_by_role, arr_doc["runs"]))
