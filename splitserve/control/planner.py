@@ -132,6 +132,7 @@ def speed_band_capacities(ranked: list[Candidate], profile: Profile, requests: l
 def _band_sentence(name: str, band: dict | None, caps: dict | None, base_rate: float) -> str:
     if not band or not caps:
         return ""
+
     def rps(m):
         return "nothing" if m is None else f"{m * base_rate:.2f} req/s"
     return (f"At the speeds the profile's watched step ran ({band['readings']} readings over {band['span_s']:.0f} s: "

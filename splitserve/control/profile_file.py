@@ -35,10 +35,11 @@ profile before it) falls back to its lone step times and `host_contention`, and 
 
 `drift` (since session 35) is one lone prompt step timed before every item of a thread count's
 lone pass: on a VM whose speed moves minute to minute a lone 128-token prompt step took 340-524 ms
-within four minutes, idle (session 34, bench/speed_probe.py). `speed_band` reads every thread count's readings against that
-count's step model (fitted on the fastest repeats) as factors, and gives their 10th, 50th and
-90th percentiles: the planner's capacity at both ends (planner.speed_band_capacities) is what the
-same plan predicts at the slow and the fast minutes the profile itself saw.
+within four minutes, idle (session 34, bench/speed_probe.py). `speed_band` reads every thread
+count's readings against that count's step model (fitted on the fastest repeats) as factors, and
+gives their 10th, 50th and 90th percentiles: the planner's capacity at both ends
+(planner.speed_band_capacities) is what the same plan predicts at the slow and the fast minutes
+the profile itself saw.
 
 `host_work` (issue 28 item 3, control/host_work.py) is the CPU the serving stack spends outside
 the engines' steps: the frontend, the coordinator, the engines' loops between steps and the

@@ -32,7 +32,6 @@ MIN_RUN_STEPS = 20  # a run with fewer timed steps gets no speed (one slow step 
 _SHAPE = ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens", "seconds")
 
 
-
 def _fetch(base_url: str, tail: int | None, timeout_s: float) -> dict | None:
     try:
         resp = httpx.get(f"{base_url}/admin/steps", params={} if tail is None else {"tail": tail}, timeout=timeout_s)
