@@ -471,3 +471,20 @@ def test_a_profile_with_a_watched_step_predicts_each_capacity_at_its_slow_and_fa
     # without the watch: no such rows
     plain = compare_results(parse_profile({**PROFILE, "threads": {"1": {"step_model": steps}}}), doc)
     assert not [r for r in plain["rows"] if "profile's" in r["metric"]]
+
+
+def test_the_predicted_capacity_is_searched_past_every_rate_the_trial_ran():
+    # the trial held a probe at x32 (a lower bound above predict.capacity's default 16x ceiling): the
+    # prediction must be able to say more than "16x", or it reads as a miss under the measured bound
+    doc = results_doc()
+    doc["slo"] = {**SLO_DOC, "attainment": 0.8}
+    base = offered_rate(requests_from_results(doc))
+    for arr in doc["arrangements"][:2]:
+        arr["runs"].append({"rate_multiplier": 32.0, "summary": dict(arr["runs"][0]["summary"])})
+        arr["capacity_rps"] = 32.0 * base
+    fast = parse_profile({**PROFILE, "threads": {"1": {"step_model": {"overhead_s": 1e-5, "per_prefill_token_s": 1e-7,
+                                                                      "per_decode_seq_s": 1e-6}}}})
+    out = compare_results(fast, doc)
+    caps = {r["arrangement"]: r["predicted"] for r in out["rows"] if r["metric"] == "capacity at 80%"}
+    assert set(caps) == {"colo", "1P1D"}
+    assert all(p >= 32.0 * base * 0.999 for p in caps.values()), (caps, base)

@@ -306,12 +306,18 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
         if measured_cap is None and fitted is not None:
             measured_cap = fitted["estimate_rps"]
 
+        # the search reaches past every rate the trial ran: a prediction stopped below the trial's own
+        # probes (16x, predict.capacity's default) could not be told from a measured lower bound above it
+        ceiling = max(16.0, 2.0 * max((r["rate_multiplier"] for r in arr_doc["runs"]), default=1.0))
+
         def predicted_capacity(prof: Profile) -> float | None:
             if settings is not None:
                 workload = lambda m: probe_workload(plan, m, *settings)  # noqa: E731
-                cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos, workload=workload)
+                cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos, workload=workload,
+                               max_multiplier=ceiling)
                 return offered_rate(workload(cap)) if cap else None
-            cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos)  # the whole plan compressed
+            cap = capacity(arr, prof, plan, slo, target, class_slos=class_slos,
+                           max_multiplier=ceiling)  # the whole plan compressed
             return cap * base if cap else None
 
         if measured_cap is not None and with_capacity:
