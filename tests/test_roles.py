@@ -89,8 +89,11 @@ def test_a_colocated_instance_turning_decode_hands_back_its_unstarted_prompts_to
         async with Cluster(tiny, {"c0": "colocated", "p0": "prefill"}, max_num_seqs=2, kv="8MiB") as cluster:
             streams = [asyncio.create_task(cluster.generate(prompt_of(20 + s, s), 40, request_id=f"s{s}"))
                        for s in range(6)]
-            assert await until(lambda: cluster.engines["c0"].core.scheduler.running, 10.0)
-            waiting = len(cluster.engines["c0"].core.scheduler.waiting)
+            # both slots taken and a prompt queued behind them (on a loaded box the streams' requests
+            # reach c0 over some milliseconds: reading `waiting` as soon as one runs could find none yet)
+            scheduler = cluster.engines["c0"].core.scheduler
+            assert await until(lambda: scheduler.running and scheduler.waiting, 10.0)
+            waiting = len(scheduler.waiting)
             await cluster.client.change_role("c0", "decode")
             results = await asyncio.gather(*streams)
             assert [r["tokens"] for r in results] == [reference[s] for s in range(6)]
