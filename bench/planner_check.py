@@ -28,8 +28,6 @@ from splitserve.control.compare import _inside, compare_results, profile_of  # n
 from splitserve.trial.quote import quote  # noqa: E402
 
 WITHIN = 0.15
-BAND_ROWS = {"slow": "capacity at the profile's slow end", "median": "capacity at the profile's median speed",
-             "fast": "capacity at the profile's fast end"}
 
 
 def _verdict(p: float | None, c: dict) -> dict:
@@ -58,7 +56,7 @@ def check(profile, path: Path) -> list[dict]:
         pred, agreeing = first.get("predicted"), first.get("runs_agreeing")
         refit = next((r["predicted"] for r in rows if r["metric"] == "capacity, its steps refit"), None)
         speed = next((r for r in rows if r["metric"] == "capacity at the trial's speed"), None)
-        ends = {key: r["predicted"] for r in rows for key, metric in BAND_ROWS.items() if r["metric"] == metric}
+        ends = {r["band_end"]: r["predicted"] for r in rows if "band_end" in r}
         out.append({"results": str(path.relative_to(ROOT) if path.is_absolute() else path),
                     "trial": doc.get("trial"), "arrangement": name,
                     "measured": {k: c.get(k) for k in ("kind", "estimate_rps", "lo_rps", "hi_rps")},

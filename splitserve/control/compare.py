@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 from splitserve.control.predict import (Arrangement, arrangement_from_serve_args, capacity, class_priorities,
                                         offered_rate, predict, requests_from_results, tile)
-from splitserve.control.profile_file import Profile, ProfileError, parse_profile
+from splitserve.control.profile_file import SPEED_BAND_ENDS, Profile, ProfileError, parse_profile
 from splitserve.control.simulator import SimRequest
 from splitserve.control.trial_steps import calibration, refit, run_speed, step_ratios, trial_samples, with_models
 from splitserve.trial.method import CapacitySpec
@@ -343,14 +343,14 @@ def compare_results(profile: Profile, results: dict, target: float = 0.9, with_c
                              "error": _error("capacity", p3, measured_cap), "speed_factor": round(speed_factor, 4),
                              **({"in_measured_interval": _inside(p3, fitted)} if fitted else {})})
             band = profile.speed_band
-            for end, q in (("slow end", "p90"), ("median speed", "p50"), ("fast end", "p10")) if band else ():
+            for end, q in SPEED_BAND_ENDS if band else ():
                 # the same search at the slow and the fast ends of the speeds the profile itself saw,
                 # and at their median (the model is fitted on each step's fastest repeat)
                 pb = predicted_capacity(profile.slowed(band[q]))
                 rows.append({"arrangement": arr.name, "rate_multiplier": None, "num_runs": None,
-                             "metric": f"capacity at the profile's {end}", "predicted": pb,
-                             "measured": measured_cap, "error": _error("capacity", pb, measured_cap),
-                             "speed_factor": round(band[q], 4)})
+                             "metric": f"capacity at the profile's {end} {'speed' if end == 'median' else 'end'}",
+                             "band_end": end, "predicted": pb, "measured": measured_cap,
+                             "error": _error("capacity", pb, measured_cap), "speed_factor": round(band[q], 4)})
             refitted = refit(profile, trial_samples(threads_by_role, arr_doc["runs"]))
             if refitted:  # the same search with the steps as this trial's engines ran them
                 p2 = predicted_capacity(with_models(profile, {t: o.model for t, o in refitted.items()}))

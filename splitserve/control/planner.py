@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from splitserve.control.predict import (DEFAULT_KV_CACHE_BYTES, Arrangement, DisaggSpec, capacity, name_of,
                                         offered_rate, predict)
-from splitserve.control.profile_file import Profile
+from splitserve.control.profile_file import SPEED_BAND_ENDS, Profile
 from splitserve.control.simulator import InstanceSpec, SimRequest
 from splitserve.trial.spec import SLO
 
@@ -125,7 +125,7 @@ def speed_band_capacities(ranked: list[Candidate], profile: Profile, requests: l
         out[c.arrangement.name] = {
             end: capacity(c.arrangement, profile.slowed(band[q]), requests, slo, target, first=c.capacity_multiplier,
                           steps=5, max_multiplier=CAPACITY_HEADROOM * rate_multiplier, class_slos=class_slos)
-            for end, q in (("slow", "p90"), ("fast", "p10"))}
+            for end, q in SPEED_BAND_ENDS if end != "median"}
     return out
 
 

@@ -239,20 +239,26 @@ class StepTimer:
 def run_grid(timer: StepTimer, grid: dict, watch: int = 0) -> list[dict]:
     """Every step of the grid, timed; with `watch`, a lone prompt of that many tokens is timed before
     each item and once at the end (timer.drift)."""
-    timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
-    timer.samples.clear()
-    items = ([lambda n=n: timer.measure_prefill(n) for n in grid["prefill"]]
-             + [lambda c=c, k=k: timer.measure_chunk(c, k) for c, k in grid["chunks"]]
-             + [lambda b=b, c=c: timer.measure_decode(b, c, grid["decode_steps"])
-                for c in grid["decode_context"] for b in grid["decode_batch"]]
-             + [lambda b=b, n=n: timer.measure_decode(b, min(grid["decode_context"]), 0, new_prompt=n)
-                for b, n in grid["mixed"]])
-    for item in items:
+    def watched():
         if watch:
             timer.watch(watch)
-        item()
-    if watch:
-        timer.watch(watch)
+
+    timer.measure_prefill(grid["prefill"][0])  # warm-up: first steps pay for lazy initialization
+    timer.samples.clear()
+    for n in grid["prefill"]:
+        watched()
+        timer.measure_prefill(n)
+    for cached, chunk in grid["chunks"]:
+        watched()
+        timer.measure_chunk(cached, chunk)
+    for context in grid["decode_context"]:
+        for batch in grid["decode_batch"]:
+            watched()
+            timer.measure_decode(batch, context, grid["decode_steps"])
+    for batch, n in grid["mixed"]:
+        watched()
+        timer.measure_decode(batch, min(grid["decode_context"]), 0, new_prompt=n)
+    watched()
     return timer.samples
 
 

@@ -292,6 +292,9 @@ def parse_profile(doc, source: str = "profile") -> Profile:
 
 
 MIN_DRIFT_READINGS = 8  # fewer and a 10th percentile is one reading
+# where a plan is predicted again on the band: the slow end (the watched step's 90th percentile),
+# the median and the fast end (its 10th)
+SPEED_BAND_ENDS = (("slow", "p90"), ("median", "p50"), ("fast", "p10"))
 
 
 def speed_band(threads: dict, models: dict[int, StepModel]) -> dict | None:
