@@ -33,8 +33,14 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
+    def text(self) -> str:
+        """The whole log, for what a test looks for in it (a line from startup, or one followed by
+        many others on a busy box, is not in the tail)."""
+        return self.log_path.read_text(errors="replace") if self.log_path != Path(os.devnull) else ""
+
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path != Path(os.devnull) else ""
+        """The log's last 4,000 characters, for a failed assertion's message."""
+        return self.text()[-4000:]
 
     def wait_ready(self, timeout_s: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout_s

@@ -105,7 +105,7 @@ def restart_under_load(srv, clients: int = 2) -> dict:
     assert all(v == 0 for v in held.values()), held
     assert metric_samples(srv.base_url, "splitserve_coordinator_restarts_total") == {"": 1.0}
     assert metric_samples(srv.base_url, "splitserve_coordinator_restart_failed_requests_total") == {"": float(failed)}
-    assert "coordinator restarted in place" in srv.log()
+    assert "coordinator restarted in place" in srv.text()
     print(f"coordinator restart: serving again after {served_again_s:.1f} s; {len(load.results)} requests: "
           f"{len(complete)} complete, {len(clear)} clear errors ({len(sse_errors)} streams ended, "
           f"{len(clear) - len(sse_errors)} refused with 503), {len(disconnected)} disconnected; server counted "
@@ -129,7 +129,7 @@ def test_a_coordinator_restart_of_1p1d_keeps_its_engines_and_fails_in_flight_req
         assert asyncio.run(one(srv.base_url))["done"]
     finally:
         assert srv.stop() == 0, srv.log()
-    assert "all engines stopped" in srv.log()
+    assert "all engines stopped" in srv.text()
 
 
 def test_a_coordinator_restart_with_two_api_processes_and_a_state_file(model, tmp_path):

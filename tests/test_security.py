@@ -130,7 +130,7 @@ def secured(tmp_path_factory):
 
 
 def engine_address(server) -> str:
-    found = re.search(r"engines join at (tcp://\S+)", server.log())
+    found = re.search(r"engines join at (tcp://\S+)", server.text())
     assert found, server.log()
     return found.group(1)
 
@@ -193,7 +193,7 @@ def test_engine_link_refuses_peers_without_the_secret(secured):
                           zmq.NOBLOCK)
             except zmq.Again:  # no completed connection to queue it on: the handshake did not pass
                 pass
-        assert wait_until(lambda: "unknown CURVE key" in secured.log(), timeout_s=10), secured.log()
+        assert wait_until(lambda: "unknown CURVE key" in secured.text(), timeout_s=10), secured.log()
         ids = [i["id"] for i in httpx.get(secured.base_url + "/health").json()["instances"]]
         assert ids == ["engine-0"]
     finally:

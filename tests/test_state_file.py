@@ -202,7 +202,7 @@ def test_a_role_changed_through_the_admin_api_survives_a_restart_of_serve(model,
     again = DisaggServer(model, *argv, log_path=tmp_path / "second.log").wait_ready()
     try:
         assert instance_roles(again) == {"prefill-0": "colocated", "decode-0": "decode"}
-        assert "restoring the arrangement saved in" in again.log()
+        assert "restoring the arrangement saved in" in again.text()
         assert answered(again)
     finally:
         again.stop()
@@ -215,7 +215,7 @@ def test_a_corrupt_state_file_gets_a_clear_warning_and_the_command_lines_arrange
     srv = DisaggServer(model, "--instances", "1", "--state-file", str(path), log_path=tmp_path / "serve.log").wait_ready()
     try:
         assert instance_roles(srv) == {"engine-0": "colocated"}
-        log = srv.log()
+        log = srv.text()
         assert f"the state file {path} is not used: it is not a splitserve state file" in log
         assert "Traceback" not in log
         assert (tmp_path / "state.json.rejected").read_text() == '{"version": 1, "model": '
