@@ -195,35 +195,40 @@ def test_a_fixed_rate_run_is_a_comparison_only_with_enough_requests_of_every_cla
     assert not ok and "document 8" in why
 
 
-def mixed_probe(rng, x, n, round_index, chat_cross, doc_cross, doc_share=0.15, probe_sd=0.0):
-    """A probe of chats and documents, each class with its own curve (documents fail first)."""
+def mixed_probe(rng, x, n, round_index, chat_cross, doc_cross, doc_share=0.15, probe_sd=0.0, slope=-6.0,
+                always_bad=0):
+    """A probe of chats and documents, each class with its own curve (documents fail first).
+    always_bad: the first that many requests fail at every rate when they are chats (a chat that
+    always lands on a document's prefill, as doc-heavy's index 9 did on every probe of session 35)."""
     shift = rng.normal(0.0, probe_sd) if probe_sd else 0.0
     good, classes = {}, {}
     for i in range(n):
         klass = "document" if rng.random() < doc_share else "chat"
-        p = truth(x, chat_cross if klass == "chat" else doc_cross)
+        p = truth(x, chat_cross if klass == "chat" else doc_cross, slope)
         if shift:
             p = 1 / (1 + math.exp(-(math.log(p / (1 - p)) + shift)))
-        good[i], classes[i] = bool(rng.random() < p), klass
+        good[i], classes[i] = bool(rng.random() < p) and not (i < always_bad and klass == "chat"), klass
     return ProbeOutcomes(x, good, round_index, classes)
 
 
-def mixture_truth(chat_cross, doc_cross, doc_share=0.15):
+def mixture_truth(chat_cross, doc_cross, doc_share=0.15, slope=-6.0):
     """Where 0.85 * P(chat good) + 0.15 * P(document good) crosses the target (bisection in log x)."""
     lo, hi = math.log(0.01), math.log(100.0)
     for _ in range(100):
         mid = (lo + hi) / 2
         x = math.exp(mid)
-        share = (1 - doc_share) * truth(x, chat_cross) + doc_share * truth(x, doc_cross)
+        share = (1 - doc_share) * truth(x, chat_cross, slope) + doc_share * truth(x, doc_cross, slope)
         lo, hi = (mid, hi) if share >= TARGET else (lo, mid)
     return math.exp(lo)
 
 
-def mixed_search(seed, chat_cross, doc_cross, n=40, max_probes=8, precision=0.2, probe_sd=0.0):
+def mixed_search(seed, chat_cross, doc_cross, n=40, max_probes=8, precision=0.2, probe_sd=0.0, slope=-6.0,
+                 always_bad=0):
     rng = np.random.default_rng(seed)
     probes, x = [], 1.0
     for k in range(max_probes):
-        probes.append(mixed_probe(rng, x, n, k, chat_cross, doc_cross, probe_sd=probe_sd))
+        probes.append(mixed_probe(rng, x, n, k, chat_cross, doc_cross, probe_sd=probe_sd, slope=slope,
+                                  always_bad=always_bad))
         found = capacity(probes, TARGET, rng)
         if found.kind == "point" and found.width() < precision:
             break
@@ -231,38 +236,65 @@ def mixed_search(seed, chat_cross, doc_cross, n=40, max_probes=8, precision=0.2,
     return found, probes
 
 
-@pytest.mark.parametrize("chat_cross, doc_cross", [(8.0, 0.6), (1.2, 0.8)])
-def test_a_mix_whose_classes_fail_at_different_rates_is_fitted_class_by_class_and_covers_the_truth(chat_cross, doc_cross):
+@pytest.mark.parametrize("chat_cross, doc_cross, slope, always_bad",
+                         [(8.0, 0.6, -6.0, 0), (1.2, 0.8, -6.0, 0), (0.5, 0.6, -20.0, 0), (0.5, 0.6, -20.0, 1)])
+def test_a_mix_whose_classes_fail_at_different_rates_is_fitted_class_by_class_and_covers_the_truth(
+        chat_cross, doc_cross, slope, always_bad):
     """Chats that hold far past the documents (the whole mix levels off near 85% good, the shape
     1P1D showed: one prefill instance, documents' TTFT first) and two close curves. One logistic
     through the whole mix bends the plateau into a slow slope and puts the crossing too high; per
-    class curves at their shares cross where the mix does."""
-    true = mixture_truth(chat_cross, doc_cross)
-    covered = points = 0
+    class curves at their shares cross where the mix does. And a cliff (slope -20 in log rate, as
+    doc-heavy's colocated pair fell from 32 of 33 good at 1.22 req/s to 17 of 39 at 1.42), with and
+    without a chat that fails at every rate: a class slope penalty of 0.05 without class ceilings
+    covered 142 and 96 of 200 there, its intervals under the truth (curve.py, "Classes")."""
+    true = mixture_truth(chat_cross, doc_cross, slope=slope)
+    covered = points = below = 0
     for seed in range(200):
-        found, _ = mixed_search(seed, chat_cross, doc_cross)
+        found, _ = mixed_search(seed, chat_cross, doc_cross, slope=slope, always_bad=always_bad)
         if found.kind != "point":
             continue
         points += 1
         assert [q["class"] for q in found.components] == ["chat", "document"]
         covered += found.lo <= true <= found.hi
+        below += found.hi < true
     assert points >= 180, points
-    assert covered >= 0.85 * points, (covered, points)
+    assert covered >= 0.85 * points, (covered, below, points)
+
+
+def test_a_real_cliff_is_not_quoted_under_the_probes_that_held():
+    """Session 35's doc-heavy colocated pair, its 15 probes as counts (chats good/run, documents
+    good/run): every probe up to 1.22 req/s held at 0.96-0.97 with the same one chat failing, the
+    three above fell to 0.44-0.12. The crossing lies between 1.22 and 1.42; the quote said 1.10
+    [1.02-1.15] with a class penalty of 0.05 and no class ceiling."""
+    rows = [(0.30, 9, 9, 1, 1), (0.47, 12, 13, 2, 2), (0.71, 18, 19, 2, 2), (0.87, 22, 23, 3, 3),
+            (0.87, 23, 24, 3, 3), (0.88, 22, 23, 3, 3), (0.95, 22, 23, 3, 3), (1.00, 26, 27, 3, 3),
+            (1.05, 27, 28, 4, 4), (1.12, 28, 29, 4, 4), (1.14, 28, 29, 4, 4), (1.22, 28, 29, 4, 4),
+            (1.42, 14, 34, 3, 5), (1.57, 6, 38, 2, 7), (1.62, 6, 41, 0, 8)]
+    probes = []
+    for j, (rate, chat_good, chats, doc_good, docs) in enumerate(rows):
+        good = {i: i < chat_good for i in range(chats)} | {chats + i: i < doc_good for i in range(docs)}
+        classes = {i: "chat" if i < chats else "document" for i in good}
+        probes.append(ProbeOutcomes(rate, good, j, classes))
+    found = capacity(probes, TARGET, np.random.default_rng(0))
+    assert found.kind == "point"
+    assert 1.14 < found.estimate < 1.42, found
+    assert found.hi > 1.22 and found.lo < found.estimate < found.hi, found
 
 
 def test_the_ratio_interval_is_drawn_from_the_same_replicates_as_each_capacity_and_never_contradicts_them():
-    """The ratio's interval lies within what the two capacities' own intervals allow (a 10% slack
-    for the Monte Carlo), mixtures of classes included."""
+    """The ratio's interval lies within what the two capacities' own intervals allow, mixtures of
+    classes included: from fresh draws of the same bootstrap it once lay 1.29x past them (one of
+    these seeds, class penalty 0.01), so it is held inside the intervals the quote shows."""
     for seed in range(30):
         rng = np.random.default_rng(500 + seed)
         a = [mixed_probe(rng, x, 40, k, 8.0, 0.9) for k, x in enumerate((0.4, 0.7, 1.0, 1.4, 2.0))]
         b = [mixed_probe(rng, x, 40, k, 0.7, 0.7) for k, x in enumerate((0.4, 0.7, 1.0, 1.4, 2.0))]
         ca, cb = capacity(a, TARGET, rng), capacity(b, TARGET, rng)
-        r = paired_ratio(a, b, TARGET, rng)
+        r = paired_ratio(a, b, TARGET, rng, caps=(ca, cb))
         if r is None:
             continue
-        assert r["lo"] >= 0.9 * ca.lo / cb.hi, (seed, r, ca, cb)
-        assert r["hi"] <= 1.1 * ca.hi / cb.lo, (seed, r, ca, cb)
+        assert ca.lo / cb.hi * (1 - 1e-9) <= r["lo"] <= r["estimate"] <= r["hi"] <= ca.hi / cb.lo * (1 + 1e-9), \
+            (seed, r, ca, cb)
 
 
 def test_outcomes_that_go_together_on_the_same_requests_couple_the_two_bootstraps():

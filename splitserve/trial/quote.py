@@ -74,10 +74,10 @@ def quote(doc: dict) -> dict | None:
         return None
     target = doc["slo"].get("attainment", 0.9)
     rng = np.random.default_rng(doc.get("seed", 0))
-    per, probes = {}, {}
+    per, probes, caps = {}, {}, {}
     for a in arrs:
         probes[a["name"]] = probes_of(a)
-        found = curve.capacity(probes[a["name"]], target, rng)
+        found = caps[a["name"]] = curve.capacity(probes[a["name"]], target, rng)
         classes = sorted({c for p in probes[a["name"]] for c in p.classes.values()})
         per[a["name"]] = {**found.to_dict(), "name": a["name"], "kind_of_arrangement": a["kind"], "target": target,
                           "by_class": {c: curve.capacity([p.of_class(c) for p in probes[a["name"]]], target,
@@ -91,7 +91,7 @@ def quote(doc: dict) -> dict | None:
     sep, col = best[SEPARATED], best[COLOCATED]
     if sep and col:
         if per[sep]["kind"] == "point" and per[col]["kind"] == "point":
-            ratio = curve.paired_ratio(probes[sep], probes[col], target, rng)
+            ratio = curve.paired_ratio(probes[sep], probes[col], target, rng, caps=(caps[sep], caps[col]))
         else:
             ratio = bound_ratio(per[sep], per[col])
     steps = step_check(doc)
@@ -114,10 +114,11 @@ def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcom
         t = round(target + step, 4)
         if not 0.5 <= t <= 0.99:
             continue
-        s, c = curve.capacity(sep, t, rng).to_dict(), curve.capacity(col, t, rng).to_dict()
+        found = curve.capacity(sep, t, rng), curve.capacity(col, t, rng)
+        s, c = found[0].to_dict(), found[1].to_dict()
         if s["kind"] == "none" or c["kind"] == "none":
             continue
-        ratio = (curve.paired_ratio(sep, col, t, rng) if s["kind"] == c["kind"] == "point"
+        ratio = (curve.paired_ratio(sep, col, t, rng, caps=found) if s["kind"] == c["kind"] == "point"
                  else bound_ratio(s, c))
         out.append({"target": t, "separated": {**s, "target": t, "points": sep_points},
                     "colocated": {**c, "target": t, "points": col_points},
