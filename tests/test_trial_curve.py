@@ -211,13 +211,15 @@ def mixed_probe(rng, x, n, round_index, chat_cross, doc_cross, doc_share=0.15, p
     return ProbeOutcomes(x, good, round_index, classes)
 
 
-def mixture_truth(chat_cross, doc_cross, doc_share=0.15, slope=-6.0):
-    """Where 0.85 * P(chat good) + 0.15 * P(document good) crosses the target (bisection in log x)."""
+def mixture_truth(chat_cross, doc_cross, doc_share=0.15, slope=-6.0, always_bad=0, n=40):
+    """Where 0.85 * P(chat good) + 0.15 * P(document good) crosses the target (bisection in log x),
+    less the chats among a probe's first always_bad requests of n, which fail at every rate."""
     lo, hi = math.log(0.01), math.log(100.0)
     for _ in range(100):
         mid = (lo + hi) / 2
         x = math.exp(mid)
-        share = (1 - doc_share) * truth(x, chat_cross, slope) + doc_share * truth(x, doc_cross, slope)
+        share = ((1 - doc_share) * (n - always_bad) / n * truth(x, chat_cross, slope)
+                 + doc_share * truth(x, doc_cross, slope))
         lo, hi = (mid, hi) if share >= TARGET else (lo, mid)
     return math.exp(lo)
 
@@ -247,7 +249,7 @@ def test_a_mix_whose_classes_fail_at_different_rates_is_fitted_class_by_class_an
     doc-heavy's colocated pair fell from 32 of 33 good at 1.22 req/s to 17 of 39 at 1.42), with and
     without a chat that fails at every rate: a class slope penalty of 0.05 without class ceilings
     covered 142 and 96 of 200 there, its intervals under the truth (curve.py, "Classes")."""
-    true = mixture_truth(chat_cross, doc_cross, slope=slope)
+    true = mixture_truth(chat_cross, doc_cross, slope=slope, always_bad=always_bad)
     covered = points = below = 0
     for seed in range(200):
         found, _ = mixed_search(seed, chat_cross, doc_cross, slope=slope, always_bad=always_bad)
@@ -261,24 +263,55 @@ def test_a_mix_whose_classes_fail_at_different_rates_is_fitted_class_by_class_an
     assert covered >= 0.85 * points, (covered, below, points)
 
 
+def class_probes(rows) -> list[ProbeOutcomes]:
+    """Probes from counts: (rate, chats good, chats run, documents good, documents run)."""
+    probes = []
+    for j, (rate, chat_good, chats, doc_good, docs) in enumerate(rows):
+        good = {i: i < chat_good for i in range(chats)} | {chats + i: i < doc_good for i in range(docs)}
+        probes.append(ProbeOutcomes(rate, good, j, {i: "chat" if i < chats else "document" for i in good}))
+    return probes
+
+
 def test_a_real_cliff_is_not_quoted_under_the_probes_that_held():
-    """Session 35's doc-heavy colocated pair, its 15 probes as counts (chats good/run, documents
-    good/run): every probe up to 1.22 req/s held at 0.96-0.97 with the same one chat failing, the
-    three above fell to 0.44-0.12. The crossing lies between 1.22 and 1.42; the quote said 1.10
-    [1.02-1.15] with a class penalty of 0.05 and no class ceiling."""
+    """Session 35's doc-heavy colocated pair, its 15 probes as counts: every probe up to 1.22 req/s
+    held at 0.96-0.97 with the same one chat failing, the three above fell to 0.44-0.12. The
+    crossing lies between 1.22 and 1.42; the quote said 1.10 [1.02-1.15] with a class penalty of
+    0.05 and no class ceiling."""
     rows = [(0.30, 9, 9, 1, 1), (0.47, 12, 13, 2, 2), (0.71, 18, 19, 2, 2), (0.87, 22, 23, 3, 3),
             (0.87, 23, 24, 3, 3), (0.88, 22, 23, 3, 3), (0.95, 22, 23, 3, 3), (1.00, 26, 27, 3, 3),
             (1.05, 27, 28, 4, 4), (1.12, 28, 29, 4, 4), (1.14, 28, 29, 4, 4), (1.22, 28, 29, 4, 4),
             (1.42, 14, 34, 3, 5), (1.57, 6, 38, 2, 7), (1.62, 6, 41, 0, 8)]
-    probes = []
-    for j, (rate, chat_good, chats, doc_good, docs) in enumerate(rows):
-        good = {i: i < chat_good for i in range(chats)} | {chats + i: i < doc_good for i in range(docs)}
-        classes = {i: "chat" if i < chats else "document" for i in good}
-        probes.append(ProbeOutcomes(rate, good, j, classes))
-    found = capacity(probes, TARGET, np.random.default_rng(0))
+    found = capacity(class_probes(rows), TARGET, np.random.default_rng(0))
     assert found.kind == "point"
     assert 1.14 < found.estimate < 1.42, found
     assert found.hi > 1.22 and found.lo < found.estimate < found.hi, found
+
+
+def test_documents_that_keep_one_good_answer_in_overload_do_not_lift_the_crossing():
+    """Session 35's doc-heavy 1P1D: chats all good to 3 req/s, documents all good to 1.44 and then
+    one per probe good (1 of 8 to 1 of 15: the first of a probe, before any queue). The mix falls
+    under 0.9 between 1.44 and 1.57 (0.854 there); without a floor the documents' curve flattened
+    to reach those ones and the quote said 1.65 [1.44-1.89]."""
+    rows = [(0.72, 20, 20, 2, 2), (0.93, 25, 25, 3, 3), (0.95, 23, 23, 3, 3), (1.12, 29, 29, 4, 4),
+            (1.22, 29, 29, 4, 4), (1.40, 34, 34, 3, 5), (1.42, 34, 34, 0, 6), (1.44, 34, 34, 5, 5),
+            (1.57, 40, 40, 1, 8), (1.62, 41, 41, 1, 8), (1.96, 49, 49, 1, 10), (2.10, 53, 53, 1, 10),
+            (2.42, 62, 62, 1, 11), (2.99, 76, 76, 1, 14), (3.20, 65, 79, 1, 15)]
+    found = capacity(class_probes(rows), TARGET, np.random.default_rng(0))
+    assert found.kind == "point"
+    assert 1.3 < found.estimate < 1.57, found
+    assert {q["class"]: q["floor"] > 0 for q in found.components} == {"chat": False, "document": True}, found
+
+
+def test_a_single_curve_whose_overload_keeps_some_good_requests_is_not_quoted_under_a_held_probe():
+    """Session 34's chat-only 1P1D: 107 of 113 good at 3.78 req/s, 45 of 97 at 4.26 and still 17 of
+    111 at 7.58. A logistic falling to 0 had to run shallow to reach that 15%, and crossed at 3.18
+    [2.28-4.79], under the rate that held."""
+    probes = [ProbeOutcomes(rate, {i: i < good for i in range(n)}, j)
+              for j, (rate, good, n) in enumerate([(0.48, 16, 16), (0.92, 27, 27), (1.85, 56, 56), (3.78, 107, 113),
+                                                   (4.26, 45, 97), (7.58, 17, 111)])]
+    found = capacity(probes, TARGET, np.random.default_rng(0))
+    assert found.kind == "point" and found.floor > 0, found
+    assert 3.5 < found.estimate < 4.26 and found.hi > 3.78, found
 
 
 def test_the_ratio_interval_is_drawn_from_the_same_replicates_as_each_capacity_and_never_contradicts_them():

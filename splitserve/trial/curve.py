@@ -7,10 +7,14 @@ arrangement feed one logistic model of P(good | x) in log rate,
 
 fitted by penalized maximum likelihood (Newton on two parameters; a weak ridge on b keeps the
 fit finite when the probes separate perfectly: all good below some rate, all bad above). The
-capacity is where the curve crosses the target attainment. The curve may level off under 1:
-P(good | x) = u * (the logistic), the ceiling u kept only where it fits clearly better than 1
-(fit_ceiling); a ceiling at or under the target means the curve never reaches it, and the answer
-is "at most" the lowest rate probed rather than a crossing bent out of a plateau.
+capacity is where the curve crosses the target attainment. The curve may level off under 1 and
+above 0: P(good | x) = f + (u - f) * (the logistic), the ceiling u and the floor f each kept only
+where it fits clearly better than 1 or 0 (fit_bounds). A ceiling at or under the target means the
+curve never reaches it, and the answer is "at most" the lowest rate probed rather than a crossing
+bent out of a plateau. A floor (since session 36) is the few requests that still meet their SLOs
+far past the crossing (the first of an overloaded probe, before any queue): a logistic that must
+fall to 0 reaches them only by running shallow, and crossed under rates that held (session 34's
+chat-only 1P1D: 3.18 [2.28-4.79] req/s with 107 of 113 good at 3.78; now 3.81 [3.14-3.95]).
 
 Its interval is a two-stage parametric bootstrap, probes then requests within. Requests of one
 probe are not independent: a document burst fails several chats at once, a slow second of the
@@ -46,27 +50,34 @@ a single curve covered 158 of 199 with 40 intervals above the truth and a median
 the mixture 181 of 198 at a median width of 37%.
 
 A class's curve carries a slope penalty of 0.01 (CLASS_RIDGE: a few documents per probe often
-separate perfectly) and a ceiling of its own, chosen as the single curve's is (fit_ceiling). Both
-were set in session 36 on a real cliff: doc-heavy's colocated pair held 32 of 33 at 1.22 req/s and
-17 of 39 at 1.42, one chat failing at every rate from 0.47 up, and the quote said 1.10 [1.02-1.15],
-an interval under three probes that held. A penalty of 0.05 and no class ceiling shrank the
-cliff's slope (about -20 in log rate) and the always-failing chat bent it further; on 200
-synthetic seeds per shape (40 requests a probe, 15% documents, tests/test_trial_curve.py):
+separate perfectly) and a ceiling and floor of its own, chosen as the single curve's are
+(fit_bounds). All three were set in session 36 on real data. Doc-heavy's colocated pair held 32 of
+33 at 1.22 req/s and 17 of 39 at 1.42, one chat failing at every rate from 0.47 up, and the quote
+said 1.10 [1.02-1.15], an interval under three probes that held: a penalty of 0.05 with no class
+ceiling shrank the cliff's slope (about -20 in log rate) and the always-failing chat bent it
+further (now 1.22 [1.15-1.26]). Its 1P1D kept one document in 8-15 good far into overload, and the
+documents' curve ran shallow to reach them (1.65 [1.44-1.89] where the mix fell under 0.9 between
+1.44 and 1.57; now 1.50 [1.41-1.67]). On 200 synthetic seeds per shape (40 requests a probe, 15%
+documents; `python bench/curve_coverage.py`, the truth being the expected share good of the
+process drawn, always-failing and always-good requests included), intervals covering the truth:
 
-    shape (chat crossing, document crossing, slope, chats failing at every rate)   0.05, none   0.01, ceiling
-    documents fail first (8.0, 0.6, -6)                                               178            174
-    close classes (1.2, 0.8, -6)                                                      194            186
-    near classes (0.5, 0.6, -6)                                                       193            188
-    a cliff (0.5, 0.6, -20)                                                           142 (58 below) 183
-    a cliff and one chat that always fails (0.5, 0.6, -20, 1)                          96 (104 below) 171
-    documents first on a cliff (8.0, 0.6, -20)                                        164            181
+    chat crossing, document crossing, slope; requests good or bad whatever the rate   0.05, none  0.01, ceiling  0.01, both
+    8.0, 0.6, -6 (documents fail first)                                                 178          174           173
+    1.2, 0.8, -6                                                                        194          186           186
+    0.5, 0.6, -6                                                                        193          188           187
+    0.5, 0.6, -20 (a cliff)                                                             142 (58 under) 183         183
+    0.5, 0.6, -20, the first request of a probe fails if a chat                         136 (64 under) 187         187
+    8.0, 0.6, -20                                                                       164          181           181
+    8.0, 0.6, -20, the first document of a probe is good                                121 (79 over)  122/198     131/194 (62 over)
+    8.0, 0.6, -6, the first document of a probe is good                                 143 (53 over)  137/198     145/197 (43 over)
 
-0.005 with ceilings covered the cliffs (192, 185) but not the documents-first plateaus (157, 152);
-0.02 with ceilings left the always-failing chat at 125. Re-read with these, no mixture of any stored trial
-(bench/results/quote_s9-s35) has its estimate outside its own interval; doc-heavy's pair above
-reads 1.22 [1.15-1.26]. (An earlier ceiling per class, at 0.05, put one real run's estimate
-outside its interval: chats with a 0.96 ceiling held the whole mix's maximum at 0.966, just over
-the target.) The bootstrap redraws every class the same two-stage way.
+The always-good document is still read too high in a third of the seeds: the floor is fitted only
+where the probes reach far past the crossing, which the placement avoids. Other penalties, with
+ceilings: 0.005 lost the documents-first plateaus (157 and 152 of 200), 0.02 kept more of the
+cliff's shrinkage (179, 17 under). Re-read with these, no curve of any
+stored trial (bench/results/quote_s29-s35) has its estimate outside its own interval. (An earlier
+ceiling per class, at 0.05, put one real run's estimate outside its interval: chats with a 0.96
+ceiling held the whole mix's maximum at 0.966, just over the target.) The bootstrap redraws every class the same two-stage way.
 
 Where the data do not bracket the crossing (no probe held, or none failed, or the fit crosses
 outside the probed rates) the answer is a bound: "at least" the highest rate probed (all held)
@@ -84,7 +95,8 @@ BOOTSTRAP = 400      # replicates per interval
 RIDGE = 0.02       # penalty on the slope: finite under perfect separation, negligible otherwise
 CLASS_RIDGE = 0.01 # the same for one class of a mixture (module docstring, "Classes")
 CEILINGS = (0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)   # the upper asymptotes tried below 1
-LR_CHI2 = 3.84       # chi-square(1) at 95%: how much better a lower ceiling must fit to be kept
+FLOORS = (0.02, 0.05, 0.1, 0.15, 0.2)   # the lower asymptotes tried above 0 (all under any target read)
+LR_CHI2 = 3.84       # chi-square(1) at 95%: how much better each asymptote must make the fit to be kept
 
 
 @dataclass(slots=True)
@@ -116,8 +128,9 @@ class Capacity:
     lo: float | None = None        # the 90% interval (point); for a bound, the bound itself
     hi: float | None = None
     fit: tuple[float, float, float] | None = None   # (a, b, c)
-    ceiling: float = 1.0           # the curve's upper asymptote: P(good) = ceiling * sigmoid(...)
-    components: tuple = ()         # a mixture's per-class curves (class, weight, fit, ceiling)
+    ceiling: float = 1.0           # the curve's upper asymptote: P(good) = floor + (ceiling - floor) * sigmoid(...)
+    components: tuple = ()         # a mixture's per-class curves (class, weight, fit, ceiling, floor)
+    floor: float = 0.0             # its lower asymptote
 
     def width(self) -> float:
         """Relative width hi/lo - 1 (infinite for a bound)."""
@@ -127,27 +140,30 @@ class Capacity:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "estimate_rps": self.estimate, "lo_rps": self.lo, "hi_rps": self.hi,
-                "fit": list(self.fit) if self.fit else None, "ceiling": self.ceiling,
+                "fit": list(self.fit) if self.fit else None, "ceiling": self.ceiling, "floor": self.floor,
                 **({"components": list(self.components)} if self.components else {})}
 
 
 def fit_logistic(logx: np.ndarray, k: np.ndarray, n: np.ndarray, c: float, ceiling=1.0,
-                 ridge: float = RIDGE) -> np.ndarray:
+                 ridge: float = RIDGE, floor=0.0) -> np.ndarray:
     """Penalized MLE of (a, b) for every row at once: logx (P,), k and n (R, P) -> (R, 2), for
-    P(good) = ceiling * sigmoid(a + b z), the ceiling one for all rows or one per row (R,). Fisher scoring on the 2x2 system, vectorized over the R
-    replicates (at ceiling 1 these are Newton's steps for the plain logistic)."""
+    P(good) = floor + (ceiling - floor) * sigmoid(a + b z), each asymptote one for all rows or one
+    per row (R,). Fisher scoring on the 2x2 system, vectorized over the R replicates (at ceiling 1
+    and floor 0 these are Newton's steps for the plain logistic)."""
     k, n = np.atleast_2d(k).astype(float), np.atleast_2d(n).astype(float)
     ceiling = np.broadcast_to(np.asarray(ceiling, float), (k.shape[0],))[:, None]   # (R, 1)
+    floor = np.broadcast_to(np.asarray(floor, float), (k.shape[0],))[:, None]
+    span = ceiling - floor
     z = logx - c
     theta = np.zeros((k.shape[0], 2))
     total = np.maximum(n.sum(axis=1), 1.0)
-    share = np.clip((k.sum(axis=1) + 0.5) / (total + 1.0) / ceiling[:, 0], 0.01, 0.99)
+    share = np.clip(((k.sum(axis=1) + 0.5) / (total + 1.0) - floor[:, 0]) / span[:, 0], 0.01, 0.99)
     theta[:, 0] = np.log(share / (1 - share))
     for _ in range(50):
         eta = theta[:, :1] + theta[:, 1:] * z
         s = 1.0 / (1.0 + np.exp(-np.clip(eta, -30, 30)))
-        p = np.clip(ceiling * s, 1e-12, 1 - 1e-12)
-        slope = ceiling * s * (1 - s)                  # dp / d eta
+        p = np.clip(floor + span * s, 1e-12, 1 - 1e-12)
+        slope = span * s * (1 - s)                     # dp / d eta
         r = (k - n * p) / (p * (1 - p)) * slope        # d loglik / d eta
         w = n * slope * slope / (p * (1 - p))          # Fisher information on eta
         g = np.stack([r.sum(axis=1), (r * z).sum(axis=1) - ridge * theta[:, 1]], axis=1)
@@ -163,30 +179,36 @@ def fit_logistic(logx: np.ndarray, k: np.ndarray, n: np.ndarray, c: float, ceili
     return theta
 
 
-def fit_ceiling(logx, k, n, c, ridge: float = RIDGE) -> tuple[float, np.ndarray]:
-    """The curve's upper asymptote and its (a, b): 1 unless a lower one on CEILINGS fits clearly
-    better (a likelihood-ratio test at 95% on the one extra parameter), so a curve that plateaus
-    under the target is not bent into a crossing it never makes, and one that reaches 1 keeps the
-    two-parameter fit its coverage was measured on. All ceilings are fitted at once, one per row."""
-    ceilings = np.array((1.0, *CEILINGS))
-    rows = len(ceilings)
-    theta = fit_logistic(logx, np.broadcast_to(k, (rows, len(k))), np.broadcast_to(n, (rows, len(n))), c, ceilings, ridge)
+def fit_bounds(logx, k, n, c, ridge: float = RIDGE) -> tuple[float, float, np.ndarray]:
+    """The curve's upper and lower asymptotes and its (a, b): 1 and 0 unless a ceiling on CEILINGS,
+    a floor on FLOORS or both fit clearly better, each asymptote kept only where it raises the
+    log-likelihood by LR_CHI2 / 2 (a likelihood-ratio test at 95% per extra parameter). A ceiling:
+    a curve that plateaus under the target is not bent into a crossing it never makes. A floor: the
+    few requests that meet their SLOs far past the crossing (the first document of an overloaded
+    probe, before any queue) do not flatten the fall into a crossing too high. A curve that spans 0
+    to 1 keeps the two-parameter fit its coverage was measured on. All candidates are fitted at
+    once, one per row. Returns (ceiling, floor, theta)."""
+    pairs = [(1.0, 0.0)] + [(u, 0.0) for u in CEILINGS] + [(1.0, f) for f in FLOORS] + \
+        [(u, f) for u in CEILINGS for f in FLOORS]
+    ceilings, floors = (np.array(v) for v in zip(*pairs))
+    rows = len(pairs)
+    theta = fit_logistic(logx, np.broadcast_to(k, (rows, len(k))), np.broadcast_to(n, (rows, len(n))), c, ceilings,
+                         ridge, floors)
     eta = np.clip(theta[:, :1] + theta[:, 1:] * (logx - c), -30, 30)
-    p = np.clip(ceilings[:, None] / (1.0 + np.exp(-eta)), 1e-12, 1 - 1e-12)
+    p = np.clip(floors[:, None] + (ceilings - floors)[:, None] / (1.0 + np.exp(-eta)), 1e-12, 1 - 1e-12)
     loglik = (k * np.log(p) + (n - k) * np.log(1 - p)).sum(axis=1)     # (rows,)
-    best = int(np.argmax(loglik))
-    if 2 * (loglik[best] - loglik[0]) < LR_CHI2:
-        best = 0
-    return float(ceilings[best]), theta[best]
+    extra = (ceilings < 1.0).astype(float) + (floors > 0.0)
+    best = int(np.argmax(loglik - extra * LR_CHI2 / 2))
+    return float(ceilings[best]), float(floors[best]), theta[best]
 
 
-def _crossings(theta: np.ndarray, c: float, target: float, ceiling: float = 1.0) -> np.ndarray:
+def _crossings(theta: np.ndarray, c: float, target: float, ceiling: float = 1.0, floor: float = 0.0) -> np.ndarray:
     """log rate where each fit crosses the target; nan where the fit does not fall with the rate
     or its ceiling is not above the target (it never reaches it)."""
     a, b = theta[:, 0], theta[:, 1]
-    if ceiling <= target:
+    if ceiling <= target or floor >= target:
         return np.full(len(a), np.nan)
-    share = target / ceiling
+    share = (target - floor) / (ceiling - floor)
     logit = math.log(share / (1 - share))
     with np.errstate(divide="ignore", invalid="ignore"):
         out = c + (logit - a) / b
@@ -196,18 +218,18 @@ def _crossings(theta: np.ndarray, c: float, target: float, ceiling: float = 1.0)
 
 def dispersed_counts(logx: np.ndarray, k: np.ndarray, n: np.ndarray, theta: np.ndarray, c: float,
                     rng: np.random.Generator, replicates: int, ceiling: float = 1.0,
-                    ridge: float = RIDGE) -> np.ndarray:
+                    ridge: float = RIDGE, floor: float = 0.0) -> np.ndarray:
     """Replicate good counts (R, P), two stages: each probe's own P(good) (probe_fates), then its
     n requests from that P."""
-    q = probe_fates(logx, k, n, theta, c, rng, replicates, ceiling, ridge)
+    q = probe_fates(logx, k, n, theta, c, rng, replicates, ceiling, ridge, floor)
     return rng.binomial(n.astype(int), q).astype(float)
 
 
-def probe_fates(logx, k, n, theta, c, rng, replicates, ceiling=1.0, ridge: float = RIDGE) -> np.ndarray:
+def probe_fates(logx, k, n, theta, c, rng, replicates, ceiling=1.0, ridge: float = RIDGE, floor=0.0) -> np.ndarray:
     """Each probe's own P(good) per replicate (R, P): each replicate draws an overdispersion phi,
     then each probe's P from a beta around the fitted curve carrying that extra variance (a
     probe's shared fate); the fitted P itself where phi leaves no extra variance."""
-    p, phi = probe_scatter(logx, k, n, theta, c, rng, replicates, ceiling, ridge)
+    p, phi = probe_scatter(logx, k, n, theta, c, rng, replicates, ceiling, ridge, floor)
     rho = np.clip((phi[:, None] - 1.0) / np.maximum(n - 1.0, 1.0), 0.0, 0.5)   # (R, P) within-probe correlation
     pc = np.clip(p, 1e-4, 1 - 1e-4)
     spread = (1.0 - rho) / np.maximum(rho, 1e-12)
@@ -215,18 +237,18 @@ def probe_fates(logx, k, n, theta, c, rng, replicates, ceiling=1.0, ridge: float
 
 
 def probe_scatter(logx, k, n, theta, c, rng, replicates, ceiling=1.0,
-                  ridge: float = RIDGE) -> tuple[np.ndarray, np.ndarray]:
+                  ridge: float = RIDGE, floor=0.0) -> tuple[np.ndarray, np.ndarray]:
     """The fitted P(good) at each probe (P,) and an overdispersion phi per replicate (R,), never
     under 1 (binomial): the fit's Pearson X^2, each probe's term widened by its leverage (two
     parameters through six probes pull the curve toward them), over a chi-square draw on P - 2
     degrees of freedom, so few probes give a spread of phi rather than one lucky value."""
     z = logx - c
     s = 1.0 / (1.0 + np.exp(-np.clip(theta[0] + theta[1] * z, -30, 30)))
-    p = ceiling * s
+    p = floor + (ceiling - floor) * s
     dof = len(n) - 2
     if dof < 1:
         return p, np.ones(replicates)
-    w = n * (ceiling * s * (1 - s)) ** 2 / np.maximum(p * (1 - p), 1e-12)
+    w = n * ((ceiling - floor) * s * (1 - s)) ** 2 / np.maximum(p * (1 - p), 1e-12)
     x = np.stack([np.ones_like(z), z], axis=1)                            # (P, 2)
     info = x.T @ (w[:, None] * x) + np.diag([1e-9, ridge])
     leverage = w * np.einsum("pi,ij,pj->p", x, np.linalg.inv(info), x)    # (P,)
@@ -255,35 +277,38 @@ def capacity(probes: list[ProbeOutcomes], target: float, rng: np.random.Generato
     parts = _components(ran)
     if parts is None:
         c = float(np.average(logx, weights=n))
-        ceiling, fitted = fit_ceiling(logx, k, n, c)
-        cross = _crossings(fitted[None, :], c, target, ceiling)[0]
+        ceiling, floor, fitted = fit_bounds(logx, k, n, c)
+        cross = _crossings(fitted[None, :], c, target, ceiling, floor)[0]
         fit, components = (float(fitted[0]), float(fitted[1]), c), ()
     else:
         ceiling = float(sum(q.weight * q.ceiling for q in parts))
+        floor = float(sum(q.weight * q.floor for q in parts))
         cross = _mix_crossings(parts, [q.theta[None, :] for q in parts], target, logx.min(), logx.max())[0]
         fit, components = None, tuple(q.to_dict() for q in parts)
     if not failed.any() or (held.any() and np.isfinite(cross) and cross > logx.max()):
         best = float(np.exp(logx[held].max())) if held.any() else top
-        return Capacity("at_least", best, best, None, fit, ceiling, components)
+        return Capacity("at_least", best, best, None, fit, ceiling, components, floor)
     if ceiling <= target:   # a plateau under the target: not reached at any probed rate
-        return Capacity("at_most", bottom, None, bottom, fit, ceiling, components)
+        return Capacity("at_most", bottom, None, bottom, fit, ceiling, components, floor)
     if not held.any() or not np.isfinite(cross) or cross < logx.min():
         worst = float(np.exp(logx[failed].min())) if failed.any() else bottom
-        return Capacity("at_most", worst, None, worst, fit, ceiling, components)
+        return Capacity("at_most", worst, None, worst, fit, ceiling, components, floor)
     if parts is None:
-        kb = dispersed_counts(logx, k, n, fitted, c, rng, replicates, ceiling)
-        boot = _crossings(fit_logistic(logx, kb, np.broadcast_to(n, kb.shape), c, ceiling), c, target, ceiling)
+        kb = dispersed_counts(logx, k, n, fitted, c, rng, replicates, ceiling, floor=floor)
+        boot = _crossings(fit_logistic(logx, kb, np.broadcast_to(n, kb.shape), c, ceiling, floor=floor), c, target,
+                          ceiling, floor)
         # a replicate whose fit does not fall (nan) or crosses far outside: clip to the probed range
         boot = np.clip(np.nan_to_num(boot, nan=logx.max()), logx.min() - 1.0, logx.max() + 1.0)
     else:
         thetas = []
         for q in parts:
-            kb = dispersed_counts(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge)
-            thetas.append(fit_logistic(q.logx, kb, np.broadcast_to(q.n, kb.shape), q.c, q.ceiling, q.ridge))
+            kb = dispersed_counts(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge, q.floor)
+            thetas.append(fit_logistic(q.logx, kb, np.broadcast_to(q.n, kb.shape), q.c, q.ceiling, q.ridge, q.floor))
         boot = _mix_crossings(parts, thetas, target, logx.min(), logx.max())
     tail = (1 - level) / 2
     lo, hi = np.quantile(boot, [tail, 1 - tail])
-    return Capacity("point", float(np.exp(cross)), float(np.exp(lo)), float(np.exp(hi)), fit, ceiling, components)
+    return Capacity("point", float(np.exp(cross)), float(np.exp(lo)), float(np.exp(hi)), fit, ceiling, components,
+                    floor)
 
 
 @dataclass(slots=True)
@@ -299,10 +324,11 @@ class _Component:
     ceiling: float
     theta: np.ndarray
     ridge: float = CLASS_RIDGE
+    floor: float = 0.0
 
     def to_dict(self) -> dict:
         return {"class": self.name, "weight": self.weight, "fit": [float(self.theta[0]), float(self.theta[1]), self.c],
-                "ceiling": self.ceiling}
+                "ceiling": self.ceiling, "floor": self.floor}
 
 
 def _components(ran: list[ProbeOutcomes]) -> list[_Component] | None:
@@ -317,8 +343,8 @@ def _components(ran: list[ProbeOutcomes]) -> list[_Component] | None:
         mine = [q for q in (p.of_class(name) for p in ran) if q.n > 0]
         logx, k, n = _grouped(mine)
         c = float(np.average(logx, weights=n))
-        ceiling, theta = fit_ceiling(logx, k, n, c, CLASS_RIDGE)   # module docstring, "Classes"
-        parts.append(_Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta))
+        ceiling, floor, theta = fit_bounds(logx, k, n, c, CLASS_RIDGE)   # module docstring, "Classes"
+        parts.append(_Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta, floor=floor))
     return parts
 
 
@@ -330,7 +356,7 @@ def mixture_share(parts: list[_Component], thetas: list[np.ndarray], logx: np.nd
     out = 0.0
     for q, th in zip(parts, thetas):
         eta = np.clip(th[:, :1] + th[:, 1:] * (logx[None, :] - q.c), -30, 30)
-        out = out + q.weight * q.ceiling / (1.0 + np.exp(-eta))
+        out = out + q.weight * (q.floor + (q.ceiling - q.floor) / (1.0 + np.exp(-eta)))
     return out
 
 
@@ -374,7 +400,7 @@ def paired_ratio(first: list[ProbeOutcomes], second: list[ProbeOutcomes], target
     for parts, logx in sides:
         thetas = []
         for q, probes in parts:
-            qp = probe_fates(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge)   # (R, P)
+            qp = probe_fates(q.logx, q.k, q.n, q.theta, q.c, rng, replicates, q.ceiling, q.ridge, q.floor)   # (R, P)
             kb = np.zeros_like(qp)
             for j, probe in enumerate(probes):
                 for i in probe.good:
@@ -384,10 +410,10 @@ def paired_ratio(first: list[ProbeOutcomes], second: list[ProbeOutcomes], target
                         u = shared.setdefault(key, rng.random(replicates))
                         own = np.where(rng.random(replicates) < coupled[key], u, own)
                     kb[:, j] += own < qp[:, j]
-            thetas.append(fit_logistic(q.logx, kb, np.broadcast_to(q.n, kb.shape), q.c, q.ceiling, q.ridge))
+            thetas.append(fit_logistic(q.logx, kb, np.broadcast_to(q.n, kb.shape), q.c, q.ceiling, q.ridge, q.floor))
         if len(parts) == 1:
             q = parts[0][0]
-            boot = _crossings(thetas[0], q.c, target, q.ceiling)
+            boot = _crossings(thetas[0], q.c, target, q.ceiling, q.floor)
             boot = np.clip(np.nan_to_num(boot, nan=logx.max()), logx.min() - 1.0, logx.max() + 1.0)
         else:
             boot = _mix_crossings([q for q, _ in parts], thetas, target, logx.min(), logx.max())
@@ -409,7 +435,7 @@ def _bootstrap_parts(probes: list[ProbeOutcomes], found: Capacity):
     parts = _components(ran) if found.components else None
     if parts is None:
         a, b, c = found.fit
-        return [(_Component("", 1.0, logx, k, n, c, found.ceiling, np.array([a, b]), RIDGE), ran)], logx
+        return [(_Component("", 1.0, logx, k, n, c, found.ceiling, np.array([a, b]), RIDGE, found.floor), ran)], logx
     return [(q, [x for x in (p.of_class(q.name) for p in ran) if x.n > 0]) for q in parts], logx
 
 
@@ -423,7 +449,7 @@ def _coupling(sides) -> dict[tuple, float]:
         mine = {}
         for q, probes in parts:
             eta = np.clip(q.theta[0] + q.theta[1] * (q.logx - q.c), -30, 30)
-            fitted = q.ceiling / (1.0 + np.exp(-eta))
+            fitted = q.floor + (q.ceiling - q.floor) / (1.0 + np.exp(-eta))
             for j, probe in enumerate(probes):
                 for i, g in probe.good.items():
                     mine[(probe.round, q.name, i)] = (float(g), float(fitted[j]))

@@ -16,17 +16,18 @@ from splitserve.trial import curve
 from splitserve.trial.quote import OFF_SPEED, SLOW_ENGINE
 
 
-def _logistic(fit, ceiling: float, x: float) -> float:
+def _logistic(fit, ceiling: float, x: float, floor: float = 0.0) -> float:
     a, b, c = fit
-    return ceiling / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c)))))
+    return floor + (ceiling - floor) / (1.0 + math.exp(-max(-30.0, min(30.0, a + b * (math.log(x) - c)))))
 
 
 def _curve_points(cap: dict, lo: float, hi: float):
     """The fitted curve over [lo, hi]: one logistic, or a mixture's per-class curves at their shares."""
     xs = [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / 80) for i in range(81)]
     if cap.get("components"):
-        return xs, [sum(q["weight"] * _logistic(q["fit"], q["ceiling"], x) for q in cap["components"]) for x in xs]
-    return xs, [_logistic(cap["fit"], cap.get("ceiling") or 1.0, x) for x in xs]
+        return xs, [sum(q["weight"] * _logistic(q["fit"], q["ceiling"], x, q.get("floor") or 0.0)
+                        for q in cap["components"]) for x in xs]
+    return xs, [_logistic(cap["fit"], cap.get("ceiling") or 1.0, x, cap.get("floor") or 0.0) for x in xs]
 
 
 def _panel(ax, per: dict, target: float, klass: str | None, colors) -> None:

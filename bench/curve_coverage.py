@@ -1,0 +1,171 @@
+"""Coverage of the mixture capacity's 90% interval on synthetic probes, per class-curve setting.
+
+Each shape draws probes of chats and documents (15% documents) from known logistic curves in log
+rate, runs the trial's probe placement (trial/curve.py next_rate, up to --max-probes probes of
+--requests requests), and counts over --seeds seeds how often the interval covers the true
+crossing of the whole mix, and how often it lies wholly under or over it. A setting is a class
+slope penalty and which asymptotes each class may get: none (0 and 1), ceiling (a ceiling on
+curve.CEILINGS) or bounds (a ceiling and a floor on curve.FLOORS, fit_bounds); the shipped one is
+CLASS_RIDGE with bounds. Session 36 chose it with this (docs/benchmarks.md, "A capacity you can
+quote"; curve.py, "Classes").
+
+    python bench/curve_coverage.py --settings 0.05:none,0.01:bounds [--max-probes 8 --requests 40]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from splitserve.trial import curve  # noqa: E402
+
+TARGET = 0.9
+DOC_SHARE = 0.15
+# (chat crossing, document crossing, slope in log rate, chats at the head of each probe that fail at
+# every rate, documents at the head of each probe that meet their SLOs at every rate)
+SHAPES = [(8.0, 0.6, -6.0, 0, 0), (1.2, 0.8, -6.0, 0, 0), (0.5, 0.6, -6.0, 0, 0), (0.5, 0.6, -20.0, 0, 0),
+          (0.5, 0.6, -20.0, 1, 0), (8.0, 0.6, -20.0, 0, 0), (8.0, 0.6, -20.0, 0, 1), (8.0, 0.6, -6.0, 0, 1)]
+KINDS = ("none", "ceiling", "bounds")
+SHIPPED_FLOORS = curve.FLOORS   # a worker runs jobs of several settings: each sets the floors it allows
+# one class (the single curve's path, which has always had its ceiling): (slope, floor of P(good))
+SINGLE_SHAPES = [(-6.0, 0.0), (-20.0, 0.0), (-6.0, 0.15), (-20.0, 0.15)]
+
+
+def truth(x: float, crossing: float, slope: float) -> float:
+    eta = math.log(TARGET / (1 - TARGET)) + slope * (math.log(x) - math.log(crossing))
+    return 1 / (1 + math.exp(-eta))
+
+
+def expected_share(x: float, chat: float, doc: float, slope: float, requests: int, always_bad: int,
+                   always_good: int) -> float:
+    """The share of a probe's requests that are good in expectation, the always-failing chats and
+    the always-good documents included (what the probes measure, so the crossing to cover)."""
+    pc, pd = truth(x, chat, slope), truth(x, doc, slope)
+    docs = DOC_SHARE * requests
+    # the first always_good documents of a probe (if it has that many) are good whatever the rate
+    sure = sum(1 - sum(math.comb(requests, j) * DOC_SHARE ** j * (1 - DOC_SHARE) ** (requests - j) for j in range(m))
+               for m in range(1, always_good + 1))
+    good = ((1 - DOC_SHARE) * (requests - always_bad) * pc + docs * pd + sure * (1 - pd))
+    return good / requests
+
+
+def mix_crossing(chat: float, doc: float, slope: float, requests: int = 40, always_bad: int = 0,
+                 always_good: int = 0) -> float:
+    lo, hi = math.log(0.01), math.log(100.0)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        share = expected_share(math.exp(mid), chat, doc, slope, requests, always_bad, always_good)
+        lo, hi = (mid, hi) if share >= TARGET else (lo, mid)
+    return math.exp(lo)
+
+
+def class_curves(ridge: float, kind: str):
+    """curve._components with another slope penalty and the asymptotes `kind` allows."""
+    bounds = kind != "none"
+    curve.FLOORS = () if kind == "ceiling" else SHIPPED_FLOORS
+    def components(ran):
+        names = sorted({p.classes.get(i) or "" for p in ran for i in p.good})
+        if len(names) < 2 or "" in names:
+            return None
+        total, parts = sum(p.n for p in ran), []
+        for name in names:
+            logx, k, n = curve._grouped([q for q in (p.of_class(name) for p in ran) if q.n > 0])
+            c = float(np.average(logx, weights=n))
+            ceiling, floor, theta = (curve.fit_bounds(logx, k, n, c, ridge) if bounds
+                                     else (1.0, 0.0, curve.fit_logistic(logx, k, n, c, 1.0, ridge)[0]))
+            parts.append(curve._Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta, ridge, floor))
+        return parts
+    return components
+
+
+def one_single(job) -> str:
+    """One class: P(good) = floor + (1 - floor) * logistic, crossing the target at 0.5; 'ceiling'
+    is the single curve as it was (no floors), 'bounds' with floors."""
+    (ridge, kind), (slope, floor), seeds, max_probes, requests = job
+    curve.FLOORS = SHIPPED_FLOORS if kind == "bounds" else ()
+    share = (TARGET - floor) / (1 - floor)
+    eta0 = math.log(share / (1 - share))
+    covered = points = below = above = 0
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        probes, x = [], 1.0
+        for k in range(max_probes):
+            p = floor + (1 - floor) / (1 + math.exp(-(eta0 + slope * (math.log(x) - math.log(0.5)))))
+            probes.append(curve.ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(requests)}, k))
+            found = curve.capacity(probes, TARGET, rng)
+            if found.kind == "point" and found.width() < 0.2:
+                break
+            x = curve.next_rate(probes, found, 2.0, 0.2)
+        if found.kind != "point":
+            continue
+        points += 1
+        covered += found.lo <= 0.5 <= found.hi
+        below += found.hi < 0.5
+        above += found.lo > 0.5
+    return (f"single curve, {kind:8s} slope {slope:6.1f} floor {floor:.2f}: "
+            f"{covered}/{points} covered, {below} under the truth, {above} over")
+
+
+def one(job) -> str:
+    (ridge, kind), (chat, doc, slope, always_bad, always_good), seeds, max_probes, requests = job
+    curve._components = class_curves(ridge, kind)
+    true = mix_crossing(chat, doc, slope, requests, always_bad, always_good)
+    covered = points = below = above = 0
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        probes, x = [], 1.0
+        for k in range(max_probes):
+            good, classes, docs = {}, {}, 0
+            for i in range(requests):
+                klass = "document" if rng.random() < DOC_SHARE else "chat"
+                ok = rng.random() < truth(x, chat if klass == "chat" else doc, slope)
+                if klass == "document":
+                    docs += 1
+                    ok = ok or docs <= always_good
+                good[i], classes[i] = bool(ok) and not (i < always_bad and klass == "chat"), klass
+            probes.append(curve.ProbeOutcomes(x, good, k, classes))
+            found = curve.capacity(probes, TARGET, rng)
+            if found.kind == "point" and found.width() < 0.2:
+                break
+            x = curve.next_rate(probes, found, 2.0, 0.2)
+        if found.kind != "point":
+            continue
+        points += 1
+        covered += found.lo <= true <= found.hi
+        below += found.hi < true
+        above += found.lo > true
+    return (f"{ridge}:{kind:8s} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
+            f"always-good documents {always_good}: "
+            f"{covered}/{points} covered, {below} under the truth, {above} over")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default="0.05:none,0.01:bounds")
+    ap.add_argument("--seeds", type=int, default=200)
+    ap.add_argument("--max-probes", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--single", action="store_true", help="one class: the single curve with and without floors")
+    args = ap.parse_args()
+    settings = []
+    for s in args.settings.split(","):
+        ridge, kind = s.split(":")
+        if kind not in KINDS:
+            ap.error(f"a setting is RIDGE:{'|'.join(KINDS)}, got {s!r}")
+        settings.append((float(ridge), kind))
+    shapes = SINGLE_SHAPES if args.single else SHAPES
+    jobs = [(s, shape, args.seeds, args.max_probes, args.requests) for s in settings for shape in shapes]
+    with Pool(2) as pool:
+        for line in pool.imap(one_single if args.single else one, jobs):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
