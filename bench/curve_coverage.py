@@ -84,43 +84,51 @@ def class_curves(ridge: float, kind: str):
     return components
 
 
+def placed(rng: np.random.Generator, draw, max_probes: int) -> curve.Capacity:
+    """The trial's placement (next_rate) against draw(x, k) -> ProbeOutcomes, to the precision 0.2."""
+    probes, x = [], 1.0
+    for k in range(max_probes):
+        probes.append(draw(x, k))
+        found = curve.capacity(probes, TARGET, rng)
+        if found.kind == "point" and found.width() < 0.2:
+            break
+        x = curve.next_rate(probes, found, 2.0, 0.2)
+    return found
+
+
+def tally(found: list[curve.Capacity], true: float) -> str:
+    points = [f for f in found if f.kind == "point"]
+    covered = sum(f.lo <= true <= f.hi for f in points)
+    return (f"{covered}/{len(points)} covered, {sum(f.hi < true for f in points)} under the truth, "
+            f"{sum(f.lo > true for f in points)} over")
+
+
 def one_single(job) -> str:
     """One class: P(good) = floor + (1 - floor) * logistic, crossing the target at 0.5; 'ceiling'
     is the single curve as it was (no floors), 'bounds' with floors."""
-    (ridge, kind), (slope, floor), seeds, max_probes, requests = job
+    (_, kind), (slope, floor), seeds, max_probes, requests = job
     curve.FLOORS = SHIPPED_FLOORS if kind == "bounds" else ()
     share = (TARGET - floor) / (1 - floor)
     eta0 = math.log(share / (1 - share))
-    covered = points = below = above = 0
+    found = []
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
-        probes, x = [], 1.0
-        for k in range(max_probes):
+
+        def draw(x, k):
             p = floor + (1 - floor) / (1 + math.exp(-(eta0 + slope * (math.log(x) - math.log(0.5)))))
-            probes.append(curve.ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(requests)}, k))
-            found = curve.capacity(probes, TARGET, rng)
-            if found.kind == "point" and found.width() < 0.2:
-                break
-            x = curve.next_rate(probes, found, 2.0, 0.2)
-        if found.kind != "point":
-            continue
-        points += 1
-        covered += found.lo <= 0.5 <= found.hi
-        below += found.hi < 0.5
-        above += found.lo > 0.5
-    return (f"single curve, {kind:8s} slope {slope:6.1f} floor {floor:.2f}: "
-            f"{covered}/{points} covered, {below} under the truth, {above} over")
+            return curve.ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(requests)}, k)
+        found.append(placed(rng, draw, max_probes))
+    return f"single curve, {kind:8s} slope {slope:6.1f} floor {floor:.2f}: {tally(found, 0.5)}"
 
 
 def one(job) -> str:
     (ridge, kind), (chat, doc, slope, always_bad, always_good), seeds, max_probes, requests = job
     curve._components = class_curves(ridge, kind)
-    true = mix_crossing(chat, doc, slope, requests, always_bad, always_good)
-    covered = points = below = above = 0
+    found = []
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
-        probes, x = [], 1.0
-        for k in range(max_probes):
+
+        def draw(x, k):
             good, classes, docs = {}, {}, 0
             for i in range(requests):
                 klass = "document" if rng.random() < DOC_SHARE else "chat"
@@ -129,20 +137,11 @@ def one(job) -> str:
                     docs += 1
                     ok = ok or docs <= always_good
                 good[i], classes[i] = bool(ok) and not (i < always_bad and klass == "chat"), klass
-            probes.append(curve.ProbeOutcomes(x, good, k, classes))
-            found = curve.capacity(probes, TARGET, rng)
-            if found.kind == "point" and found.width() < 0.2:
-                break
-            x = curve.next_rate(probes, found, 2.0, 0.2)
-        if found.kind != "point":
-            continue
-        points += 1
-        covered += found.lo <= true <= found.hi
-        below += found.hi < true
-        above += found.lo > true
+            return curve.ProbeOutcomes(x, good, k, classes)
+        found.append(placed(rng, draw, max_probes))
+    true = mix_crossing(chat, doc, slope, requests, always_bad, always_good)
     return (f"{ridge}:{kind:8s} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
-            f"always-good documents {always_good}: "
-            f"{covered}/{points} covered, {below} under the truth, {above} over")
+            f"always-good documents {always_good}: {tally(found, true)}")
 
 
 def main() -> int:
