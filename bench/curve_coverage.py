@@ -32,7 +32,7 @@ DOC_SHARE = 0.15
 SHAPES = [(8.0, 0.6, -6.0, 0, 0), (1.2, 0.8, -6.0, 0, 0), (0.5, 0.6, -6.0, 0, 0), (0.5, 0.6, -20.0, 0, 0),
           (0.5, 0.6, -20.0, 1, 0), (8.0, 0.6, -20.0, 0, 0), (8.0, 0.6, -20.0, 0, 1), (8.0, 0.6, -6.0, 0, 1)]
 KINDS = ("none", "ceiling", "bounds")
-SHIPPED_FLOORS = curve.FLOORS   # a worker runs jobs of several settings: each sets the floors it allows
+SHIPPED_CEILINGS, SHIPPED_FLOORS = curve.CEILINGS, curve.FLOORS
 # one class (the single curve's path, which has always had its ceiling): (slope, floor of P(good))
 SINGLE_SHAPES = [(-6.0, 0.0), (-20.0, 0.0), (-6.0, 0.15), (-20.0, 0.15)]
 
@@ -65,23 +65,12 @@ def mix_crossing(chat: float, doc: float, slope: float, requests: int = 40, alwa
     return math.exp(lo)
 
 
-def class_curves(ridge: float, kind: str):
-    """curve._components with another slope penalty and the asymptotes `kind` allows."""
-    bounds = kind != "none"
-    curve.FLOORS = () if kind == "ceiling" else SHIPPED_FLOORS
-    def components(ran):
-        names = sorted({p.classes.get(i) or "" for p in ran for i in p.good})
-        if len(names) < 2 or "" in names:
-            return None
-        total, parts = sum(p.n for p in ran), []
-        for name in names:
-            logx, k, n = curve._grouped([q for q in (p.of_class(name) for p in ran) if q.n > 0])
-            c = float(np.average(logx, weights=n))
-            ceiling, floor, theta = (curve.fit_bounds(logx, k, n, c, ridge) if bounds
-                                     else (1.0, 0.0, curve.fit_logistic(logx, k, n, c, 1.0, ridge)[0]))
-            parts.append(curve._Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta, ridge, floor))
-        return parts
-    return components
+def use_setting(ridge: float, kind: str) -> None:
+    """The class slope penalty and the asymptotes `kind` allows, set on trial/curve.py itself (a pool
+    worker runs jobs of several settings, so each sets all three)."""
+    curve.CLASS_RIDGE = ridge
+    curve.CEILINGS = () if kind == "none" else SHIPPED_CEILINGS
+    curve.FLOORS = SHIPPED_FLOORS if kind == "bounds" else ()
 
 
 def placed(rng: np.random.Generator, draw, max_probes: int) -> curve.Capacity:
@@ -106,8 +95,8 @@ def tally(found: list[curve.Capacity], true: float) -> str:
 def one_single(job) -> str:
     """One class: P(good) = floor + (1 - floor) * logistic, crossing the target at 0.5; 'ceiling'
     is the single curve as it was (no floors), 'bounds' with floors."""
-    (_, kind), (slope, floor), seeds, max_probes, requests = job
-    curve.FLOORS = SHIPPED_FLOORS if kind == "bounds" else ()
+    (ridge, kind), (slope, floor), seeds, max_probes, requests = job
+    use_setting(ridge, "bounds" if kind == "bounds" else "ceiling")
     share = (TARGET - floor) / (1 - floor)
     eta0 = math.log(share / (1 - share))
     found = []
@@ -123,7 +112,7 @@ def one_single(job) -> str:
 
 def one(job) -> str:
     (ridge, kind), (chat, doc, slope, always_bad, always_good), seeds, max_probes, requests = job
-    curve._components = class_curves(ridge, kind)
+    use_setting(ridge, kind)
     found = []
     for seed in range(seeds):
         rng = np.random.default_rng(seed)

@@ -57,27 +57,19 @@ said 1.10 [1.02-1.15], an interval under three probes that held: a penalty of 0.
 ceiling shrank the cliff's slope (about -20 in log rate) and the always-failing chat bent it
 further (now 1.22 [1.15-1.26]). Its 1P1D kept one document in 8-15 good far into overload, and the
 documents' curve ran shallow to reach them (1.65 [1.44-1.89] where the mix fell under 0.9 between
-1.44 and 1.57; now 1.50 [1.41-1.67]). On 200 synthetic seeds per shape (40 requests a probe, 15%
-documents; `python bench/curve_coverage.py`, the truth being the expected share good of the
-process drawn, always-failing and always-good requests included), intervals covering the truth:
-
-    chat crossing, document crossing, slope; requests good or bad whatever the rate   0.05, none  0.01, ceiling  0.01, both
-    8.0, 0.6, -6 (documents fail first)                                                 178          174           173
-    1.2, 0.8, -6                                                                        194          186           186
-    0.5, 0.6, -6                                                                        193          188           187
-    0.5, 0.6, -20 (a cliff)                                                             142 (58 under) 183         183
-    0.5, 0.6, -20, the first request of a probe fails if a chat                         136 (64 under) 187         187
-    8.0, 0.6, -20                                                                       164          181           181
-    8.0, 0.6, -20, the first document of a probe is good                                121 (79 over)  122/198     131/194 (62 over)
-    8.0, 0.6, -6, the first document of a probe is good                                 143 (53 over)  137/198     145/197 (43 over)
+1.44 and 1.57; now 1.50 [1.41-1.67]). Coverage of the 90% interval per setting, on 200 synthetic
+seeds per shape (`python bench/curve_coverage.py`; the table in docs/benchmarks.md, "A capacity
+you can quote", "Session 36"): a cliff 142 -> 183, a cliff with an always-failing chat 136 -> 187,
+the earlier shapes 164-194 -> 173-187.
 
 The always-good document is still read too high in a third of the seeds: the floor is fitted only
 where the probes reach far past the crossing, which the placement avoids. Other penalties, with
 ceilings: 0.005 lost the documents-first plateaus (157 and 152 of 200), 0.02 kept more of the
-cliff's shrinkage (179, 17 under). Re-read with these, no curve of any
-stored trial (bench/results/quote_s29-s35) has its estimate outside its own interval. (An earlier
-ceiling per class, at 0.05, put one real run's estimate outside its interval: chats with a 0.96
-ceiling held the whole mix's maximum at 0.966, just over the target.) The bootstrap redraws every class the same two-stage way.
+cliff's shrinkage (179, 17 under). Re-read with these, no curve of any stored trial
+(bench/results/quote_s29-s35) has its estimate outside its own interval. (An earlier ceiling per
+class, at 0.05, put one real run's estimate outside its interval: chats with a 0.96 ceiling held
+the whole mix's maximum at 0.966, just over the target.) The bootstrap redraws every class the
+same two-stage way.
 
 Where the data do not bracket the crossing (no probe held, or none failed, or the fit crosses
 outside the probed rates) the answer is a bound: "at least" the highest rate probed (all held)
@@ -144,6 +136,11 @@ class Capacity:
                 **({"components": list(self.components)} if self.components else {})}
 
 
+def bounded(eta, ceiling, floor):
+    """P(good) from the logistic's linear term: floor + (ceiling - floor) * sigmoid(eta)."""
+    return floor + (ceiling - floor) / (1.0 + np.exp(-eta))
+
+
 def fit_logistic(logx: np.ndarray, k: np.ndarray, n: np.ndarray, c: float, ceiling=1.0,
                  ridge: float = RIDGE, floor=0.0) -> np.ndarray:
     """Penalized MLE of (a, b) for every row at once: logx (P,), k and n (R, P) -> (R, 2), for
@@ -195,7 +192,7 @@ def fit_bounds(logx, k, n, c, ridge: float = RIDGE) -> tuple[float, float, np.nd
     theta = fit_logistic(logx, np.broadcast_to(k, (rows, len(k))), np.broadcast_to(n, (rows, len(n))), c, ceilings,
                          ridge, floors)
     eta = np.clip(theta[:, :1] + theta[:, 1:] * (logx - c), -30, 30)
-    p = np.clip(floors[:, None] + (ceilings - floors)[:, None] / (1.0 + np.exp(-eta)), 1e-12, 1 - 1e-12)
+    p = np.clip(bounded(eta, ceilings[:, None], floors[:, None]), 1e-12, 1 - 1e-12)
     loglik = (k * np.log(p) + (n - k) * np.log(1 - p)).sum(axis=1)     # (rows,)
     extra = (ceilings < 1.0).astype(float) + (floors > 0.0)
     best = int(np.argmax(loglik - extra * LR_CHI2 / 2))
@@ -344,7 +341,7 @@ def _components(ran: list[ProbeOutcomes]) -> list[_Component] | None:
         logx, k, n = _grouped(mine)
         c = float(np.average(logx, weights=n))
         ceiling, floor, theta = fit_bounds(logx, k, n, c, CLASS_RIDGE)   # module docstring, "Classes"
-        parts.append(_Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta, floor=floor))
+        parts.append(_Component(name, float(n.sum()) / total, logx, k, n, c, ceiling, theta, CLASS_RIDGE, floor))
     return parts
 
 
@@ -356,7 +353,7 @@ def mixture_share(parts: list[_Component], thetas: list[np.ndarray], logx: np.nd
     out = 0.0
     for q, th in zip(parts, thetas):
         eta = np.clip(th[:, :1] + th[:, 1:] * (logx[None, :] - q.c), -30, 30)
-        out = out + q.weight * (q.floor + (q.ceiling - q.floor) / (1.0 + np.exp(-eta)))
+        out = out + q.weight * bounded(eta, q.ceiling, q.floor)
     return out
 
 
@@ -449,7 +446,7 @@ def _coupling(sides) -> dict[tuple, float]:
         mine = {}
         for q, probes in parts:
             eta = np.clip(q.theta[0] + q.theta[1] * (q.logx - q.c), -30, 30)
-            fitted = q.floor + (q.ceiling - q.floor) / (1.0 + np.exp(-eta))
+            fitted = bounded(eta, q.ceiling, q.floor)
             for j, probe in enumerate(probes):
                 for i, g in probe.good.items():
                     mine[(probe.round, q.name, i)] = (float(g), float(fitted[j]))
