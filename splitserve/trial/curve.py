@@ -71,6 +71,20 @@ class, at 0.05, put one real run's estimate outside its interval: chats with a 0
 the whole mix's maximum at 0.966, just over the target.) The bootstrap redraws every class the
 same two-stage way.
 
+Between probes (session 37). The logistic's shape decides where between two probes it crosses,
+and the bootstrap draws only the noise around that shape, so an interval could end inside an
+unprobed stretch. Real curves are not logistic there: doc-heavy's colocated pair held 0.96-0.97
+up to 0.99 req/s and 14 of 39 at 1.42 in session 36, and the fit's crossing was 1.07 [0.84-1.20];
+a dense search of the same pair an hour later held 0.97 at 1.20 and 0.93 at 1.33 and gave 0.88,
+0.87, 0.75 and 0.37 at 1.42-1.43 (flat, then a cliff whose probes scatter as a queue grows or
+recovers by chance). Any monotone curve through the probes may cross anywhere between the probe
+rates beside the estimate, so the interval reaches them: [min(lo, the highest probed rate at or
+under the estimate), max(hi, the lowest over it)] (`REACH_PROBES`; `fit_lo`, `fit_hi` keep the
+bootstrap's own), a paired ratio's ends move by the same factors, and the placement's next probe
+goes between them (next_rate) until the interval is narrow enough. On probes drawn from a queue
+(`python bench/curve_coverage.py --queue`), coverage of the 90% interval: docs/benchmarks.md, "A
+capacity you can quote", "Session 37".
+
 Where the data do not bracket the crossing (no probe held, or none failed, or the fit crosses
 outside the probed rates) the answer is a bound: "at least" the highest rate probed (all held)
 or "at most" the lowest (none held).
@@ -89,6 +103,7 @@ CLASS_RIDGE = 0.01 # the same for one class of a mixture (module docstring, "Cla
 CEILINGS = (0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)   # the upper asymptotes tried below 1
 FLOORS = (0.02, 0.05, 0.1, 0.15, 0.2)   # the lower asymptotes tried above 0 (all under any target read)
 LR_CHI2 = 3.84       # chi-square(1) at 95%: how much better each asymptote must make the fit to be kept
+REACH_PROBES = True  # the interval reaches the probed rates next to the estimate (module docstring, "Between probes")
 
 
 @dataclass(slots=True)
@@ -123,6 +138,8 @@ class Capacity:
     ceiling: float = 1.0           # the curve's upper asymptote: P(good) = floor + (ceiling - floor) * sigmoid(...)
     components: tuple = ()         # a mixture's per-class curves (class, weight, fit, ceiling, floor)
     floor: float = 0.0             # its lower asymptote
+    fit_lo: float | None = None    # the bootstrap's own interval, before it reaches the probes beside the
+    fit_hi: float | None = None    # estimate (module docstring, "Between probes"); equal to lo and hi where it did
 
     def width(self) -> float:
         """Relative width hi/lo - 1 (infinite for a bound)."""
@@ -133,7 +150,9 @@ class Capacity:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "estimate_rps": self.estimate, "lo_rps": self.lo, "hi_rps": self.hi,
                 "fit": list(self.fit) if self.fit else None, "ceiling": self.ceiling, "floor": self.floor,
-                **({"components": list(self.components)} if self.components else {})}
+                **({"components": list(self.components)} if self.components else {}),
+                **({"fit_lo_rps": self.fit_lo, "fit_hi_rps": self.fit_hi}
+                   if self.fit_lo is not None and (self.fit_lo, self.fit_hi) != (self.lo, self.hi) else {})}
 
 
 def bounded(eta, ceiling, floor):
@@ -303,9 +322,19 @@ def capacity(probes: list[ProbeOutcomes], target: float, rng: np.random.Generato
             thetas.append(fit_logistic(q.logx, kb, np.broadcast_to(q.n, kb.shape), q.c, q.ceiling, q.ridge, q.floor))
         boot = _mix_crossings(parts, thetas, target, logx.min(), logx.max())
     tail = (1 - level) / 2
-    lo, hi = np.quantile(boot, [tail, 1 - tail])
-    return Capacity("point", float(np.exp(cross)), float(np.exp(lo)), float(np.exp(hi)), fit, ceiling, components,
-                    floor)
+    lo, hi = (float(v) for v in np.exp(np.quantile(boot, [tail, 1 - tail])))
+    estimate = float(np.exp(cross))
+    below, above = beside(np.exp(logx), estimate)
+    wide_lo, wide_hi = (min(lo, below), max(hi, above)) if REACH_PROBES else (lo, hi)
+    return Capacity("point", estimate, wide_lo, wide_hi, fit, ceiling, components, floor, lo, hi)
+
+
+def beside(rates, estimate: float) -> tuple[float, float]:
+    """The probed rates next to the estimate: the highest at or under it and the lowest over it
+    (the estimate itself where no probe lies on that side)."""
+    under = [float(r) for r in rates if r <= estimate]
+    over = [float(r) for r in rates if r > estimate]
+    return (max(under) if under else estimate), (min(over) if over else estimate)
 
 
 @dataclass(slots=True)
@@ -420,6 +449,10 @@ def paired_ratio(first: list[ProbeOutcomes], second: list[ProbeOutcomes], target
     # The ratio's replicates are fresh draws from the same bootstrap as the two capacities' intervals,
     # so in a heavy tail they can reach past what those allow together (1 of 26 seeds of the test at
     # 1.29x once the class penalty fell to 0.01): held inside it, the ratio never contradicts them.
+    # Where either capacity's interval reaches the probes beside its estimate past the bootstrap's own
+    # (module docstring, "Between probes"), the ratio's ends move by the same factors.
+    lo *= (a_cap.lo / (a_cap.fit_lo or a_cap.lo)) * ((b_cap.fit_hi or b_cap.hi) / b_cap.hi)
+    hi *= (a_cap.hi / (a_cap.fit_hi or a_cap.hi)) * ((b_cap.fit_lo or b_cap.lo) / b_cap.lo)
     lo, hi = max(lo, a_cap.lo / b_cap.hi), min(hi, a_cap.hi / b_cap.lo)
     return {"estimate": a_cap.estimate / b_cap.estimate, "lo": float(lo), "hi": float(hi), "paired": True,
             "coupling": float(np.mean(list(coupled.values()))) if coupled else 0.0}
@@ -464,8 +497,10 @@ def _coupling(sides) -> dict[tuple, float]:
 def next_rate(probes: list[ProbeOutcomes], found: Capacity, grow: float, precision: float) -> float:
     """Where the next probe narrows the interval most: outside the data while they do not bracket
     the crossing (x grow up from the highest held, down from the lowest failed), else at the
-    estimate unless probes already sit there, then at the interval's edge with the fewest
-    requests nearby (the edge the interval is least sure of)."""
+    estimate unless probes already sit there, then, where the interval reached across an unprobed
+    stretch to the probes beside the estimate (module docstring, "Between probes"), in its middle,
+    then at the interval's edge with the fewest requests nearby (the edge the interval is least
+    sure of)."""
     if found.kind == "none":
         return min(p.rate for p in probes) / grow
     if found.kind == "at_least":
@@ -478,6 +513,9 @@ def next_rate(probes: list[ProbeOutcomes], found: Capacity, grow: float, precisi
         return sum(p.n for p in probes if abs(math.log(p.rate / x)) < near)
 
     candidates = [found.estimate, found.lo, found.hi]
+    if found.fit_lo is not None and (found.lo < found.fit_lo or found.hi > found.fit_hi):
+        below, above = beside([p.rate for p in probes], found.estimate)
+        candidates.insert(1, math.sqrt(below * above))   # the middle of the unprobed stretch it reached across
     return min(candidates, key=lambda x: (crowd(x), candidates.index(x)))
 
 
