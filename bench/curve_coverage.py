@@ -10,6 +10,18 @@ CLASS_RIDGE with bounds. Session 36 chose it with this (docs/benchmarks.md, "A c
 quote"; curve.py, "Classes").
 
     python bench/curve_coverage.py --settings 0.05:none,0.01:bounds [--max-probes 8 --requests 40]
+    python bench/curve_coverage.py --queue --settings 0.01:bounds:fit,0.01:bounds [--max-probes 4]
+
+--queue draws probes from a queue instead of a logistic: Poisson arrivals at the probed rate into
+one first-come-first-served server that starts each probe empty, a request good when it leaves
+within its deadline. Its share good per probe is flat near its ceiling up to the server's
+capacity, then falls over a short stretch, and probes near there scatter widely (a queue that
+grows or recovers by chance): the shape real probes had (session 37: doc-heavy's colocated pair
+held 0.93-0.97 up to 1.33 req/s and gave 0.88, 0.87, 0.75, 0.37 and 0.35 at 1.42), which no
+logistic draws. The truth is the rate whose expected share good is the target (Monte Carlo on
+common random numbers). A setting's third field: `fit` is the bootstrap's interval alone
+(curve.REACH_PROBES off: before session 37), none the shipped one (reaches the probes beside the
+estimate, and the placement probes between them).
 """
 from __future__ import annotations
 
@@ -65,17 +77,19 @@ def mix_crossing(chat: float, doc: float, slope: float, requests: int = 40, alwa
     return math.exp(lo)
 
 
-def use_setting(ridge: float, kind: str) -> None:
-    """The class slope penalty and the asymptotes `kind` allows, set on trial/curve.py itself (a pool
-    worker runs jobs of several settings, so each sets all three)."""
+def use_setting(ridge: float, kind: str, reach: bool = True) -> None:
+    """The class slope penalty, the asymptotes `kind` allows and whether the interval reaches the
+    probes beside the estimate, set on trial/curve.py itself (a pool worker runs jobs of several
+    settings, so each sets all of them)."""
     curve.CLASS_RIDGE = ridge
     curve.CEILINGS = () if kind == "none" else SHIPPED_CEILINGS
     curve.FLOORS = SHIPPED_FLOORS if kind == "bounds" else ()
+    curve.REACH_PROBES = reach
 
 
-def placed(rng: np.random.Generator, draw, max_probes: int) -> curve.Capacity:
+def placed(rng: np.random.Generator, draw, max_probes: int, start: float = 1.0) -> curve.Capacity:
     """The trial's placement (next_rate) against draw(x, k) -> ProbeOutcomes, to the precision 0.2."""
-    probes, x = [], 1.0
+    probes, x = [], start
     for k in range(max_probes):
         probes.append(draw(x, k))
         found = curve.capacity(probes, TARGET, rng)
@@ -88,33 +102,88 @@ def placed(rng: np.random.Generator, draw, max_probes: int) -> curve.Capacity:
 def tally(found: list[curve.Capacity], true: float) -> str:
     points = [f for f in found if f.kind == "point"]
     covered = sum(f.lo <= true <= f.hi for f in points)
+    width = float(np.median([f.width() for f in points])) if points else math.nan
     return (f"{covered}/{len(points)} covered, {sum(f.hi < true for f in points)} under the truth, "
-            f"{sum(f.lo > true for f in points)} over")
+            f"{sum(f.lo > true for f in points)} over, median width {width:.0%}")
+
+
+# (service-time CV, chat deadline, document share, document service time / chat's, document deadline),
+# deadlines in mean service times (the server does 1 request per unit of time at the mix's mean)
+QUEUE_SHAPES = [(0.5, 5.0, 0.0, 1.0, 0.0), (1.0, 10.0, 0.0, 1.0, 0.0),
+                (0.5, 4.0, 0.15, 6.0, 12.0), (0.5, 3.0, 0.15, 10.0, 15.0)]
+
+
+def queue_probes(rng: np.random.Generator, x: float, requests: int, shape, reps: int = 1):
+    """reps probes of `requests` requests at rate x into one FIFO server that starts empty:
+    (good (reps, requests), is_document (reps, requests))."""
+    cv, chat_deadline, doc_share, doc_size, doc_deadline = shape
+    gaps = rng.exponential(1.0, (reps, requests)) / x
+    is_doc = rng.random((reps, requests)) < doc_share
+    mean = (1 - doc_share) + doc_share * doc_size
+    size = np.where(is_doc, doc_size, 1.0) / mean
+    service = rng.gamma(1 / cv ** 2, cv ** 2, (reps, requests)) * size
+    arrive = np.cumsum(gaps, axis=1)
+    done = np.zeros(reps)
+    good = np.zeros((reps, requests), bool)
+    for i in range(requests):
+        done = np.maximum(done, arrive[:, i]) + service[:, i]
+        good[:, i] = done - arrive[:, i] <= np.where(is_doc[:, i], doc_deadline, chat_deadline)
+    return good, is_doc
+
+
+def queue_crossing(shape, requests: int, reps: int = 20000) -> float:
+    """The rate whose expected share good is the target (the same draws at every rate, so the
+    share falls monotonically with it)."""
+    lo, hi = math.log(0.05), math.log(20.0)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        good, _ = queue_probes(np.random.default_rng(12345), math.exp(mid), requests, shape, reps)
+        lo, hi = (mid, hi) if good.mean() >= TARGET else (lo, mid)
+    return math.exp(lo)
+
+
+def one_queue(job) -> str:
+    (ridge, kind, reach), shape, seeds, max_probes, requests = job
+    use_setting(ridge, kind, reach)
+    true = queue_crossing(shape, requests)
+    found = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+
+        def draw(x, k):
+            good, is_doc = queue_probes(rng, x, requests, shape)
+            classes = {i: ("document" if is_doc[0, i] else "chat") for i in range(requests)} if shape[2] else {}
+            return curve.ProbeOutcomes(x, {i: bool(good[0, i]) for i in range(requests)}, k, classes)
+        found.append(placed(rng, draw, max_probes, start=0.6 * true))
+    cv, chat_deadline, doc_share, doc_size, doc_deadline = shape
+    what = (f"documents {doc_share:.0%} x{doc_size:g} deadline {doc_deadline:g}" if doc_share else "one class")
+    return (f"{ridge}:{kind}:{'reach' if reach else 'fit':5s} queue cv {cv} deadline {chat_deadline:g}, {what} "
+            f"(crossing {true:.3f}): {tally(found, true)}")
 
 
 def one_single(job) -> str:
     """One class: P(good) = floor + (1 - floor) * logistic, crossing the target at 0.5; 'ceiling'
     is the single curve as it was (no floors), 'bounds' with floors."""
-    (ridge, kind), (slope, floor), seeds, max_probes, requests = job
-    use_setting(ridge, "bounds" if kind == "bounds" else "ceiling")
+    (ridge, kind, reach), (slope, floor), seeds, max_probes, requests = job
+    use_setting(ridge, "bounds" if kind == "bounds" else "ceiling", reach)
     share = (TARGET - floor) / (1 - floor)
     eta0 = math.log(share / (1 - share))
     found = []
-    for seed in range(seeds):
+    for seed in seeds:
         rng = np.random.default_rng(seed)
 
         def draw(x, k):
             p = floor + (1 - floor) / (1 + math.exp(-(eta0 + slope * (math.log(x) - math.log(0.5)))))
             return curve.ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(requests)}, k)
         found.append(placed(rng, draw, max_probes))
-    return f"single curve, {kind:8s} slope {slope:6.1f} floor {floor:.2f}: {tally(found, 0.5)}"
+    return f"single curve, {kind}:{'reach' if reach else 'fit':5s} slope {slope:6.1f} floor {floor:.2f}: {tally(found, 0.5)}"
 
 
 def one(job) -> str:
-    (ridge, kind), (chat, doc, slope, always_bad, always_good), seeds, max_probes, requests = job
-    use_setting(ridge, kind)
+    (ridge, kind, reach), (chat, doc, slope, always_bad, always_good), seeds, max_probes, requests = job
+    use_setting(ridge, kind, reach)
     found = []
-    for seed in range(seeds):
+    for seed in seeds:
         rng = np.random.default_rng(seed)
 
         def draw(x, k):
@@ -129,7 +198,7 @@ def one(job) -> str:
             return curve.ProbeOutcomes(x, good, k, classes)
         found.append(placed(rng, draw, max_probes))
     true = mix_crossing(chat, doc, slope, requests, always_bad, always_good)
-    return (f"{ridge}:{kind:8s} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
+    return (f"{ridge}:{kind}:{'reach' if reach else 'fit':5s} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
             f"always-good documents {always_good}: {tally(found, true)}")
 
 
@@ -137,20 +206,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="0.05:none,0.01:bounds")
     ap.add_argument("--seeds", type=int, default=200)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    ap.add_argument("--shapes", default=None, help="only these shapes, by position in the list (0-based: 0,7)")
     ap.add_argument("--max-probes", type=int, default=8)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--single", action="store_true", help="one class: the single curve with and without floors")
+    ap.add_argument("--queue", action="store_true", help="probes drawn from a queue (module docstring)")
     args = ap.parse_args()
     settings = []
     for s in args.settings.split(","):
-        ridge, kind = s.split(":")
-        if kind not in KINDS:
-            ap.error(f"a setting is RIDGE:{'|'.join(KINDS)}, got {s!r}")
-        settings.append((float(ridge), kind))
-    shapes = SINGLE_SHAPES if args.single else SHAPES
-    jobs = [(s, shape, args.seeds, args.max_probes, args.requests) for s in settings for shape in shapes]
+        ridge, kind, *rest = s.split(":")
+        if kind not in KINDS or rest not in ([], ["fit"]):
+            ap.error(f"a setting is RIDGE:{'|'.join(KINDS)}[:fit], got {s!r}")
+        settings.append((float(ridge), kind, not rest))
+    shapes = QUEUE_SHAPES if args.queue else SINGLE_SHAPES if args.single else SHAPES
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    run = one_queue if args.queue else one_single if args.single else one
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(s, shape, seeds, args.max_probes, args.requests) for s in settings for shape in shapes]
     with Pool(2) as pool:
-        for line in pool.imap(one_single if args.single else one, jobs):
+        for line in pool.imap(run, jobs):
             print(line, flush=True)
     return 0
 

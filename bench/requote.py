@@ -10,6 +10,10 @@ probe placement of those runs followed the estimator they ran with, which this c
 
 `--pool` reads several runs of one spec as the repeats of one trial (each run's rounds kept apart,
 as `--repeat N` keeps its repeats): what N runs' probes say together.
+
+`--then fit-only` puts today's fit with the bootstrap's interval alone (curve.REACH_PROBES off, the
+estimator before session 37) where "then" would be what the run said: what reaching the probes
+beside the estimate changes, with nothing else between the two readings.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from splitserve.trial import curve  # noqa: E402
 from splitserve.trial.quote import quote  # noqa: E402
 from splitserve.trial.verdict import fitted_verdict  # noqa: E402
 
@@ -62,6 +67,9 @@ def main() -> int:
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--pool", action="store_true", help="read the runs as the repeats of one trial")
+    ap.add_argument("--then", choices=("run", "fit-only"), default="run",
+                    help="what to show beside today's reading: what the run said, or today's fit without "
+                         "reaching the probes beside the estimate")
     args = ap.parse_args()
     if args.pool:
         now = quote(pooled([json.loads(p.read_text()) for p in args.results]))
@@ -73,7 +81,13 @@ def main() -> int:
     rows = []
     for path in args.results:
         doc = json.loads(path.read_text())
-        then, now = doc.get("quote") or {}, quote(doc)
+        if args.then == "fit-only":
+            curve.REACH_PROBES = False
+            then = quote(copy.deepcopy(doc)) or {}
+            curve.REACH_PROBES = True
+        else:
+            then = doc.get("quote") or {}
+        now = quote(doc)
         if now is None:
             print(f"{path}: no fitted capacity in it", file=sys.stderr)
             continue
