@@ -376,3 +376,18 @@ def test_a_disturbed_tuning_probe_is_counted_with_the_rest():
     got = host_summary(doc)
     assert (got["probes"], got["disturbed"], got["redone"]) == (3, 1, 1)
     assert host_summary({**doc, "tuning_runs": []})["disturbed"] == 0
+
+
+def test_intervals_that_reached_one_probed_rate_from_either_side_are_apart_and_others_that_touch_are_not():
+    """A grid point that held 30 of 30 at 1.0 req/s where the base held 3 of 30: each interval reached
+    that probe from its own side (the fits' own intervals ended short of it), so the two crossings lie
+    on either side of it. Equal ends that are a fit's own interval prove nothing."""
+    from splitserve.trial.curve import Capacity
+    from splitserve.trial.sidebyside import clearly_above
+
+    strong = Capacity("point", 1.9, 1.0, 2.9, fit_lo=1.6, fit_hi=2.9)
+    base = Capacity("point", 0.57, 0.49, 1.0, fit_lo=0.49, fit_hi=0.66)
+    assert clearly_above(strong, base) and not clearly_above(base, strong)
+    own_end = Capacity("point", 1.9, 1.0, 2.9, fit_lo=1.0, fit_hi=2.9)     # 1.0 is the bootstrap's own lower end
+    assert not clearly_above(own_end, base)
+    assert not clearly_above(Capacity("point", 1.9, 0.9, 2.9, fit_lo=1.6, fit_hi=2.9), base)   # overlapping

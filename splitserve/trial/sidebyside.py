@@ -403,12 +403,20 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
 
 def clearly_above(found, other) -> bool:
     """found's capacity is above other's beyond both intervals: found's lower end (the point's lo,
-    an "at least" bound) over other's upper end (the point's hi, an "at most" bound)."""
+    an "at least" bound) over other's upper end (the point's hi, an "at most" bound), or the two
+    points' intervals reaching one probed rate from either side."""
     if found is None or other is None:
         return False
     low = {"point": found.lo, "at_least": found.estimate}.get(found.kind)
     high = {"point": other.hi, "at_most": other.estimate}.get(other.kind)
-    return low is not None and high is not None and low > high
+    if low is None or high is None:
+        return False
+    # Two intervals that reached the same probed rate from either side (curve.py, "Between probes")
+    # touch there but do not overlap: each fit's own interval ended short of that rate, so one
+    # crossing lies above it and the other below (grid points probed at the same rates meet so).
+    touching = (low == high and found.kind == other.kind == "point" and found.fit_lo is not None
+                and other.fit_hi is not None and found.lo < found.fit_lo and other.hi > other.fit_hi)
+    return low > high or touching
 
 
 def _record(trial, searches, repeat):
