@@ -76,12 +76,14 @@ and the bootstrap draws only the noise around that shape, so an interval could e
 unprobed stretch. Real curves are not logistic there: doc-heavy's colocated pair held 0.96-0.97
 up to 0.99 req/s and 14 of 39 at 1.42 in session 36, and the fit's crossing was 1.07 [0.84-1.20];
 a dense search of the same pair an hour later held 0.97 at 1.20 and 0.93 at 1.33 and gave 0.88,
-0.87, 0.75 and 0.37 at 1.42-1.43 (flat, then a cliff whose probes scatter as a queue grows or
+0.87, 0.75, 0.37 and 0.23 at 1.42-1.43 (flat, then a cliff whose probes scatter as a queue grows or
 recovers by chance). Any monotone curve through the probes may cross anywhere between the probe
 rates beside the estimate, so the interval reaches them: [min(lo, the highest probed rate at or
 under the estimate), max(hi, the lowest over it)] (`REACH_PROBES`; `fit_lo`, `fit_hi` keep the
 bootstrap's own), a paired ratio's ends move by the same factors, and the placement's next probe
-goes between them (next_rate) until the interval is narrow enough. On probes drawn from a queue
+goes between them (next_rate) until the interval is narrow enough. Two intervals that reach one
+probed rate from either side touch there without overlapping (sidebyside.clearly_above: grid
+points probed at the same rates meet so). On probes drawn from a queue
 (`python bench/curve_coverage.py --queue`), coverage of the 90% interval: docs/benchmarks.md, "A
 capacity you can quote", "Session 37".
 
