@@ -357,8 +357,9 @@ def test_many_transfers_with_random_aborts_and_faults_leave_no_block_in_use():
     assert len(outcomes) == 200
     counts = {o: list(outcomes.values()).count(o) for o in TransferOutcome}
     # The counts only show that every path ran: how many pulls finish before their scheduled abort
-    # depends on how fast the pull threads get a core (over 50 on a quiet box, 43 on a loaded one).
-    assert counts[TransferOutcome.DONE] > 25 and counts[TransferOutcome.FAILED] > 10
+    # depends on how fast the pull threads get a core (over 50 on a quiet box, 43 on a loaded one,
+    # 21 with two test workers and a two-process benchmark on two cores: session 37).
+    assert counts[TransferOutcome.DONE] > 10 and counts[TransferOutcome.FAILED] > 10
     assert counts[TransferOutcome.ABORTED] > 5
     assert prefill_blocks.num_used == 0 and decode_blocks.num_used == 0
 
