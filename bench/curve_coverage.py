@@ -17,7 +17,7 @@ one first-come-first-served server that starts each probe empty, a request good 
 within its deadline. Its share good per probe is flat near its ceiling up to the server's
 capacity, then falls over a short stretch, and probes near there scatter widely (a queue that
 grows or recovers by chance): the shape real probes had (session 37: doc-heavy's colocated pair
-held 0.93-0.97 up to 1.33 req/s and gave 0.88, 0.87, 0.75, 0.37 and 0.35 at 1.42), which no
+held 0.93-0.97 up to 1.33 req/s and gave 0.88, 0.87, 0.75, 0.37 and 0.23 at 1.42), which no
 logistic draws. The truth is the rate whose expected share good is the target (Monte Carlo on
 common random numbers). A setting's third field: `fit` is the bootstrap's interval alone
 (curve.REACH_PROBES off: before session 37), none the shipped one (reaches the probes beside the
@@ -99,6 +99,11 @@ def placed(rng: np.random.Generator, draw, max_probes: int, start: float = 1.0) 
     return found
 
 
+def label(kind: str, reach: bool) -> str:
+    """A setting's asymptotes and interval as the output names them (RIDGE:KIND:reach|fit)."""
+    return f"{kind}:{'reach' if reach else 'fit':5s}"
+
+
 def tally(found: list[curve.Capacity], true: float) -> str:
     points = [f for f in found if f.kind == "point"]
     covered = sum(f.lo <= true <= f.hi for f in points)
@@ -157,7 +162,7 @@ def one_queue(job) -> str:
         found.append(placed(rng, draw, max_probes, start=0.6 * true))
     cv, chat_deadline, doc_share, doc_size, doc_deadline = shape
     what = (f"documents {doc_share:.0%} x{doc_size:g} deadline {doc_deadline:g}" if doc_share else "one class")
-    return (f"{ridge}:{kind}:{'reach' if reach else 'fit':5s} queue cv {cv} deadline {chat_deadline:g}, {what} "
+    return (f"{ridge}:{label(kind, reach)} queue cv {cv} deadline {chat_deadline:g}, {what} "
             f"(crossing {true:.3f}): {tally(found, true)}")
 
 
@@ -176,7 +181,7 @@ def one_single(job) -> str:
             p = floor + (1 - floor) / (1 + math.exp(-(eta0 + slope * (math.log(x) - math.log(0.5)))))
             return curve.ProbeOutcomes(x, {i: bool(rng.random() < p) for i in range(requests)}, k)
         found.append(placed(rng, draw, max_probes))
-    return f"single curve, {kind}:{'reach' if reach else 'fit':5s} slope {slope:6.1f} floor {floor:.2f}: {tally(found, 0.5)}"
+    return f"single curve, {label(kind, reach)} slope {slope:6.1f} floor {floor:.2f}: {tally(found, 0.5)}"
 
 
 def one(job) -> str:
@@ -198,7 +203,7 @@ def one(job) -> str:
             return curve.ProbeOutcomes(x, good, k, classes)
         found.append(placed(rng, draw, max_probes))
     true = mix_crossing(chat, doc, slope, requests, always_bad, always_good)
-    return (f"{ridge}:{kind}:{'reach' if reach else 'fit':5s} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
+    return (f"{ridge}:{label(kind, reach)} chat {chat:4.1f} doc {doc:4.1f} slope {slope:6.1f} always-bad chats {always_bad}, "
             f"always-good documents {always_good}: {tally(found, true)}")
 
 

@@ -82,9 +82,11 @@ def main() -> int:
     for path in args.results:
         doc = json.loads(path.read_text())
         if args.then == "fit-only":
-            curve.REACH_PROBES = False
-            then = quote(copy.deepcopy(doc)) or {}
-            curve.REACH_PROBES = True
+            shipped, curve.REACH_PROBES = curve.REACH_PROBES, False
+            try:
+                then = quote(copy.deepcopy(doc)) or {}
+            finally:
+                curve.REACH_PROBES = shipped
         else:
             then = doc.get("quote") or {}
         now = quote(doc)

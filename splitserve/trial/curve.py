@@ -143,6 +143,16 @@ class Capacity:
     fit_lo: float | None = None    # the bootstrap's own interval, before it reaches the probes beside the
     fit_hi: float | None = None    # estimate (module docstring, "Between probes"); equal to lo and hi where it did
 
+    @property
+    def reached_down(self) -> bool:
+        """The interval's lower end is a probed rate under the bootstrap's own (module docstring, "Between probes")."""
+        return self.fit_lo is not None and self.lo < self.fit_lo
+
+    @property
+    def reached_up(self) -> bool:
+        """The interval's upper end is a probed rate over the bootstrap's own."""
+        return self.fit_hi is not None and self.hi > self.fit_hi
+
     def width(self) -> float:
         """Relative width hi/lo - 1 (infinite for a bound)."""
         if self.kind != "point" or not self.lo:
@@ -153,8 +163,7 @@ class Capacity:
         return {"kind": self.kind, "estimate_rps": self.estimate, "lo_rps": self.lo, "hi_rps": self.hi,
                 "fit": list(self.fit) if self.fit else None, "ceiling": self.ceiling, "floor": self.floor,
                 **({"components": list(self.components)} if self.components else {}),
-                **({"fit_lo_rps": self.fit_lo, "fit_hi_rps": self.fit_hi}
-                   if self.fit_lo is not None and (self.fit_lo, self.fit_hi) != (self.lo, self.hi) else {})}
+                **({"fit_lo_rps": self.fit_lo, "fit_hi_rps": self.fit_hi} if self.reached_down or self.reached_up else {})}
 
 
 def bounded(eta, ceiling, floor):
@@ -515,7 +524,7 @@ def next_rate(probes: list[ProbeOutcomes], found: Capacity, grow: float, precisi
         return sum(p.n for p in probes if abs(math.log(p.rate / x)) < near)
 
     candidates = [found.estimate, found.lo, found.hi]
-    if found.fit_lo is not None and (found.lo < found.fit_lo or found.hi > found.fit_hi):
+    if found.reached_down or found.reached_up:
         below, above = beside([p.rate for p in probes], found.estimate)
         candidates.insert(1, math.sqrt(below * above))   # the middle of the unprobed stretch it reached across
     return min(candidates, key=lambda x: (crowd(x), candidates.index(x)))

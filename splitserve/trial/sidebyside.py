@@ -414,8 +414,7 @@ def clearly_above(found, other) -> bool:
     # Two intervals that reached the same probed rate from either side (curve.py, "Between probes")
     # touch there but do not overlap: each fit's own interval ended short of that rate, so one
     # crossing lies above it and the other below (grid points probed at the same rates meet so).
-    touching = (low == high and found.kind == other.kind == "point" and found.fit_lo is not None
-                and other.fit_hi is not None and found.lo < found.fit_lo and other.hi > other.fit_hi)
+    touching = low == high and found.kind == other.kind == "point" and found.reached_down and other.reached_up
     return low > high or touching
 
 
