@@ -443,3 +443,27 @@ def test_a_decision_that_turns_on_the_target_says_so_and_one_that_does_not_stays
     q = quote(_fitted_doc({"1P1D": ("separated", clear), "x2": ("colocated", weak)}))
     assert q["decision"] == "yes" and {o["decision"] for o in q["other_targets"]} == {"yes"}
     assert "turns on the target" not in _fitted_context({"arrangements": []}, q)
+
+
+def test_a_separated_arrangement_that_held_the_rate_the_colocated_one_failed_is_a_yes():
+    """The colocated curve crosses between 1.0 and 2.0 req/s by its fit, its interval reaching up to
+    the failed probe at 2.0 (curve.py, "Between probes"); 1P1D held every rate, 2.0 the highest. The
+    bound ratio's lower end is exactly 1 (2.0 / 2.0), yet the two are ordered at a rate both ran."""
+    from splitserve.trial.quote import quote
+    from splitserve.trial.verdict import fitted_verdict
+
+    held = [(0.5, (44, 44), (6, 6)), (1.0, (44, 44), (6, 6)), (2.0, (44, 44), (6, 6))]
+    cliff = [(0.5, (44, 44), (6, 6)), (1.0, (43, 44), (6, 6)), (2.0, (8, 44), (0, 6))]
+    q = quote(_fitted_doc({"1P1D": ("separated", held), "x2": ("colocated", cliff)}))
+    sep, col = q["arrangements"]["1P1D"], q["arrangements"]["x2"]
+    assert sep["kind"] == "at_least" and col["kind"] == "point" and col["hi_rps"] == 2.0 > col["fit_hi_rps"]
+    assert q["ratio"]["lo"] == pytest.approx(1.0) and q["ratio"]["meets_at_rps"] == 2.0
+    assert q["decision"] == "yes"
+    text = fitted_verdict(q)
+    assert text.startswith("Separate prefill: yes") and "meet only at 2.00 req/s" in text
+    # the same curves the other way round: colocated held, 1P1D failed: a no
+    q = quote(_fitted_doc({"1P1D": ("separated", cliff), "x2": ("colocated", held)}))
+    assert q["decision"] == "no" and q["ratio"]["meets"] == "below"
+    assert fitted_verdict(q).startswith("Separate prefill: no.")
+    # a colocated curve whose own interval reaches past 2.0: the two overlap, no order
+    assert decide({"lo": 1.0, "hi": None}) == "unclear"

@@ -391,3 +391,22 @@ def test_intervals_that_reached_one_probed_rate_from_either_side_are_apart_and_o
     own_end = Capacity("point", 1.9, 1.0, 2.9, fit_lo=1.0, fit_hi=2.9)     # 1.0 is the bootstrap's own lower end
     assert not clearly_above(own_end, base)
     assert not clearly_above(Capacity("point", 1.9, 0.9, 2.9, fit_lo=1.6, fit_hi=2.9), base)   # overlapping
+
+
+def test_a_grid_point_that_held_the_rate_the_base_failed_is_above_it_though_their_ends_are_equal():
+    """Session 38's doc-heavy tuning: colocated-chunked-x2@128tok-1x2 held 40 of 40 at 1.42 req/s
+    (every rate probed held: at least 1.42) where the base held 17 of 40, its interval [0.77-1.16]
+    reaching up to that probe (1.42). The grid point is above; the tuning kept the base."""
+    from splitserve.trial.curve import Capacity, meet_apart
+    from splitserve.trial.sidebyside import clearly_above
+
+    r = 1.4181818181818182
+    held = Capacity("at_least", r, r, None)
+    base = Capacity("point", 1.04, 0.77, r, fit_lo=0.77, fit_hi=1.16)
+    assert clearly_above(held, base) and not clearly_above(base, held)
+    assert meet_apart(held, base) == r and meet_apart(base, held) is None
+    failed = Capacity("at_most", r, None, r)       # failed the rate the other held: below it
+    assert clearly_above(held, failed) and not clearly_above(failed, held)
+    point_below = Capacity("point", 1.3, 1.1, r, fit_lo=1.1, fit_hi=1.5)   # r is its own fit's, not a probe
+    assert not clearly_above(held, point_below)
+    assert not clearly_above(Capacity("at_least", 1.2, 1.2, None), base)    # inside the base's interval

@@ -82,8 +82,9 @@ rates beside the estimate, so the interval reaches them: [min(lo, the highest pr
 under the estimate), max(hi, the lowest over it)] (`REACH_PROBES`; `fit_lo`, `fit_hi` keep the
 bootstrap's own), a paired ratio's ends move by the same factors, and the placement's next probe
 goes between them (next_rate) until the interval is narrow enough. Two intervals that reach one
-probed rate from either side touch there without overlapping (sidebyside.clearly_above: grid
-points probed at the same rates meet so). On probes drawn from a queue
+probed rate from either side touch there without overlapping, and so does an "at least" that held
+a rate beside an interval that reached up to it (meet_apart: the tuning's clearly_above, the
+quote's decision). On probes drawn from a queue
 (`python bench/curve_coverage.py --queue`), coverage of the 90% interval: docs/benchmarks.md, "A
 capacity you can quote", "Session 37".
 
@@ -528,6 +529,24 @@ def next_rate(probes: list[ProbeOutcomes], found: Capacity, grow: float, precisi
         below, above = beside([p.rate for p in probes], found.estimate)
         candidates.insert(1, math.sqrt(below * above))   # the middle of the unprobed stretch it reached across
     return min(candidates, key=lambda x: (crowd(x), candidates.index(x)))
+
+
+def meet_apart(above: Capacity, below: Capacity) -> float | None:
+    """The probed rate where `above`'s interval (or bound) reaches down to and `below`'s reaches up
+    to, from either side, or None. At that rate the two touch without overlapping: a point whose
+    interval reached down to a probe (module docstring, "Between probes") crosses above it by its
+    own fit, an "at least" held it, and on the other side a point that reached up to it crosses
+    below it, an "at most" failed it. So `above` is above `below` though the two ends are equal
+    (grid points and arrangements probed side by side at the same rates meet so: in session 38 a
+    tuning grid point held 40 of 40 at 1.42 req/s where the base held 17 of 40, and their equal ends
+    at 1.42 read as an overlap). Equal ends that are a fit's own interval prove nothing: None."""
+    low = (above.lo if above.kind == "point" and above.reached_down
+           else above.estimate if above.kind == "at_least" else None)
+    high = (below.hi if below.kind == "point" and below.reached_up
+            else below.estimate if below.kind == "at_most" else None)
+    if low is None or high is None or not math.isclose(low, high, rel_tol=1e-9):
+        return None
+    return float(low)
 
 
 def wilson(k: int, n: int, z: float = 1.645) -> tuple[float, float]:

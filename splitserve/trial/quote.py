@@ -3,7 +3,9 @@ and 90% interval (overall and per class), the best separated against the best co
 paired-bootstrap ratio, the one decision that follows, and how the host behaved.
 
 The decision: "yes" (separate prefill) when the ratio's interval lies above 1, "no" when below,
-"unclear" (no clear difference) whenever it reaches 1. Where a capacity is only a bound, the
+"unclear" (no clear difference) whenever it reaches 1, except where it ends at exactly 1 because
+the two capacities meet at one probed rate from either side (curve.meet_apart: one held that rate
+or crosses above it by its own fit, the other failed it or crosses below): they are ordered. Where a capacity is only a bound, the
 ratio is a bound too: 1P1D holding at least S against a colocated interval topping at C gives a
 ratio of at least S / C, "yes" only if that is above 1.
 
@@ -47,12 +49,25 @@ def decide(ratio: dict | None) -> str:
     """yes | no | unclear, from the ratio's interval (or bound)."""
     if ratio is None:
         return "unclear"
-    lo, hi = ratio.get("lo"), ratio.get("hi")
-    if lo is not None and lo > 1.0:
+    lo, hi, meets = ratio.get("lo"), ratio.get("hi"), ratio.get("meets")
+    # an end at exactly 1 where the two capacities meet at a probed rate from either side (curve.meet_apart)
+    if lo is not None and (lo > 1.0 or (meets == "above" and lo >= 1.0 - 1e-9)):
         return "yes"
-    if hi is not None and hi < 1.0:
+    if hi is not None and (hi < 1.0 or (meets == "below" and hi <= 1.0 + 1e-9)):
         return "no"
     return "unclear"
+
+
+def with_meeting(ratio: dict | None, sep: curve.Capacity, col: curve.Capacity) -> dict | None:
+    """The ratio, marked where the separated and colocated capacities meet at one probed rate from
+    either side (curve.meet_apart): its end there is exactly 1, and yet the two are ordered."""
+    if ratio is None:
+        return None
+    above, below = curve.meet_apart(sep, col), curve.meet_apart(col, sep)
+    if above is None and below is None:
+        return ratio
+    return {**ratio, "meets": "above" if above is not None else "below",
+            "meets_at_rps": above if above is not None else below}
 
 
 def bound_ratio(sep: dict, col: dict) -> dict | None:
@@ -94,6 +109,7 @@ def quote(doc: dict) -> dict | None:
             ratio = curve.paired_ratio(probes[sep], probes[col], target, rng, caps=(caps[sep], caps[col]))
         else:
             ratio = bound_ratio(per[sep], per[col])
+        ratio = with_meeting(ratio, caps[sep], caps[col])
     steps = step_check(doc)
     others = (at_other_targets(probes[sep], probes[col], target, rng)
               if sep and col and per[sep]["kind"] != "none" and per[col]["kind"] != "none" else [])
@@ -118,8 +134,8 @@ def at_other_targets(sep: list[curve.ProbeOutcomes], col: list[curve.ProbeOutcom
         s, c = found[0].to_dict(), found[1].to_dict()
         if s["kind"] == "none" or c["kind"] == "none":
             continue
-        ratio = (curve.paired_ratio(sep, col, t, rng, caps=found) if s["kind"] == c["kind"] == "point"
-                 else bound_ratio(s, c))
+        ratio = with_meeting(curve.paired_ratio(sep, col, t, rng, caps=found) if s["kind"] == c["kind"] == "point"
+                             else bound_ratio(s, c), *found)
         out.append({"target": t, "separated": {**s, "target": t, "points": sep_points},
                     "colocated": {**c, "target": t, "points": col_points},
                     "ratio": ratio, "decision": decide(ratio)})

@@ -404,18 +404,14 @@ def _pick_tuned(trial, searches, endpoints, grid_names):
 def clearly_above(found, other) -> bool:
     """found's capacity is above other's beyond both intervals: found's lower end (the point's lo,
     an "at least" bound) over other's upper end (the point's hi, an "at most" bound), or the two
-    points' intervals reaching one probed rate from either side."""
+    meeting at one probed rate from either side (curve.meet_apart)."""
     if found is None or other is None:
         return False
     low = {"point": found.lo, "at_least": found.estimate}.get(found.kind)
     high = {"point": other.hi, "at_most": other.estimate}.get(other.kind)
     if low is None or high is None:
         return False
-    # Two intervals that reached the same probed rate from either side (curve.py, "Between probes")
-    # touch there but do not overlap: each fit's own interval ended short of that rate, so one
-    # crossing lies above it and the other below (grid points probed at the same rates meet so).
-    touching = low == high and found.kind == other.kind == "point" and found.reached_down and other.reached_up
-    return low > high or touching
+    return low > high or curve.meet_apart(found, other) is not None
 
 
 def _record(trial, searches, repeat):

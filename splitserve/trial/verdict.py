@@ -235,14 +235,19 @@ def fitted_verdict(q: dict) -> str:
         best = max(per.values(), key=lambda c: c["estimate_rps"] or 0)
         return f"Capacity within the SLOs {what}: the best is {best['name']}, {_iv(best)}."
     s, c, decision = per[sep], per[col], q["decision"]
+    meets = ""
+    if r and r.get("meets_at_rps") and decision in ("yes", "no"):
+        up, down = (sep, col) if decision == "yes" else (col, sep)
+        meets = (f"; the two meet only at {r['meets_at_rps']:.2f} req/s, a rate both ran: {up} held it or "
+                 f"crosses above it, {down} failed it or crosses below")
     if decision == "yes":
         return (f"Separate prefill: yes. {sep} holds {_iv(s)} within the SLOs, the best colocated setting "
-                f"({col}) {_iv(c)}: {_ratio(r)} {what}.")
+                f"({col}) {_iv(c)}: {_ratio(r)} {what}{meets}.")
     if decision == "no":
         back = ({"estimate": 1 / r["estimate"] if r.get("estimate") else None,
                  "lo": 1 / r["hi"] if r.get("hi") else None, "hi": 1 / r["lo"] if r.get("lo") else None})
         return (f"Separate prefill: no. The best colocated setting ({col}) holds {_iv(c)} within the SLOs, "
-                f"{sep} {_iv(s)}: colocated holds {_ratio(back)} as much {what}.")
+                f"{sep} {_iv(s)}: colocated holds {_ratio(back)} as much {what}{meets}.")
     why = (f"the ratio {_ratio(r)} reaches 1" if r else
            "their capacities are bounds on the same side, so they cannot be ordered")
     return (f"Separate prefill: no clear difference. {sep} holds {_iv(s)} within the SLOs, the best colocated "
