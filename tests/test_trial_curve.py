@@ -467,3 +467,7 @@ def test_a_separated_arrangement_that_held_the_rate_the_colocated_one_failed_is_
     assert fitted_verdict(q).startswith("Separate prefill: no.")
     # a colocated curve whose own interval reaches past 2.0: the two overlap, no order
     assert decide({"lo": 1.0, "hi": None}) == "unclear"
+    # a ratio above 1 anyway: the meeting decides nothing and the verdict does not mention it
+    q = quote(_fitted_doc({"1P1D": ("separated", held), "x2": ("colocated", cliff)}))
+    q["ratio"]["lo"] = 1.05
+    assert "meet only" not in fitted_verdict(q)

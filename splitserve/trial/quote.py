@@ -5,9 +5,9 @@ paired-bootstrap ratio, the one decision that follows, and how the host behaved.
 The decision: "yes" (separate prefill) when the ratio's interval lies above 1, "no" when below,
 "unclear" (no clear difference) whenever it reaches 1, except where it ends at exactly 1 because
 the two capacities meet at one probed rate from either side (curve.meet_apart: one held that rate
-or crosses above it by its own fit, the other failed it or crosses below): they are ordered. Where a capacity is only a bound, the
-ratio is a bound too: 1P1D holding at least S against a colocated interval topping at C gives a
-ratio of at least S / C, "yes" only if that is above 1.
+or crosses above it by its own fit, the other failed it or crosses below): they are ordered.
+Where a capacity is only a bound, the ratio is a bound too: 1P1D holding at least S against a
+colocated interval topping at C gives a ratio of at least S / C, "yes" only if that is above 1.
 
 A fixed-rate run is a comparison only with at least MIN_PER_CLASS requests of every class in
 every arrangement's run (one request then moves a class's share by at most 5 points); else it is

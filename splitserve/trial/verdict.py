@@ -236,7 +236,9 @@ def fitted_verdict(q: dict) -> str:
         return f"Capacity within the SLOs {what}: the best is {best['name']}, {_iv(best)}."
     s, c, decision = per[sep], per[col], q["decision"]
     meets = ""
-    if r and r.get("meets_at_rps") and decision in ("yes", "no"):
+    at_one = r and ((decision == "yes" and (r.get("lo") or 0) <= 1.0 + 1e-9)
+                    or (decision == "no" and (r.get("hi") or 2) >= 1.0 - 1e-9))
+    if at_one and r.get("meets_at_rps"):   # the ratio's end is 1: say why it still decides
         up, down = (sep, col) if decision == "yes" else (col, sep)
         meets = (f"; the two meet only at {r['meets_at_rps']:.2f} req/s, a rate both ran: {up} held it or "
                  f"crosses above it, {down} failed it or crosses below")
