@@ -15,6 +15,8 @@ shown as an illustration and no sentence draws a winner from it.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from splitserve.trial import curve
@@ -49,13 +51,25 @@ def decide(ratio: dict | None) -> str:
     """yes | no | unclear, from the ratio's interval (or bound)."""
     if ratio is None:
         return "unclear"
-    lo, hi, meets = ratio.get("lo"), ratio.get("hi"), ratio.get("meets")
-    # an end at exactly 1 where the two capacities meet at a probed rate from either side (curve.meet_apart)
-    if lo is not None and (lo > 1.0 or (meets == "above" and lo >= 1.0 - 1e-9)):
+    lo, hi = ratio.get("lo"), ratio.get("hi")
+    if lo is not None and lo > 1.0:
         return "yes"
-    if hi is not None and (hi < 1.0 or (meets == "below" and hi <= 1.0 + 1e-9)):
+    if hi is not None and hi < 1.0:
         return "no"
-    return "unclear"
+    return decided_by_meeting(ratio) or "unclear"
+
+
+def decided_by_meeting(ratio: dict) -> str | None:
+    """"yes" or "no" where the ratio's end is exactly 1 only because the two capacities meet at a
+    probed rate from either side (with_meeting, curve.meet_apart), else None."""
+    def at_one(end):
+        return end is not None and math.isclose(end, 1.0, abs_tol=1e-9)
+
+    if ratio.get("meets") == "above" and at_one(ratio.get("lo")):
+        return "yes"
+    if ratio.get("meets") == "below" and at_one(ratio.get("hi")):
+        return "no"
+    return None
 
 
 def with_meeting(ratio: dict | None, sep: curve.Capacity, col: curve.Capacity) -> dict | None:

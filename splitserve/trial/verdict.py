@@ -224,6 +224,8 @@ def _ratio(r: dict) -> str:
 
 def fitted_verdict(q: dict) -> str:
     """The first sentence, the one decision: from the ratio's interval alone (quote.decide)."""
+    from splitserve.trial.quote import decided_by_meeting
+
     per, sep, col, r = q["arrangements"], q["separated"], q["colocated"], q["ratio"]
     what = (f"(capacity: the offered rate where a curve fitted to every probed request crosses "
             f"{_pct(q['target'])} good; {_pct(q['level'])} intervals)")
@@ -236,9 +238,7 @@ def fitted_verdict(q: dict) -> str:
         return f"Capacity within the SLOs {what}: the best is {best['name']}, {_iv(best)}."
     s, c, decision = per[sep], per[col], q["decision"]
     meets = ""
-    at_one = r and ((decision == "yes" and (r.get("lo") or 0) <= 1.0 + 1e-9)
-                    or (decision == "no" and (r.get("hi") or 2) >= 1.0 - 1e-9))
-    if at_one and r.get("meets_at_rps"):   # the ratio's end is 1: say why it still decides
+    if r and decided_by_meeting(r) == decision:   # the ratio's end is 1: say why it still decides
         up, down = (sep, col) if decision == "yes" else (col, sep)
         meets = (f"; the two meet only at {r['meets_at_rps']:.2f} req/s, a rate both ran: {up} held it or "
                  f"crosses above it, {down} failed it or crosses below")
