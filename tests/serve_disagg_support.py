@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -11,22 +9,19 @@ from pathlib import Path
 
 import httpx
 
-from serve_support import REPO, ServerProcess, free_port
+from serve_support import ServerProcess
 
 
 class DisaggServer(ServerProcess):
     """ServerProcess with any arrangement flags (`--prefill 1 --decode 1 ...` or `--instances 1`)."""
 
     def __init__(self, model: str, *arrangement: str, log_path: Path | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port), "--model", model,
-               "--threads-per-instance", "1", "--log-level", "warning", "--kv-cache-memory", "8MiB",
-               "--max-num-batched-tokens", "128", *arrangement]
-        self.log_path = log_path or Path(os.devnull)
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        super().__init__(model, *arrangement, log_path=log_path)
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port), "--model", self.model,
+                "--threads-per-instance", "1", "--log-level", "warning", "--kv-cache-memory", "8MiB",
+                "--max-num-batched-tokens", "128", *self.extra]
 
 
 def completion_body(prompt: list[int], max_tokens: int, stream: bool, **extra) -> dict:

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,22 +22,45 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    """A `splitserve serve` child on a free loopback port. The port is picked before the server binds
+    it, so another process can take it in between (CI once lost a test so: the other pytest worker's
+    servers bind ephemeral ports all the time); wait_ready then starts it again on another port."""
+
+    PORT_RACE_TRIES = 3
+
     def __init__(self, model: str | None, *extra: str, instances: int = 1, log_path: Path | None = None) -> None:
+        self.model, self.extra, self.instances = model, extra, instances
+        self._own_log = log_path is None  # a temporary file, removed by stop()
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="splitserve-serve-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        self.log_path = log_path
+        self.launch()
+
+    def command(self, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port),
+               "--instances", str(self.instances), "--threads-per-instance", "1", "--log-level", "warning",
+               *self.extra]
+        if self.model:
+            cmd += ["--model", self.model]
+        return cmd
+
+    def launch(self) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--port", str(self.port),
-               "--instances", str(instances), "--threads-per-instance", "1", "--log-level", "warning", *extra]
-        if model:
-            cmd += ["--model", model]
-        self.log_path = log_path or Path(os.devnull)
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(self.command(self.port), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env)
 
     def text(self) -> str:
         """The whole log, for what a test looks for in it (a line from startup, or one followed by
         many others on a busy box, is not in the tail)."""
-        return self.log_path.read_text(errors="replace") if self.log_path != Path(os.devnull) else ""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:  # a temporary log after stop()
+            return ""
 
     def log(self) -> str:
         """The log's last 4,000 characters, for a failed assertion's message."""
@@ -44,8 +68,14 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
+        tries = 1
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
+                if port_was_taken(self.text()) and tries < self.PORT_RACE_TRIES:
+                    tries += 1
+                    self.launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
@@ -62,7 +92,14 @@ class ServerProcess:
     def stop(self, timeout_s: float = 30.0) -> int:
         stop_process(self.proc, timeout_s)
         self._log.close()
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
+
+
+def port_was_taken(log: str) -> bool:
+    """The server's log says its HTTP port was taken before it could listen there."""
+    return "cannot listen on" in log and "Address already in use" in log
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +49,22 @@ def test_a_normal_start_of_two_engines_is_not_taken_for_a_restart(server):
     log = server.log_path.read_text(errors="replace")
     assert "engine engine-0 ready" in log and "engine engine-1 ready" in log, log  # info lines are on
     assert "without a hello" not in log and "does not know us" not in log, log
+
+
+def test_a_taken_port_stops_serve_before_any_engine_starts(tmp_path):
+    """The HTTP port is bound first: a taken one is said at once, not after the engines loaded the
+    model, and no ephemeral port an engine socket binds meanwhile can land on the port serve was given."""
+    model = write_tiny_checkpoint(tmp_path / "tiny", arch="llama")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(model), "--port",
+                               str(port), "--threads-per-instance", "1", "--log-level", "info"],
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"splitserve serve: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "connecting to" not in proc.stderr + proc.stdout, proc.stderr[-2000:]  # no engine was started
 
 
 def test_serve_exits_with_a_clear_error_when_the_model_cannot_load(tmp_path):

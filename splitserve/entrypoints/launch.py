@@ -224,12 +224,29 @@ def stop_engines(processes: list[subprocess.Popen], grace_s: float = 10.0) -> No
     stop_processes(processes, grace_s, what="engine")
 
 
+def http_listener(args: argparse.Namespace, handover) -> socket.socket:
+    """The listening socket all HTTP traffic arrives on: the one the process we replaced kept open
+    for us (a coordinator restart), or a new one. Bound here, not in uvicorn, so that a restart can
+    keep it open. OSError when the port is taken."""
+    from splitserve.api.listen import http_socket, listening_socket
+
+    if handover is not None and handover.http_fd is not None:
+        inherited = socket.socket(fileno=handover.http_fd)
+        inherited.set_inheritable(False)
+        return inherited
+    try:
+        if args.api_server_count > 1:  # shared with the other API processes (SO_REUSEPORT)
+            return listening_socket(args.host, args.port, first=True)
+        return http_socket(args.host, args.port)
+    except OSError as e:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from e
+
+
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from splitserve.api.api_server import ApiServerHeader, build_server_app
     from splitserve.api.engine_client import EngineClient
-    from splitserve.api.listen import http_socket, listening_socket
     from splitserve.api.render import load_renderer
     from splitserve.coordinator.metrics import FrontendMetrics
     from splitserve.coordinator.router import Router
@@ -246,6 +263,11 @@ async def serve(args: argparse.Namespace) -> int:
         roles = restore_arrangement(args.state_file, args.model, roles, {i.id for i in remote}, args.kv_port)
     # the state file's arrangement is made of these, in the order serve started them (a dict as an ordered set)
     owned = dict.fromkeys(engine_id for engine_id, _ in roles)
+    # The HTTP port is taken before any engine starts, as vLLM does: a port in use fails here, in
+    # a second, not after the model loaded; and the ephemeral ports the engine link and KV sockets
+    # bind meanwhile cannot land on it (a test's free port was once taken so between its pick and
+    # the late bind). Connections made before the app is up wait in the backlog.
+    listener = http_listener(args, handover)
     if args.threads_per_instance is None and roles:
         # Unset, every engine would start one torch thread per core and they would fight over
         # them; split the cores this process may use evenly instead.
@@ -329,13 +351,8 @@ async def serve(args: argparse.Namespace) -> int:
         restarter.previous = handover
         app, http_limits = build_server_app(client, metrics, spawn_engine, args, mix, restarter, placement)
         app = CloseWhileRestarting(app, restarter)
-        sockets = None
-        inherited = None  # the listening socket the process we replaced kept open for us
-        if handover is not None and handover.http_fd is not None:
-            inherited = socket.socket(fileno=handover.http_fd)
-            inherited.set_inheritable(False)
+        sockets = [listener]
         if args.api_server_count > 1:
-            sockets = [inherited or listening_socket(args.host, args.port, first=True)]
             hub = ApiHub(client, app)
             hub.start()
             hub.start_processes(args.api_server_count, args, sockets[0].getsockname()[1])
@@ -343,8 +360,6 @@ async def serve(args: argparse.Namespace) -> int:
             app = ApiServerHeader(app, 0)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5, **http_limits)
-        if sockets is None:  # bound here, not in uvicorn: a coordinator restart keeps it open
-            sockets = [inherited or http_socket(args.host, args.port, config.backlog)]
         server = uvicorn.Server(config)
         restarter.http_fd = sockets[0].fileno()
         restarter.stop_serving = lambda: setattr(server, "should_exit", True)
@@ -359,7 +374,7 @@ async def serve(args: argparse.Namespace) -> int:
             while not server.started:
                 await asyncio.sleep(0.05)
             api = f" and {args.api_server_count} API processes" if args.api_server_count > 1 else ""
-            print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{args.port}/v1 "
+            print(f"splitserve: serving {client.model_name!r} on http://{args.host}:{listener.getsockname()[1]}/v1 "
                   f"with {len(roles)} engine(s): {', '.join(f'{i} ({r})' for i, r in roles)}{api}; "
                   f"engines join at {client.address}", flush=True)
             if args.generated_secrets:
@@ -374,6 +389,7 @@ async def serve(args: argparse.Namespace) -> int:
         announcer.cancel()
     finally:
         restarting = restarter is not None and restarter.handover is not None
+        listener.close()  # a restart has handed a duplicate of it to the next process
         if watcher is not None:
             await watcher.stop()  # before the engines stop: their exits change nothing
         if hub is not None:

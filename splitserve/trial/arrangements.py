@@ -39,6 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The port is picked before the server binds it, so another process may take it in between; a server
+# that exits saying so is started again on another port, this many launches in all.
+PORT_RACE_TRIES = 3
+
+
+def port_was_taken(log_path: pathlib.Path) -> bool:
+    """The launched server's log says its port was in use (`serve`, uvicorn and most servers print
+    the OS's words for EADDRINUSE)."""
+    return "address already in use" in _tail(log_path).lower()
+
+
 def server_command(arr: Arrangement, port: int, model: str | None) -> list[str]:
     if arr.command is not None:
         return [part.replace("{port}", str(port)) for part in arr.command]
@@ -87,17 +98,27 @@ def launched(arr: Arrangement, model: str | None, log_dir: pathlib.Path, startup
                              startup_timeout_s, cpus) as (base_url, pid):
             yield Endpoint(base_url, wait_ready(base_url, 30.0), pid)
         return
-    port = free_port()
-    log_path = log_dir / f"{arr.name}.log"
-    if log_path.exists():  # a repeat: keep every launch's log
-        log_path = log_dir / f"{arr.name}.{len(list(log_dir.glob(arr.name + '.*log')))}.log"
-    with open(log_path, "wb") as log:
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        proc = subprocess.Popen(server_command(arr, port, model), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
-    try:
+    for attempt in range(1, PORT_RACE_TRIES + 1):
+        port = free_port()
+        log_path = log_dir / f"{arr.name}.log"
+        if log_path.exists():  # a repeat, or a relaunch: keep every launch's log
+            log_path = log_dir / f"{arr.name}.{len(list(log_dir.glob(arr.name + '.*log')))}.log"
+        with open(log_path, "wb") as log:
+            pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+            proc = subprocess.Popen(server_command(arr, port, model), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
         base_url = f"http://127.0.0.1:{port}"
-        yield Endpoint(base_url, wait_ready(base_url, startup_timeout_s, proc, log_path), proc.pid)
+        try:
+            model_id = wait_ready(base_url, startup_timeout_s, proc, log_path)
+        except BaseException as exc:  # Ctrl-C too: nothing launched outlives the trial
+            stop_process_group(proc)
+            if (isinstance(exc, LaunchError) and attempt < PORT_RACE_TRIES and proc.poll() is not None
+                    and port_was_taken(log_path)):
+                continue
+            raise
+        break
+    try:
+        yield Endpoint(base_url, model_id, proc.pid)
     finally:
         stop_process_group(proc)
 
