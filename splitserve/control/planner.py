@@ -231,6 +231,9 @@ def plan_document(ranked: list[Candidate], profile: Profile, requests: list[SimR
         "host_work": (f"the serving stack's CPU outside engine steps ({profile.host_work.per_request_s * 1e3:.2f} ms a "
                       f"request, {profile.host_work.per_token_s * 1e3:.3f} ms a streamed token, "
                       f"{profile.host_work.idle_cores:.3f} core idle) is taken from the engines' cores"
-                      if profile.host_work else "not profiled: the engines are simulated with all the cores"),
+                      if profile.host_work else "not profiled: the engines are simulated with all the cores")
+                     + ("; arrangements the profile's served pass ran (" + ", ".join(
+                         f"{n} x {t} thread(s)" for t, (n, _) in sorted(profile.served.items()))
+                        + ") use its steps, which ran beside that work, and none is added" if profile.served else ""),
         "profile": profile.raw,
     }

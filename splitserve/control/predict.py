@@ -208,8 +208,10 @@ def simulate(arrangement: Arrangement, profile: Profile, requests: list[SimReque
     fresh = [SimRequest(r.index, r.arrival_s / rate_multiplier, r.prompt_tokens, r.answer_tokens, r.class_name,
                         r.priority) for r in requests]
     transport = arrangement.transport
+    # the served pass's steps ran beside the serving stack's work: none is added on top of them
+    load = 0.0 if profile.serves([s.threads for s in arrangement.instances]) else host_load(profile, fresh)
     sim = Simulation(instances, lambda n: profile.transfer_s(transport, n), contention,
-                     max_queued_requests, disagg, host_load(profile, fresh), arrangement.cores)
+                     max_queued_requests, disagg, load, arrangement.cores)
     return sim.run(fresh), instances
 
 

@@ -19,7 +19,11 @@ skips it; `--contended served` makes each neighbour an instance served over HTTP
 client (its frontend's and client's work per request and per token on the host too, as in a trial). Also KV transfer per transport (control/kv_profile.py), the model load and engine start
 times, the machine, and (`--host-work`, on unless --quick) the serving stack's CPU outside engine
 steps per request and per streamed token (control/host_work.py), which the simulator takes from
-the engines' cores. Then the step model (control/stepmodel.py) is fitted and its error
+the engines' cores. Then, with `--served on`, per thread count T that divides the cores, cores / T
+instances served by `serve` under 60 s of streaming chat traffic (control/served_pass.py): their
+steps, refitted with the lone or contended model as prior, are what the planner uses for that
+arrangement (a trial's prompt steps ran 1.2-1.4x the in-process ones, session 38; off by default:
+two profiles with it moved the planner's check in opposite directions, session 39). Then the step model (control/stepmodel.py) is fitted and its error
 on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
 fastest repeat (load only ever adds time); the steps beside busy engines their median repeat (there
@@ -55,6 +59,7 @@ FULL = {"prefill": [32, 128, 512, 1024], "chunks": [(512, 256), (1024, 256), (10
 QUICK = {"prefill": [16, 48], "chunks": [(32, 16)], "decode_batch": [1, 4], "decode_context": [16, 48],
          "mixed": [(2, 16)], "decode_steps": 2, "transfer_tokens": [16, 64], "repeats": 2,
          "watch": 16}
+SERVED_SECONDS = 60.0  # each served pass's traffic (control/served_pass.py)
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
              "asimd", "sve")
 
@@ -78,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure the serving stack's CPU outside engine steps, per request and per "
                              "streamed token (control/host_work.py: one served instance, about 30 s; the planner "
                              "takes those cores from the engines). auto: on, except with --quick")
+    parser.add_argument("--served", choices=("on", "off"), default="off",
+                        help="also time, per thread count T that divides the cores, the steps of cores / T instances "
+                             "that `serve` runs under 60 s of streaming chat traffic (control/served_pass.py: the "
+                             "frontend and a client on the same cores, as in a trial); the planner then uses them for "
+                             "that arrangement of instances. Off by default: on a 2-vCPU VM they did not make the "
+                             "planner's check better (docs/benchmarks.md, Planner, session 39)")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -362,7 +373,8 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
 
 
 def measure(model: str | None, threads: list[int], quick: bool, repeats: int | None,
-            transports: list[str], log=print, contended: str = "auto", host_work: str = "auto") -> dict:
+            transports: list[str], log=print, contended: str = "auto", host_work: str = "auto",
+            served: str = "off") -> dict:
     import torch
 
     from splitserve.control.kv_profile import measure_kv_transfer
@@ -399,10 +411,32 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
 
         log("host work (the serving stack's CPU outside engine steps)")
         doc["host_work"] = measure_host_work(model, min(threads), log)
+    if served == "on":
+        served_passes(doc, model, threads, config.vocab_size, log, max_model_len=config.max_position_embeddings)
     machine["load_average_end"] = os.getloadavg()[0]
     machine["speed_units_per_s_end"] = machine_speed()
     parse_profile(doc)  # what we write must read back
     return doc
+
+
+def served_passes(doc: dict, model: str | None, threads: list[int], vocab: int, log,
+                  seconds: float = SERVED_SECONDS, max_model_len: int | None = None) -> None:
+    """threads.T.served for each profiled thread count T that divides the cores: cores / T
+    instances served under chat traffic (control/served_pass.py), their steps refitted with the
+    lone model (one instance) or the contended one (several) as the prior."""
+    from splitserve.control.served_pass import measure_served
+
+    cores = os.cpu_count() or 1
+    for t in threads:
+        if t > cores or cores % t:
+            continue
+        entry, count = doc["threads"][str(t)], cores // t
+        # as parse_profile reads them: each step's fastest repeat alone, the median beside busy engines
+        source, statistic = ((entry["contended"], CONTENDED_FIT_STATISTIC) if count > 1 and "contended" in entry
+                             else (entry, "fastest"))
+        prior = fit_step_model(*step_samples(source["samples"], "samples", statistic)).model
+        log(f"threads={t}: {count} instance(s) served under chat traffic for {seconds:.0f} s")
+        entry["served"] = measure_served(model, t, count, prior, vocab, seconds, log, max_model_len=max_model_len)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -419,9 +453,10 @@ def run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--out: folder {str(out.parent)!r} does not exist")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         set_omp_wait_policy(args.omp_wait_policy)
-        doc = measure(args.model, threads, args.quick, args.repeats, transports, log, args.contended, args.host_work)
-    except (ProfileError, ValueError, FileNotFoundError) as exc:
-        print(f"splitserve profile: {exc}", file=sys.stderr)
+        doc = measure(args.model, threads, args.quick, args.repeats, transports, log, args.contended, args.host_work,
+                      args.served)
+    except (ProfileError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"splitserve profile: {str(exc).removeprefix('profile: ')}", file=sys.stderr)
         return 2
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")

@@ -9,7 +9,8 @@
                        "contended": {"samples": [...], "step_model": {...},   # optional: the same steps
                                      "neighbours": {"count": 1, ...}},        # beside busy engines
                        "drift": {"prompt_tokens": 128, "began_unix": 1.8e9,      # optional: one step timed
-                                 "readings": [[0.4, 0.31], ...]}},   # through the pass ([s since it began, seconds])
+                                 "readings": [[0.4, 0.31], ...]},    # through the pass ([s since it began, seconds])
+                       "served": {"instances": 2, "step_model": {...}, "samples": [...], ...}},  # optional
                  "2": {...}},
      "serial_fraction": 0.3,                                         # optional (Amdahl, for other thread counts)
      "kv_transfer": {"shm": {"latency_s": 0.002, "gb_per_s": 3.1}, "tcp": {...}},
@@ -40,6 +41,13 @@ count's readings against that count's step model (fitted on the fastest repeats)
 gives their 10th, 50th and 90th percentiles: the planner's capacity at both ends
 (planner.speed_band_capacities) is what the same plan predicts at the slow and the fast minutes
 the profile itself saw.
+
+`served` (session 39, control/served_pass.py) holds the steps of `instances` instances of that
+thread count (the arrangement that fills the profiled host's cores) that `serve` ran under streaming
+chat traffic, refitted with the profiled model as the prior: the steps a trial's engines take, with
+the frontend and a client on the same cores. An arrangement of exactly that many instances of that
+thread count is simulated with them (Profile.serves), with no neighbour factor and no host work on
+top; a trial calibration drops them.
 
 `host_work` (issue 28 item 3, control/host_work.py) is the CPU the serving stack spends outside
 the engines' steps: the frontend, the coordinator, the engines' loops between steps and the
@@ -101,13 +109,25 @@ class Profile:
     contended: dict[int, StepModel] = field(default_factory=dict)  # threads -> steps beside busy engines
     host_work: HostWork | None = None  # the stack's CPU outside engine steps, when profiled
     speed_band: dict | None = None  # the lone passes' watched step against the model (speed_band())
+    # threads -> (instances, steps of that many instances served under chat traffic: served_pass.py)
+    served: dict[int, tuple[int, StepModel]] = field(default_factory=dict)
+
+    def serves(self, threads: list[int]) -> bool:
+        """Whether the profile's served pass ran exactly this arrangement of instances: as many
+        instances as it served, each of the thread count it served them with."""
+        return (bool(threads) and len(set(threads)) == 1 and threads[0] in self.served
+                and self.served[threads[0]][0] == len(threads))
 
     def instance_models(self, threads: list[int]) -> tuple[list[StepModel], float]:
         """Each instance's step model and the simulator's neighbour factor, for an arrangement of
         instances with these thread counts on one host. One instance: its lone steps. Several: the
         steps measured beside busy engines when the profile has them for every instance's thread
         count, with no factor on top (they ran beside neighbours already); otherwise the lone steps,
-        slowed by host_contention whenever a neighbour is busy (1.0 where it was not measured)."""
+        slowed by host_contention whenever a neighbour is busy (1.0 where it was not measured).
+        Before all of these: the served pass's steps, where it served this arrangement (serves()),
+        with no factor either (the simulator then adds no host work: it ran beside them too)."""
+        if self.serves(threads):
+            return [self.served[threads[0]][1]] * len(threads), 1.0
         if len(threads) > 1 and all(t in self.contended for t in threads):
             return [self.contended[t] for t in threads], 1.0
         return [self.steps.for_threads(t) for t in threads], self.host_contention
@@ -115,6 +135,9 @@ class Profile:
     def contention_note(self, threads: list[int]) -> str:
         """What instance_models does for arrangements of several instances with these thread
         counts, in words (the plan prints it)."""
+        if threads and self.serves(threads):
+            return (f"{len(threads)} instance(s) of {threads[0]} thread(s) use the steps the profile's served pass "
+                    f"timed under chat traffic (the serving stack and a client beside them)")
         if not threads:
             return "every arrangement is one instance, timed alone as profiled"
         have = sorted(t for t in set(threads) if t in self.contended)
@@ -147,6 +170,7 @@ class Profile:
             self, steps=StepModels({t: m.scaled(factor) for t, m in self.steps.by_threads.items()},
                                    self.steps.serial_fraction),
             contended={t: m.scaled(factor) for t, m in self.contended.items()},
+            served={t: (n, m.scaled(factor)) for t, (n, m) in self.served.items()},
             host_work=None if host is None else HostWork(host.idle_cores * factor, host.per_request_s * factor,
                                                          host.per_token_s * factor))
 
@@ -243,7 +267,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     contended_statistic = doc.get("contended_fit_statistic", CONTENDED_FIT_STATISTIC)
     if contended_statistic not in FIT_STATISTICS:
         raise ProfileError(f"contended_fit_statistic: one of {list(FIT_STATISTICS)}, got {contended_statistic!r}")
-    models, contended = {}, {}
+    models, contended, served = {}, {}, {}
     for key, entry in threads.items():
         path = f"threads.{key}"
         try:
@@ -257,6 +281,12 @@ def parse_profile(doc, source: str = "profile") -> Profile:
         if entry.get("contended") is not None:
             contended[count] = _thread_model(_mapping(entry["contended"], f"{path}.contended"), f"{path}.contended",
                                              contended_statistic)
+        if entry.get("served") is not None:
+            raw = _mapping(entry["served"], f"{path}.served")
+            instances = _number(raw.get("instances"), f"{path}.served.instances", minimum=1)
+            if instances != int(instances):
+                raise ProfileError(f"{path}.served.instances: a whole number, got {instances}")
+            served[count] = (int(instances), _step_model(raw.get("step_model"), f"{path}.served.step_model"))
     serial = doc.get("serial_fraction")
     if serial is not None and not 0 <= _number(serial, "serial_fraction") <= 1:
         raise ProfileError(f"serial_fraction: a fraction in [0, 1], got {serial}")
@@ -278,7 +308,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
                 raise ProfileError(f"{path}: calibrates a thread count the profile has no model for "
                                    f"(it has {sorted(models)})")
             models[int(key)] = _step_model(_mapping(entry, path).get("step_model"), f"{path}.step_model")
-        contention, contended = 1.0, {}  # a trial's steps ran beside their neighbours already
+        contention, contended, served = 1.0, {}, {}  # a trial's steps ran beside their neighbours already
     host_work = None
     if doc.get("host_work") is not None and doc.get("trial_calibration") is None:
         entry = _mapping(doc["host_work"], "host_work")
@@ -288,7 +318,7 @@ def parse_profile(doc, source: str = "profile") -> Profile:
     return Profile(model_name=str(model.get("name", "unknown")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, steps=StepModels(models, serial), transfer=transfer,
                    machine=doc.get("machine") or {}, raw=doc, host_contention=contention,
-                   contended=contended, host_work=host_work, speed_band=band)
+                   contended=contended, host_work=host_work, speed_band=band, served=served)
 
 
 MIN_DRIFT_READINGS = 8  # fewer and a 10th percentile is one reading

@@ -167,7 +167,7 @@ def with_models(profile: Profile, models: dict[int, StepModel]) -> Profile:
     the serving stack."""
     by_threads = {**profile.steps.by_threads, **models}
     return dataclasses.replace(profile, steps=StepModels(by_threads, profile.steps.serial_fraction),
-                               host_contention=1.0, contended={}, host_work=None)
+                               host_contention=1.0, contended={}, host_work=None, served={})
 
 
 def calibration(profile: Profile, arrangements: list[tuple[dict[str, int], list[dict]]]) -> dict:
