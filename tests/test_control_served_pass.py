@@ -112,7 +112,7 @@ def test_a_served_pass_of_the_tiny_model_refits_on_the_steps_its_engines_reporte
     prior = StepModel(overhead_s=0.002, per_prefill_token_s=1e-5, per_decode_seq_s=5e-5, per_decode_kv_token_s=1e-8)
     entry = measure_served(str(model), 1, 1, prior, config["vocab_size"], seconds=4.0, log=lambda line: None,
                            max_model_len=config["max_position_embeddings"])
-    assert entry["instances"] == 1 and entry["requests"] > 8 and entry["streamed_tokens"] > 100
+    assert entry["instances"] == 1 and entry["requests"] > 8 and entry["streamed_chunks"] > 100
     assert len(entry["samples"]) == entry["fit"]["num_steps"] >= MIN_STEPS
     assert entry["fit"]["num_prompt_steps"] > 0
     assert any(row[2] > 1 for row in entry["samples"])  # the clients kept several streams decoding at once

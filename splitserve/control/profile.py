@@ -23,8 +23,8 @@ the engines' cores. Then, with `--served on`, per thread count T that divides th
 instances served by `serve` under 60 s of streaming chat traffic (control/served_pass.py): their
 steps, refitted with the lone or contended model as prior, are what the planner uses for that
 arrangement (a trial's prompt steps ran 1.2-1.4x the in-process ones, session 38; off by default:
-two profiles with it moved the planner's check in opposite directions, session 39). Then the step model (control/stepmodel.py) is fitted and its error
-on the samples printed. Other processes' load distorts every figure: the load average at
+two profiles with it moved the planner's check in opposite directions, session 39). Then the step
+model (control/stepmodel.py) is fitted and its error on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
 fastest repeat (load only ever adds time); the steps beside busy engines their median repeat (there
 the spread is the neighbour's phase, the contention itself). The lone pass also times one fresh

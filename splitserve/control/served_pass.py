@@ -58,7 +58,7 @@ async def _drive(base_url: str, model_id: str | None, clients: int, seconds: flo
     import httpx
 
     stop = time.monotonic() + seconds
-    counts = {"requests": 0, "failed": 0, "tokens": 0}
+    counts = {"requests": 0, "failed": 0, "chunks": 0}
 
     async def client(index: int, http: httpx.AsyncClient) -> None:
         rng = random.Random(seed * 1000 + index)
@@ -76,7 +76,7 @@ async def _drive(base_url: str, model_id: str | None, clients: int, seconds: flo
                         continue
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
-                            counts["tokens"] += 1
+                            counts["chunks"] += 1
             except httpx.HTTPError:
                 counts["failed"] += 1
 
@@ -87,13 +87,15 @@ async def _drive(base_url: str, model_id: str | None, clients: int, seconds: flo
 
 
 def _ratios(samples, prior) -> dict:
-    """Time-weighted measured / prior-model seconds, for steps with prompt tokens and decode-only ones."""
+    """Time-weighted measured / prior-model seconds (and the median ratio), for steps with prompt
+    tokens and for decode-only ones; None for a kind with no steps."""
     out = {}
-    for kind, keep in (("prompt", lambda s: s.shape.prefill_tokens > 0), ("decode", lambda s: not s.shape.prefill_tokens)):
-        pairs = [(s.seconds, prior.predict(s.shape)) for s in samples if keep(s)]
+    for kind, prompt in (("prompt", True), ("decode", False)):
+        pairs = [(s.seconds, prior.predict(s.shape)) for s in samples if (s.shape.prefill_tokens > 0) == prompt]
         pairs = [(m, p) for m, p in pairs if m > 0 and p > 0]
-        out[kind] = ({"num_steps": len(pairs), "time_weighted": round(sum(m for m, _ in pairs) / sum(p for _, p in pairs), 4),
-                      "median": round(statistics.median(m / p for m, p in pairs), 4)} if pairs else None)
+        out[kind] = None if not pairs else {
+            "num_steps": len(pairs), "time_weighted": round(sum(m for m, _ in pairs) / sum(p for _, p in pairs), 4),
+            "median": round(statistics.median(m / p for m, p in pairs), 4)}
     return out
 
 
@@ -145,12 +147,12 @@ def measure_served(model: str | None, threads: int, instances: int, prior, vocab
     online = OnlineStepModel(prior)
     online.refit(samples)
     ratios = _ratios(samples, prior)
-    log(f"  served: {counts['requests']} requests, {counts['tokens']} streamed tokens, {len(samples)} steps in "
-        f"{wall:.0f} s; against the prior, prompt steps x{ratios['prompt']['time_weighted'] if ratios['prompt'] else 0:.2f}, "
-        f"decode steps x{ratios['decode']['time_weighted'] if ratios['decode'] else 0:.2f} (time-weighted); "
-        f"refit median |error| {online.median_error:.1%}")
+    read = {kind: f"x{r['time_weighted']:.2f}" if r else "none" for kind, r in ratios.items()}
+    log(f"  served: {counts['requests']} requests, {counts['chunks']} streamed chunks, {len(samples)} steps in "
+        f"{wall:.0f} s; against the prior, prompt steps {read['prompt']}, decode steps {read['decode']} "
+        f"(time-weighted); refit median |error| {online.median_error:.1%}")
     return {"instances": instances, "threads_each": threads, "seconds": round(wall, 1),
-            "clients": clients, "requests": counts["requests"], "streamed_tokens": counts["tokens"],
+            "clients": clients, "requests": counts["requests"], "streamed_chunks": counts["chunks"],
             "work": (f"{CLIENTS_PER_INSTANCE} streaming clients per instance, closed loop: chats of 16-160 prompt "
                      f"tokens with 48-96-token answers, 1 in {round(1 / DOCUMENT_SHARE)} a 300-900-token document "
                      f"with a 16-48-token answer; fresh random token ids; chunked {BUDGET}-token budget"),
