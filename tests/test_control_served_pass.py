@@ -93,7 +93,7 @@ def test_served_passes_run_for_thread_counts_that_divide_the_cores(monkeypatch):
     samples += [{"kind": "decode", "prefill_tokens": 0, "prefill_attn_ktok2": 0.0, "decode_seqs": b,
                  "decode_kv_tokens": b * 64, "seconds": [0.005 + 0.001 * b, 0.006 + 0.001 * b]} for b in (1, 4, 16)]
     slower = [dict(s, seconds=[3 * x for x in s["seconds"]]) for s in samples]
-    doc = {"threads": {str(t): {"samples": samples} for t in (1, 2, 3)}}
+    doc = {**copy.deepcopy(HAND_WRITTEN), "threads": {str(t): {"samples": samples} for t in (1, 2, 3)}}
     doc["threads"]["1"]["contended"] = {"samples": slower}
     profile_mod.served_passes(doc, None, [1, 2, 3], 1000, lambda line: None)
     assert [(t, n) for t, n, _ in calls] == [(1, 4), (2, 2)]  # 3 does not divide 4 cores

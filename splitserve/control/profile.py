@@ -427,16 +427,15 @@ def served_passes(doc: dict, model: str | None, threads: list[int], vocab: int, 
     from splitserve.control.served_pass import measure_served
 
     cores = os.cpu_count() or 1
+    profiled = parse_profile(doc)  # the models the planner would give each arrangement without these steps
     for t in threads:
         if t > cores or cores % t:
             continue
-        entry, count = doc["threads"][str(t)], cores // t
-        # as parse_profile reads them: each step's fastest repeat alone, the median beside busy engines
-        source, statistic = ((entry["contended"], CONTENDED_FIT_STATISTIC) if count > 1 and "contended" in entry
-                             else (entry, "fastest"))
-        prior = fit_step_model(*step_samples(source["samples"], "samples", statistic)).model
+        count = cores // t
+        prior = profiled.instance_models([t] * count)[0][0]
         log(f"threads={t}: {count} instance(s) served under chat traffic for {seconds:.0f} s")
-        entry["served"] = measure_served(model, t, count, prior, vocab, seconds, log, max_model_len=max_model_len)
+        doc["threads"][str(t)]["served"] = measure_served(model, t, count, prior, vocab, seconds, log,
+                                                          max_model_len=max_model_len)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -105,8 +105,7 @@ def measure_served(model: str | None, threads: int, instances: int, prior, vocab
     refit `prior` (a StepModel) on their steps. Returns the profile's `threads.T.served` entry.
     RuntimeError when the server does not start or too few steps came back."""
     from splitserve.control.online_stepmodel import OnlineStepModel
-    from splitserve.control.online_stepmodel import StepSample as OnlineSample
-    from splitserve.control.stepmodel import StepShape
+    from splitserve.control.trial_steps import instance_steps, trial_samples
     from splitserve.trial.arrangements import LaunchError, launched
     from splitserve.trial.engine_steps import step_counts, steps_since
     from splitserve.trial.spec import Arrangement
@@ -132,16 +131,11 @@ def measure_served(model: str | None, threads: int, instances: int, prior, vocab
         raise RuntimeError(f"profile: {counts['failed']} of {counts['requests']} requests of the served pass failed")
     if steps is None:
         raise RuntimeError("profile: the served pass's server reported no steps (GET /admin/steps)")
-    fields = list(steps["fields"])
-    at = [fields.index(f) for f in ("prefill_tokens", "prefill_attn_ktok2", "decode_seqs", "decode_kv_tokens",
-                                    "seconds", "loop_seconds")]
-    rows, samples = [], []
-    for inst in steps["instances"].values():
-        for row in inst["samples"]:
-            p, attn, d, kv, secs, loop = (row[i] for i in at)
-            rows.append([int(p), round(float(attn), 3), int(d), int(kv), round(float(secs), 6), round(float(loop), 6)])
-            # the engine loop's turn where measured (what the instance's time went to), as trial_steps reads a trial
-            samples.append(OnlineSample(StepShape(int(p), float(attn), int(d), int(kv)), loop if loop > 0 else secs))
+    # read as a trial run's steps are (trial_steps): the engine loop's turn where it was measured
+    run = [{"summary": {"engine_steps": steps}}]
+    samples = trial_samples({"colocated": threads}, run).get(threads, [])
+    rows = [[s.prefill_tokens, round(s.prefill_attn_ktok2, 3), s.decode_seqs, s.decode_kv_tokens, round(secs, 6),
+             round(loop, 6)] for _, _, s, secs, loop, _ in instance_steps({"colocated": threads}, run)]
     if len(samples) < MIN_STEPS:
         raise RuntimeError(f"profile: the served pass saw {len(samples)} steps in {seconds:.0f} s (needs {MIN_STEPS})")
     online = OnlineStepModel(prior)
