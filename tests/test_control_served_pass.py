@@ -122,3 +122,32 @@ def test_a_served_pass_of_the_tiny_model_refits_on_the_steps_its_engines_reporte
     doc = served_doc()
     doc["threads"]["1"]["served"] = json.loads(json.dumps(entry))
     assert parse_profile(doc).instance_models([1])[0] == [refit]
+
+
+def test_a_full_profile_runs_the_served_passes_by_default_and_a_quick_one_does_not():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    profile_mod.add_arguments(parser)
+    args = parser.parse_args(["--out", "p.json"])
+    assert args.served == "auto"
+    assert profile_mod.runs_served(args.served, quick=False)
+    assert not profile_mod.runs_served(args.served, quick=True)
+    assert profile_mod.runs_served("on", quick=True)
+    assert not profile_mod.runs_served("off", quick=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "p.json", "--served", "sometimes"])
+
+
+def test_the_printed_plan_says_which_arrangement_runs_on_served_steps(tmp_path, capsys):
+    from splitserve.cli import main
+    from test_control_plan import SPEC
+
+    spec, profile = tmp_path / "spec.yaml", tmp_path / "profile.json"
+    spec.write_text(SPEC.replace("NUM", "30"))
+    profile.write_text(json.dumps(served_doc(instances=1)))
+    assert main(["plan", str(spec), "--profile", str(profile), "--cores", "2", "--no-capacity",
+                 "--out", str(tmp_path / "plan.json")]) == 0
+    printed = capsys.readouterr().out
+    host = next(line for line in printed.splitlines() if line.startswith("Host work: "))
+    assert "served pass ran (1 x 2 thread(s))" in host and "none is added" in host

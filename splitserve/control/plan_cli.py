@@ -73,6 +73,7 @@ def format_table(doc: dict, top: int) -> str:
         lines.append(f"    ... {len(doc['arrangements']) - top} more in the plan file")
     lines.append(doc["recommendation"]["reason"])
     lines.append(f"Step times: {doc['step_times_beside_neighbours']}.")
+    lines.append(f"Host work: {doc['host_work']}.")
     return "\n".join(lines)
 
 

@@ -19,11 +19,12 @@ skips it; `--contended served` makes each neighbour an instance served over HTTP
 client (its frontend's and client's work per request and per token on the host too, as in a trial). Also KV transfer per transport (control/kv_profile.py), the model load and engine start
 times, the machine, and (`--host-work`, on unless --quick) the serving stack's CPU outside engine
 steps per request and per streamed token (control/host_work.py), which the simulator takes from
-the engines' cores. Then, with `--served on`, per thread count T that divides the cores, cores / T
+the engines' cores. Then (`--served`, on unless --quick), per thread count T that divides the cores, cores / T
 instances served by `serve` under 60 s of streaming chat traffic (control/served_pass.py): their
 steps, refitted with the lone or contended model as prior, are what the planner uses for that
-arrangement (a trial's prompt steps ran 1.2-1.4x the in-process ones, session 38; off by default:
-two profiles with it moved the planner's check in opposite directions, session 39). Then the step
+arrangement (a trial's prompt steps ran 1.2-1.4x the in-process ones, session 38). `--served auto`
+(the default) runs them unless --quick: on the trials run right after two such profiles they
+lifted the planner's check from 5 and 7 of 12 to 9 and 10 (session 40). Then the step
 model (control/stepmodel.py) is fitted and its error on the samples printed. Other processes' load distorts every figure: the load average at
 start and end is recorded next to them, every repeat is kept, and the fit uses each step's
 fastest repeat (load only ever adds time); the steps beside busy engines their median repeat (there
@@ -83,12 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure the serving stack's CPU outside engine steps, per request and per "
                              "streamed token (control/host_work.py: one served instance, about 30 s; the planner "
                              "takes those cores from the engines). auto: on, except with --quick")
-    parser.add_argument("--served", choices=("on", "off"), default="off",
+    parser.add_argument("--served", choices=("auto", "on", "off"), default="auto",
                         help="also time, per thread count T that divides the cores, the steps of cores / T instances "
                              "that `serve` runs under 60 s of streaming chat traffic (control/served_pass.py: the "
                              "frontend and a client on the same cores, as in a trial); the planner then uses them for "
-                             "that arrangement of instances. Off by default: on a 2-vCPU VM they did not make the "
-                             "planner's check better (docs/benchmarks.md, Planner, session 39)")
+                             "that arrangement of instances. auto: on, except with --quick (on a 2-vCPU VM the "
+                             "check against a four-spec round run right after two profiles rose from 5 and 7 of 12 "
+                             "to 9 and 10 with them: docs/benchmarks.md, Planner, session 40)")
     parser.add_argument("--out", required=True, help="where to write profile.json")
 
 
@@ -374,7 +376,7 @@ def profile_threads(loaded, model: str | None, threads: int, grid: dict, repeats
 
 def measure(model: str | None, threads: list[int], quick: bool, repeats: int | None,
             transports: list[str], log=print, contended: str = "auto", host_work: str = "auto",
-            served: str = "off") -> dict:
+            served: str = "auto") -> dict:
     import torch
 
     from splitserve.control.kv_profile import measure_kv_transfer
@@ -411,12 +413,18 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
 
         log("host work (the serving stack's CPU outside engine steps)")
         doc["host_work"] = measure_host_work(model, min(threads), log)
-    if served == "on":
+    if runs_served(served, quick):
         served_passes(doc, model, threads, config.vocab_size, log, max_model_len=config.max_position_embeddings)
     machine["load_average_end"] = os.getloadavg()[0]
     machine["speed_units_per_s_end"] = machine_speed()
     parse_profile(doc)  # what we write must read back
     return doc
+
+
+def runs_served(mode: str, quick: bool) -> bool:
+    """Whether `--served MODE` runs the served passes: auto runs them unless --quick (a minute of
+    traffic per thread count is most of a quick profile's time)."""
+    return mode == "on" or (mode == "auto" and not quick)
 
 
 def served_passes(doc: dict, model: str | None, threads: list[int], vocab: int, log,
