@@ -131,10 +131,10 @@ def test_a_full_profile_runs_the_served_passes_by_default_and_a_quick_one_does_n
     profile_mod.add_arguments(parser)
     args = parser.parse_args(["--out", "p.json"])
     assert args.served == "auto"
-    assert profile_mod.runs_served(args.served, quick=False)
-    assert not profile_mod.runs_served(args.served, quick=True)
-    assert profile_mod.runs_served("on", quick=True)
-    assert not profile_mod.runs_served("off", quick=False)
+    assert profile_mod.runs_pass(args.served, quick=False)
+    assert not profile_mod.runs_pass(args.served, quick=True)
+    assert profile_mod.runs_pass("on", quick=True)
+    assert not profile_mod.runs_pass("off", quick=False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", "p.json", "--served", "sometimes"])
 

@@ -408,12 +408,12 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
     doc["kv_transfer"] = measure_kv_transfer(config, 16, grid["transfer_tokens"], repeats, tuple(transports))
     for name, t in doc["kv_transfer"].items():
         log(f"  {name}: latency {t['latency_s'] * 1e3:.2f} ms, {t['gb_per_s']:.2f} GB/s")
-    if host_work == "on" or (host_work == "auto" and not quick):
+    if runs_pass(host_work, quick):
         from splitserve.control.host_work import measure_host_work
 
         log("host work (the serving stack's CPU outside engine steps)")
         doc["host_work"] = measure_host_work(model, min(threads), log)
-    if runs_served(served, quick):
+    if runs_pass(served, quick):
         served_passes(doc, model, threads, config.vocab_size, log, max_model_len=config.max_position_embeddings)
     machine["load_average_end"] = os.getloadavg()[0]
     machine["speed_units_per_s_end"] = machine_speed()
@@ -421,9 +421,9 @@ def measure(model: str | None, threads: list[int], quick: bool, repeats: int | N
     return doc
 
 
-def runs_served(mode: str, quick: bool) -> bool:
-    """Whether `--served MODE` runs the served passes: auto runs them unless --quick (a minute of
-    traffic per thread count is most of a quick profile's time)."""
+def runs_pass(mode: str, quick: bool) -> bool:
+    """Whether a pass under `--host-work MODE` or `--served MODE` runs: auto runs it unless --quick
+    (its half-minute to minute of served traffic per pass is more than a quick profile's whole grid)."""
     return mode == "on" or (mode == "auto" and not quick)
 
 
